@@ -1,0 +1,21 @@
+"""hf_dp: differentially private fine-tuning that drops into the Hugging Face Trainer."""
+
+from hf_dp.accounting import PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
+from hf_dp.arguments import DPTrainingArguments
+from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
+from hf_dp.losses import per_example_loss
+from hf_dp.optim.factory import make_dp_optimizer
+from hf_dp.trainer import DPTrainer, DPTrainerMixin
+
+__all__ = [
+    "ClippingEngine",
+    "DPTrainer",
+    "DPTrainerMixin",
+    "DPTrainingArguments",
+    "PrivacyAccountant",
+    "UnsupportedModuleError",
+    "calibrate_noise_multiplier",
+    "compute_epsilon",
+    "make_dp_optimizer",
+    "per_example_loss",
+]

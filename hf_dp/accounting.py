@@ -1,0 +1,365 @@
+"""Privacy accounting for DP-SGD: a thin layer over Opacus' accountants.
+
+Every privacy number comes from Opacus; this module only validates inputs, picks numerical
+settings and turns numerical failures into one-line ``ValueError`` messages.
+
+* ``"rdp"``: Renyi DP of the Poisson-subsampled Gaussian (Mironov 2017, "Renyi Differential
+  Privacy"; Mironov, Talwar, Zhang 2019, "Renyi Differential Privacy of the Sampled Gaussian
+  Mechanism"), converted to (eps, delta) with Balle et al. 2020 (``opacus.accountants.RDPAccountant``).
+* ``"prv"``: numerical composition of privacy loss random variables (Gopi, Lee, Wutschitz 2021,
+  "Numerical Composition of Differential Privacy") via ``opacus.accountants.PRVAccountant``.
+  The reported epsilon is Opacus' certified upper bound (estimate + ``eps_error``).
+
+Numerical settings on top of Opacus' defaults:
+
+* RDP uses Opacus' default orders plus 128, 256, 512 and 1024, i.e. the same grid as Google's
+  ``dp_accounting`` (Opacus' grid stops at 63, so it cannot certify eps below ~0.1 at delta=1e-5).
+* PRV uses ``eps_error = 1e-3 * eps_rdp`` (a cheap RDP estimate of the answer; ``1e-3 * target`` when
+  calibrating) instead of Opacus' fixed 0.01, so tiny budgets are not swamped by a 0.01 additive
+  error, and coarsens it when the discretisation grid would exceed 2**20 points (keeps calls < ~1 s).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import Any, Literal
+
+import numpy as np
+from opacus.accountants import PRVAccountant, RDPAccountant, register_accountant
+from opacus.accountants.utils import get_noise_multiplier
+
+__all__ = [
+    "AccountantName",
+    "PrivacyAccountant",
+    "calibrate_noise_multiplier",
+    "compute_epsilon",
+]
+
+AccountantName = Literal["prv", "rdp"]
+
+_ACCOUNTANTS = ("prv", "rdp")
+
+# Opacus' default RDP orders extended with the large orders used by Google's dp_accounting.
+RDP_ORDERS: tuple[float, ...] = tuple(RDPAccountant.DEFAULT_ALPHAS) + (128, 256, 512, 1024)
+# A short order grid for the cheap RDP estimate that sizes the PRV error (it is not reported).
+_RDP_GUESS_ORDERS = (1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128, 256)
+
+_PRV_RELATIVE_ERROR = 1e-3  # PRV eps_error as a fraction of the epsilon being measured
+_PRV_MIN_EPS_ERROR = 1e-7
+_PRV_MAX_EPS_ERROR = 0.5  # Opacus' safe-domain heuristic is only validated for eps_error < 1
+_PRV_MAX_GRID = 2**20  # discretisation points; cost is dominated by an FFT of this size
+_CALIBRATION_TOLERANCE = 0.005  # Opacus' epsilon_tolerance (absolute), tightened for small targets
+_PRV_MECHANISM_KEY = "hf_dp.prv"  # registry key of the PRV accountant below (for get_noise_multiplier)
+
+History = list[tuple[float, float, int]]
+
+
+class _GridTooLarge(Exception):
+    """Raised before discretising when the PRV grid would exceed ``_PRV_MAX_GRID`` points."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+class _PRVAccountant(PRVAccountant):
+    """``opacus.accountants.PRVAccountant`` with an eps_error scaled to the answer and a bounded grid."""
+
+    def _get_domain(self, prvs, num_self_compositions, eps_error, delta_error):  # type: ignore[override]
+        domain = super()._get_domain(prvs, num_self_compositions, eps_error, delta_error)
+        if domain.size > _PRV_MAX_GRID:
+            raise _GridTooLarge(domain.size)
+        return domain
+
+    def get_epsilon(  # type: ignore[override]
+        self,
+        delta: float,
+        *,
+        eps_error: float | None = None,
+        delta_error: float | None = None,
+        too_large: Literal["raise", "inf"] = "raise",
+        **kwargs: Any,
+    ) -> float:
+        """Opacus' PRV upper bound on eps at ``delta``; ``too_large="inf"`` returns inf instead of
+        raising when the epsilon is too large for the PRV grid (used while calibrating)."""
+        if not self.history:
+            return 0.0
+        if any(sigma == 0 for sigma, _, _ in self.history):
+            return math.inf
+
+        def unrepresentable(reason: str, exc: BaseException | None = None) -> float:
+            if too_large == "inf" and exc is None:
+                return math.inf
+            raise ValueError(
+                f"the PRV accountant cannot handle {_describe(self.history)} at delta={delta:g} ({reason}); "
+                "use accountant='rdp', or a larger noise_multiplier, fewer steps or a larger delta"
+            ) from exc
+
+        if eps_error is None:
+            guess = _rdp_epsilon(self.history, delta, _RDP_GUESS_ORDERS)
+            if not math.isfinite(guess):
+                return unrepresentable("epsilon is unbounded")
+            eps_error = _PRV_RELATIVE_ERROR * guess
+        eps_error = min(max(eps_error, _PRV_MIN_EPS_ERROR), _PRV_MAX_EPS_ERROR)
+        for _attempt in range(3):
+            try:
+                with np.errstate(all="ignore"):
+                    eps = super().get_epsilon(delta, eps_error=eps_error, delta_error=delta_error)
+            except _GridTooLarge as exc:
+                if eps_error >= _PRV_MAX_EPS_ERROR:
+                    return unrepresentable("epsilon too large for the discretisation grid")
+                eps_error = min(eps_error * exc.size / _PRV_MAX_GRID * 1.05, _PRV_MAX_EPS_ERROR)
+                continue
+            except (ArithmeticError, RuntimeError, ValueError, MemoryError) as exc:
+                return unrepresentable(f"{type(exc).__name__}: {exc}".replace("\n", " "), exc)
+            if not math.isfinite(eps):
+                return unrepresentable("epsilon overflowed")
+            return float(eps)
+        return unrepresentable("epsilon too large for the discretisation grid")
+
+
+register_accountant(_PRV_MECHANISM_KEY, _PRVAccountant, force=True)
+
+
+def _describe(history: History) -> str:
+    if len(history) == 1:
+        sigma, q, steps = history[0]
+        return f"noise_multiplier={sigma:g}, sample_rate={q:g}, steps={steps}"
+    return f"a history of {len(history)} phases"
+
+
+def _rdp_epsilon(history: History, delta: float, orders) -> float:
+    accountant = RDPAccountant()
+    accountant.history = list(history)
+    with warnings.catch_warnings():  # "optimal order is the largest alpha": irrelevant for an estimate
+        warnings.simplefilter("ignore")
+        return float(accountant.get_epsilon(delta, alphas=list(orders)))
+
+
+def _epsilon(accountant: AccountantName, history: History, delta: float) -> float:
+    """Epsilon of a validated, non-empty (noise_multiplier, sample_rate, steps) history."""
+    if not history:
+        return 0.0
+    if any(sigma == 0 for sigma, _, _ in history):
+        return math.inf
+    if accountant == "rdp":
+        opacus_accountant = RDPAccountant()
+        opacus_accountant.history = list(history)
+        return float(opacus_accountant.get_epsilon(delta, alphas=list(RDP_ORDERS)))
+    prv = _PRVAccountant()
+    prv.history = list(history)
+    return prv.get_epsilon(delta)
+
+
+# ---------------------------------------------------------------- validation (one-line messages)
+
+
+def _check_accountant(accountant: str) -> AccountantName:
+    if accountant not in _ACCOUNTANTS:
+        raise ValueError(f"accountant must be 'prv' or 'rdp', got {accountant!r}")
+    return accountant  # type: ignore[return-value]
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_noise_multiplier(noise_multiplier: float) -> float:
+    if not _is_number(noise_multiplier) or not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
+    return float(noise_multiplier)
+
+
+def _check_sample_rate(sample_rate: float) -> float:
+    if not _is_number(sample_rate) or not 0 < sample_rate <= 1:
+        raise ValueError(
+            f"sample_rate must be in (0, 1] (batch size / dataset size), got {sample_rate!r}"
+        )
+    return float(sample_rate)
+
+
+def _check_delta(delta: float) -> float:
+    if not _is_number(delta) or not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), typically below 1/dataset size, got {delta!r}")
+    return float(delta)
+
+
+def _check_steps(steps: int, name: str, minimum: int) -> int:
+    if not isinstance(steps, numbers.Integral) or isinstance(steps, bool) or steps < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {steps!r}")
+    return int(steps)
+
+
+def _check_target_epsilon(target_epsilon: float) -> float:
+    if not _is_number(target_epsilon) or not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+    return float(target_epsilon)
+
+
+# ---------------------------------------------------------------- public API
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: AccountantName = "prv",
+) -> float:
+    """Smallest noise multiplier sigma with eps(sigma, q, steps, delta) <= target_epsilon.
+
+    Math: binary search of ``opacus.accountants.utils.get_noise_multiplier`` over the chosen
+    accountant (RDP: Mironov 2017, Mironov, Talwar, Zhang 2019; PRV: Gopi, Lee, Wutschitz 2021)
+    with ``epsilon_tolerance = min(0.005, 0.002 * target_epsilon)``, so the returned sigma spends
+    between ``target_epsilon - tolerance`` and ``target_epsilon``.
+    """
+    accountant = _check_accountant(accountant)
+    target_epsilon = _check_target_epsilon(target_epsilon)
+    target_delta = _check_delta(target_delta)
+    sample_rate = _check_sample_rate(sample_rate)
+    steps = _check_steps(steps, "steps", 1)
+
+    kwargs: dict[str, Any]
+    if accountant == "rdp":
+        kwargs = {"accountant": "rdp", "alphas": list(RDP_ORDERS)}
+    else:
+        kwargs = {
+            "accountant": _PRV_MECHANISM_KEY,
+            "eps_error": _PRV_RELATIVE_ERROR * target_epsilon,
+            "too_large": "inf",
+        }
+    try:
+        with warnings.catch_warnings():  # Opacus' "optimal order is the largest alpha" while searching
+            warnings.simplefilter("ignore")
+            return float(
+                get_noise_multiplier(
+                    target_epsilon=target_epsilon,
+                    target_delta=target_delta,
+                    sample_rate=sample_rate,
+                    steps=steps,
+                    epsilon_tolerance=min(_CALIBRATION_TOLERANCE, 0.002 * target_epsilon),
+                    **kwargs,
+                )
+            )
+    except ValueError as exc:
+        if "privacy budget is too low" not in str(exc):
+            raise
+        raise ValueError(
+            f"the privacy budget (epsilon={target_epsilon:g}, delta={target_delta:g}) cannot be met for "
+            f"sample_rate={sample_rate:g} and steps={steps} with any noise_multiplier; "
+            "use fewer steps, a smaller sample rate, or a larger target_epsilon"
+        ) from None
+
+
+def compute_epsilon(
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    accountant: AccountantName = "prv",
+) -> float:
+    """Epsilon after ``steps`` Poisson-subsampled Gaussian steps at ``delta``.
+
+    Math: RDP takes min over orders a of steps * RDP_a(q, sigma) converted to (eps, delta)
+    (Mironov 2017; Mironov, Talwar, Zhang 2019); PRV convolves the discretised privacy loss
+    distribution ``steps`` times with an FFT (Gopi, Lee, Wutschitz 2021). Returns ``math.inf`` if
+    ``noise_multiplier == 0`` and ``0.0`` if ``steps == 0``.
+    """
+    accountant = _check_accountant(accountant)
+    noise_multiplier = _check_noise_multiplier(noise_multiplier)
+    sample_rate = _check_sample_rate(sample_rate)
+    steps = _check_steps(steps, "steps", 0)
+    delta = _check_delta(delta)
+    if steps == 0:
+        return 0.0
+    return _epsilon(accountant, [(noise_multiplier, sample_rate, steps)], delta)
+
+
+def _append(history: History, noise_multiplier: float, sample_rate: float, num_steps: int) -> History:
+    """Copy of ``history`` plus a phase, merging equal consecutive phases like Opacus' ``step``."""
+    history = list(history)
+    if history and history[-1][:2] == (noise_multiplier, sample_rate):
+        history[-1] = (noise_multiplier, sample_rate, history[-1][2] + num_steps)
+    elif num_steps:
+        history.append((noise_multiplier, sample_rate, num_steps))
+    return history
+
+
+class PrivacyAccountant:
+    """Running privacy ledger of a training run, backed by an Opacus accountant.
+
+    Math: the (noise_multiplier, sample_rate, steps) phases compose; epsilon at ``delta`` comes from
+    RDP (Mironov 2017; Mironov, Talwar, Zhang 2019) or PRV (Gopi, Lee, Wutschitz 2021).
+    """
+
+    def __init__(self, accountant: AccountantName, delta: float) -> None:
+        self.accountant: AccountantName = _check_accountant(accountant)
+        self.delta = _check_delta(delta)
+        self._opacus = RDPAccountant() if self.accountant == "rdp" else _PRVAccountant()
+        self._cache: tuple[tuple[History, float], float] | None = None
+
+    def step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+        """Record ``num_steps`` releases of the Poisson-subsampled Gaussian mechanism."""
+        noise_multiplier = _check_noise_multiplier(noise_multiplier)
+        sample_rate = _check_sample_rate(sample_rate)
+        num_steps = _check_steps(num_steps, "num_steps", 1)
+        self._opacus.history = _append(self._opacus.history, noise_multiplier, sample_rate, num_steps)
+
+    @property
+    def history(self) -> History:
+        """Recorded phases as (noise_multiplier, sample_rate, steps); equal consecutive phases merged."""
+        return list(self._opacus.history)
+
+    @property
+    def steps(self) -> int:
+        """Total number of recorded steps."""
+        return sum(n for _, _, n in self._opacus.history)
+
+    def get_epsilon(self) -> float:
+        """Epsilon spent so far at ``self.delta`` (0.0 before any step, inf if any step had sigma 0)."""
+        key = (self.history, self.delta)
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, _epsilon(self.accountant, key[0], self.delta))
+        return self._cache[1]
+
+    def epsilon_after(self, noise_multiplier: float, sample_rate: float, extra_steps: int = 1) -> float:
+        """Epsilon if ``extra_steps`` more steps were taken; the recorded history is left unchanged."""
+        noise_multiplier = _check_noise_multiplier(noise_multiplier)
+        sample_rate = _check_sample_rate(sample_rate)
+        extra_steps = _check_steps(extra_steps, "extra_steps", 0)
+        history = _append(self.history, noise_multiplier, sample_rate, extra_steps)
+        return _epsilon(self.accountant, history, self.delta)
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state: accountant name, delta and the list of [sigma, q, steps] phases."""
+        return {
+            "accountant": self.accountant,
+            "delta": self.delta,
+            "history": [[sigma, q, n] for sigma, q, n in self._opacus.history],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore delta and history from :meth:`state_dict` (the accountant name must match)."""
+        if not isinstance(state, dict) or not {"accountant", "delta", "history"} <= state.keys():
+            raise ValueError("state must be a dict from PrivacyAccountant.state_dict() with keys accountant, delta, history")
+        if state["accountant"] != self.accountant:
+            raise ValueError(
+                f"state was saved by a {state['accountant']!r} accountant; "
+                f"load it into PrivacyAccountant({state['accountant']!r}, delta) instead of {self.accountant!r}"
+            )
+        delta = _check_delta(state["delta"])
+        history: History = []
+        for entry in state["history"]:
+            if not isinstance(entry, list | tuple) or len(entry) != 3:
+                raise ValueError(f"history entries must be [noise_multiplier, sample_rate, steps], got {entry!r}")
+            history = _append(
+                history,
+                _check_noise_multiplier(entry[0]),
+                _check_sample_rate(entry[1]),
+                _check_steps(entry[2], "history steps", 1),
+            )
+        self.delta = delta
+        self._opacus.history = history
+        self._cache = None

@@ -1,0 +1,1 @@
+"""Per-example gradient norms and clipped sums."""

@@ -1,0 +1,275 @@
+"""Exact per-example clipping with one backward pass (book-keeping, Bu et al. 2023).
+
+Forward hooks record each parameter-owning module's input; one ``autograd.grad`` of Σ_i L_i with
+respect to the recorded outputs gives every output gradient without computing any weight gradient.
+From (input, output gradient) each layer rule gives per-example gradients in factored form, their
+norms are summed per Parameter object (so tied weights get the norm of the sum, cross terms
+included), c_i = clip factor, and Σ_i c_i G_i is written to ``.grad`` by one GEMM per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from hf_dp.clipping.factors import PerExampleGradient, cross_inner
+from hf_dp.clipping.layers import functorch_per_example_grads, rule_for
+
+ClippingMode = Literal["ghost", "per_sample"]
+ClippingFn = Literal["abadi", "automatic"]
+
+# Automatic clipping's stability constant γ in C / (‖g_i‖ + γ) (Bu et al. 2022, "Automatic clipping").
+AUTOMATIC_CLIPPING_GAMMA = 0.01
+
+
+class UnsupportedModuleError(ValueError):
+    """A trainable parameter cannot be clipped per example."""
+
+
+@dataclass
+class _Call:
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    outputs: list[torch.Tensor]
+
+
+def clip_factors(norms: torch.Tensor, max_norm: float, fn: ClippingFn) -> torch.Tensor:
+    """Abadi et al. 2016: min(1, C/‖g_i‖);  automatic (Bu et al. 2022): C/(‖g_i‖ + γ). Both keep ‖c_i g_i‖ ≤ C."""
+    if fn == "abadi":
+        return (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return max_norm / (norms + AUTOMATIC_CLIPPING_GAMMA)
+
+
+def _is_batch_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) or type(module).__name__.endswith("BatchNorm")
+
+
+class ClippingEngine:
+    """Hooks a model so that ``clipped_backward(per_example_losses)`` adds Σ_i c_i ∇L_i to each ``.grad``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_grad_norm: float,
+        clipping_fn: ClippingFn = "abadi",
+        mode: ClippingMode = "ghost",
+        allow_functorch_fallback: bool = True,
+    ) -> None:
+        if max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        self.model = model
+        self.max_grad_norm = max_grad_norm
+        self.clipping_fn = clipping_fn
+        self.materialise = mode == "per_sample"
+        self._owned = self._assign_parameters(model, allow_functorch_fallback)
+        self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self._module_names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+        self._calls: list[_Call] = []
+        self._batch_size: int | None = None
+        self._recording = False
+        self._handles = []
+        for module in self._owned:
+            self._handles.append(module.register_forward_pre_hook(self._expand_broadcast_batch, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._record, with_kwargs=True))
+
+    # ---- set-up -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _assign_parameters(model: nn.Module, allow_fallback: bool) -> dict[nn.Module, list[str]]:
+        """Which module computes per-example gradients of which trainable parameter.
+
+        A parameter owned by a module with a rule is left to it even if a parent also registers it
+        (BERT's prediction head registers its decoder's bias twice).
+        """
+        for name, module in model.named_modules():
+            if _is_batch_norm(module):
+                raise UnsupportedModuleError(
+                    f"{name} ({type(module).__name__}) mixes examples in a batch, so per-example gradients do not "
+                    "exist: replace it with GroupNorm or LayerNorm"
+                )
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for pname, param in module.named_parameters(recurse=False):
+                if param.requires_grad:
+                    owners.setdefault(id(param), []).append((module, pname))
+        owned: dict[nn.Module, list[str]] = {}
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        for pid, candidates in owners.items():
+            with_rule = [(m, n) for m, n in candidates if rule_for(m) is not None]
+            chosen = with_rule or candidates
+            if not with_rule and not allow_fallback:
+                module, _ = candidates[0]
+                raise UnsupportedModuleError(
+                    f"trainable parameter {names[pid]} sits in {type(module).__name__}, which has no per-example "
+                    "rule: freeze it or allow the torch.func fallback"
+                )
+            for module, pname in chosen:
+                owned.setdefault(module, []).append(pname)
+        return owned
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters this engine clips, each once."""
+        seen: dict[int, nn.Parameter] = {}
+        for module, names in self._owned.items():
+            for n in names:
+                p = getattr(module, n)
+                seen[id(p)] = p
+        return list(seen.values())
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ---- recording ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def record(self, batch_size: int) -> Iterator[None]:
+        """Record the forward passes of one micro-batch of ``batch_size`` examples."""
+        self._calls, self._batch_size, self._recording = [], batch_size, True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def _active(self) -> bool:
+        return self._recording and torch.is_grad_enabled()
+
+    def _expand_broadcast_batch(self, module: nn.Module, args: tuple, kwargs: dict):
+        """HF models pass position_ids of batch size 1 and broadcast the output; expand the input to B
+        instead, which leaves the forward unchanged but keeps each example's output gradient apart."""
+        if not self._active() or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        x = args[0]
+        if x.dim() > 0 and x.shape[0] == 1 and self._batch_size and self._batch_size > 1:
+            return (x.expand(self._batch_size, *x.shape[1:]), *args[1:]), kwargs
+        return None
+
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if not self._active():
+            return
+        outputs = [o for o in (output if isinstance(output, tuple | list) else (output,)) if isinstance(o, torch.Tensor)]
+        if not any(o.requires_grad for o in outputs):
+            return
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is not None and first.dim() > 0 and first.shape[0] != self._batch_size:
+            raise UnsupportedModuleError(
+                f"{self._module_names.get(module, '?')} ({type(module).__name__}) has trainable parameters but its "
+                f"input of shape {tuple(first.shape)} has no batch dimension of {self._batch_size} (it is shared "
+                "by all examples, like T5's relative_attention_bias): freeze it"
+            )
+        self._calls.append(_Call(module, tuple(args), dict(kwargs), outputs))
+
+    # ---- the clipped backward -------------------------------------------------------------------------
+
+    def clipped_backward(
+        self,
+        per_example_loss: torch.Tensor,
+        example_mask: torch.Tensor | None = None,
+        verify: bool = False,
+    ) -> torch.Tensor:
+        """Add Σ_i c_i ∇L_i to every clipped parameter's ``.grad``; return the per-example norms ‖∇L_i‖.
+
+        ``example_mask`` (B,) zeroes c_i of padding examples. ``verify`` also runs autograd's own
+        gradient of Σ_i L_i and raises if the unclipped engine sum disagrees, which catches a
+        parameter used outside the forward of the module that owns it.
+        """
+        calls, self._calls = self._calls, []
+        if per_example_loss.dim() != 1 or per_example_loss.shape[0] != self._batch_size:
+            raise ValueError(
+                f"the per-example loss must have shape ({self._batch_size},), got {tuple(per_example_loss.shape)}"
+            )
+        outputs = [o for call in calls for o in call.outputs if o.requires_grad]
+        params = self.parameters if verify else []
+        grads = torch.autograd.grad(per_example_loss.sum(), outputs + params, allow_unused=True)
+        output_grads = iter(grads[: len(outputs)])
+        reference = dict(zip((id(p) for p in params), grads[len(outputs) :], strict=True))
+
+        with torch.no_grad():
+            parts = self._per_example_parts(calls, output_grads)
+            norms = self._norms(parts)
+            factors = clip_factors(norms, self.max_grad_norm, self.clipping_fn)
+            if example_mask is not None:
+                factors = factors * example_mask.to(factors.dtype)
+            if verify:
+                self._verify(parts, reference, torch.ones_like(factors))
+            for param, param_parts in parts.values():
+                update = sum(part.weighted_sum(factors).reshape(param.shape) for part in param_parts)
+                update = update.to(param.dtype)
+                if param.grad is None:
+                    param.grad = update
+                else:
+                    param.grad.add_(update)
+        return norms
+
+    def _per_example_parts(
+        self, calls: list[_Call], output_grads: Iterator[torch.Tensor | None]
+    ) -> dict[int, tuple[nn.Parameter, list[PerExampleGradient]]]:
+        parts: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]] = {}
+        for call in calls:
+            grads = [next(output_grads) if o.requires_grad else None for o in call.outputs]
+            names = self._owned[call.module]
+            rule = rule_for(call.module)
+            if all(g is None for g in grads):
+                continue
+            if rule is not None:
+                grad_out = grads[0] if grads[0] is not None else torch.zeros_like(call.outputs[0])
+                found = rule(call.module, call.args[0], grad_out)
+            else:
+                found = self._fallback(call, grads, names)
+            for name in names:
+                param = getattr(call.module, name)
+                parts.setdefault(id(param), (param, []))[1].append(found[name])
+        return parts
+
+    def _fallback(self, call: _Call, grads: list, names: list[str]) -> dict[str, PerExampleGradient]:
+        was_recording, self._recording = self._recording, False
+        try:
+            with torch.enable_grad():
+                return functorch_per_example_grads(
+                    call.module, call.args, call.kwargs, grads, names, self._batch_size or 0
+                )
+        finally:
+            self._recording = was_recording
+
+    def _norms(self, parts: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]]) -> torch.Tensor:
+        """‖g_i‖² = Σ_params ‖Σ_uses G_i‖², each tied parameter's cross terms included."""
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p, _ in parts.values()) else torch.float32
+        total = torch.zeros(self._batch_size or 0, dtype=dtype, device=self._device())
+        for param, uses in parts.values():
+            for k, part in enumerate(uses):
+                total += part.squared_norm(self.materialise).to(total)
+                for other in uses[k + 1 :]:
+                    total += 2 * cross_inner(part, other, param.shape).to(total)
+        return total.clamp(min=0).sqrt()
+
+    def _device(self) -> torch.device:
+        params = self.parameters
+        return params[0].device if params else torch.device("cpu")
+
+    def _verify(self, parts: dict, reference: dict, ones: torch.Tensor) -> None:
+        largest = max((g.norm().item() for g in reference.values() if g is not None), default=0.0)
+        for pid, (param, param_parts) in parts.items():
+            ours = sum(p.weighted_sum(ones).reshape(param.shape) for p in param_parts)
+            ref = reference.get(pid)
+            ref = torch.zeros_like(param) if ref is None else ref
+            error = (ours - ref.float()).norm().item()
+            if error > 1e-3 * max(ref.norm().item(), 1e-3 * largest, 1e-12):
+                raise UnsupportedModuleError(
+                    f"parameter {self._names[pid]} gets gradient from outside the forward of the module that owns "
+                    f"it (engine {ours.norm().item():.4g} vs autograd {ref.norm().item():.4g}), so its per-example "
+                    "norm would be wrong: freeze it or call it through its module"
+                )
+        missing = [self._names[pid] for pid, g in reference.items() if pid not in parts and g is not None and g.any()]
+        if missing:
+            raise UnsupportedModuleError(
+                f"parameter {missing[0]} has a gradient but its module's forward was never recorded: freeze it or "
+                "call it through its module"
+            )

@@ -1,0 +1,97 @@
+"""The per-example loss L_i: the model's own loss on example i alone.
+
+For token losses, L_i is the mean over example i's non-ignored tokens (label -100 is ignored), so
+each example's weight does not depend on the other examples in the batch (HF's batch loss averages
+over all tokens in the batch, which mixes examples). Sequence classification follows HF's
+``problem_type``: cross-entropy, mean squared error (regression) or mean binary cross-entropy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+IGNORE_INDEX = -100
+Task = Literal["causal_lm", "token", "sequence"]
+
+
+def _names(mapping: dict) -> set[str]:
+    found: set[str] = set()
+    for value in mapping.values():
+        found.update(value if isinstance(value, tuple | list) else (value,))
+    return found
+
+
+_CAUSAL_LM_CLASSES = _names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model under peft / DDP / DeepSpeed wrappers."""
+    while True:
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            model = model.get_base_model()
+        elif hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    name = type(unwrap_model(model)).__name__
+    return name in _CAUSAL_LM_CLASSES or name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+
+
+def token_loss_per_example(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
+    """L_i = mean over t with labels_{i,t} != -100 of CE(logits_{i,t}, labels_{i,t}); 0 if none."""
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    token_losses = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).view(labels.shape)
+    counts = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+    return token_losses.sum(dim=1) / counts
+
+
+def sequence_loss_per_example(logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None) -> torch.Tensor:
+    """Classification losses per example, with HF's rule for inferring ``problem_type``."""
+    num_labels = logits.shape[-1]
+    if problem_type is None:
+        if num_labels == 1:
+            problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem_type = "single_label_classification"
+        else:
+            problem_type = "multi_label_classification"
+    if problem_type == "regression":
+        return F.mse_loss(logits.float().view(labels.shape[0], -1), labels.float().view(labels.shape[0], -1),
+                          reduction="none").mean(dim=1)
+    if problem_type == "single_label_classification":
+        return F.cross_entropy(logits.float().view(-1, num_labels), labels.view(-1), reduction="none")
+    return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(dim=1)
+
+
+def per_example_loss(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """Run ``model`` on a batch (without letting it compute its batch loss) and return L_i, shape (B,)."""
+    inputs = dict(inputs)
+    labels = inputs.pop("labels", None)
+    if labels is None:
+        raise ValueError("the batch has no 'labels': DP training needs labels to form a per-example loss")
+    base = unwrap_model(model)
+    if (
+        getattr(base.config, "is_encoder_decoder", False)
+        and "decoder_input_ids" not in inputs
+        and hasattr(base, "prepare_decoder_input_ids_from_labels")
+    ):
+        inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
+    outputs = model(**inputs)
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    if logits.dim() == 3 and labels.dim() == 2:
+        return token_loss_per_example(logits, labels, shift=is_causal_lm(model))
+    return sequence_loss_per_example(logits, labels, getattr(base.config, "problem_type", None))

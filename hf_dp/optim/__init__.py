@@ -1,0 +1,1 @@
+"""DP optimizers: a shared privatising step and a registry of update rules."""

@@ -1,0 +1,192 @@
+"""Batch samplers for DP-SGD, used as a DataLoader ``batch_sampler``.
+
+One *logical batch* (one optimizer step) is yielded as ``num_micro_batches`` micro-batches
+(gradient accumulation), so an epoch has ``len(sampler) == steps_per_epoch * num_micro_batches``
+yields: the micro-batches of logical batch 0, then those of logical batch 1, and so on.
+Micro-batches may be EMPTY lists (small Poisson batches); they are still yielded so the Trainer
+always sees exactly ``num_micro_batches`` micro-batches per step. Note that ``default_collate([])``
+raises, so the DataLoader needs a ``collate_fn`` that accepts an empty list.
+
+Distributed: every rank draws the SAME global logical batch (same seed), splits it into
+``num_replicas`` contiguous nearly-equal parts, keeps part ``rank`` and splits that into the
+micro-batches. The union over ranks of one step's micro-batches is the global logical batch.
+
+Determinism: unless ``secure_mode``, epoch ``e`` is a pure function of ``(seed, e)`` (a fresh
+``torch.Generator`` is seeded at the start of ``__iter__``), so iterating twice, or iterating and
+discarding the first k batches as accelerate's ``skip_first_batches`` does, replays the same batches.
+With ``secure_mode=True`` the randomness is read from the OS CSPRNG (``secrets``) for every draw,
+so batches are not reproducible and checkpoints cannot replay them.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["PoissonBatchSampler", "ShuffledBatchSampler"]
+
+_BITS = 53  # resolution of the secure-mode uniforms: u = k / 2**53 with k uniform in [0, 2**53)
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    """Split ``items`` into ``parts`` contiguous chunks; sizes differ by at most one (larger first).
+
+    With ``n = len(items) = parts * b + r`` (``0 <= r < parts``) chunk ``i`` has ``b + (i < r)`` items.
+    """
+    base, extra = divmod(len(items), parts)
+    bounds = [i * base + min(i, extra) for i in range(parts + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+
+def _os_random_int64(n: int) -> torch.Tensor:
+    """``n`` independent uniform int64 values read from the OS CSPRNG (``secrets.token_bytes``)."""
+    return torch.frombuffer(bytearray(secrets.token_bytes(8 * n)), dtype=torch.int64)
+
+
+class _DPBatchSampler(Sampler[list[int]]):
+    """Shared validation, epoch/seed state, and the replica / micro-batch split."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        steps_per_epoch: int,
+        num_micro_batches: int,
+        seed: int,
+        secure_mode: bool,
+        num_replicas: int,
+        rank: int,
+    ) -> None:
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1 (got {num_samples}); pass the dataset length.")
+        if steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch must be >= 1 (got {steps_per_epoch}).")
+        if num_micro_batches < 1:
+            raise ValueError(
+                f"num_micro_batches must be >= 1 (got {num_micro_batches}); use 1 for no accumulation."
+            )
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"need 0 <= rank < num_replicas (got rank={rank}, num_replicas={num_replicas}).")
+        if secure_mode and num_replicas > 1:
+            raise ValueError(
+                "secure_mode draws from each rank's own OS CSPRNG, so ranks would disagree on the "
+                "logical batch; use num_replicas=1 or secure_mode=False."
+            )
+        self.num_samples = num_samples
+        self.steps_per_epoch = steps_per_epoch
+        self.num_micro_batches = num_micro_batches
+        self.seed = seed
+        self.secure_mode = secure_mode
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose batches the next ``__iter__`` yields."""
+        self.epoch = epoch
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.num_micro_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        generator = None
+        if not self.secure_mode:
+            # torch's CPU generator only uses the low 32 bits of the seed, hence the explicit modulus.
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**32)
+        for batch in self._logical_batches(generator):
+            yield from _split(_split(batch, self.num_replicas)[self.rank], self.num_micro_batches)
+
+    def _logical_batches(self, generator: torch.Generator | None) -> Iterator[list[int]]:
+        """Yield ``steps_per_epoch`` global logical batches; ``generator is None`` means secure mode."""
+        raise NotImplementedError
+
+
+class PoissonBatchSampler(_DPBatchSampler):
+    """Poisson subsampling (each example independently with prob. q per step), the sampling the
+    subsampled-Gaussian accountants assume (Abadi et al. 2016; Mironov, Talwar, Zhang 2019).
+
+    Logical batch ``B = {i : U_i < q}`` with ``U_i ~ Uniform[0, 1)`` i.i.d., so ``|B| ~ Binomial(N, q)``;
+    indices are yielded in increasing order (not shuffled within the batch).
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        steps_per_epoch: int,
+        num_micro_batches: int = 1,
+        seed: int = 0,
+        secure_mode: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        super().__init__(
+            num_samples, steps_per_epoch, num_micro_batches, seed, secure_mode, num_replicas, rank
+        )
+        if not 0 < sample_rate <= 1:
+            raise ValueError(
+                f"sample_rate must be in (0, 1] (got {sample_rate}); use expected_batch_size / num_samples."
+            )
+        self.sample_rate = sample_rate
+
+    def _logical_batches(self, generator: torch.Generator | None) -> Iterator[list[int]]:
+        # Secure mode: U_i = K_i / 2**53 with K_i from the OS CSPRNG, so U_i < q  <=>  K_i < q * 2**53.
+        threshold = round(self.sample_rate * 2**_BITS)
+        for _ in range(self.steps_per_epoch):
+            if generator is None:
+                mask = (_os_random_int64(self.num_samples) & (2**_BITS - 1)) < threshold
+            else:
+                mask = torch.rand(self.num_samples, generator=generator) < self.sample_rate
+            yield mask.nonzero().flatten().tolist()
+
+
+class ShuffledBatchSampler(_DPBatchSampler):
+    """Fixed-size batches from a fresh permutation each epoch (sampling without replacement); NOT what
+    the Poisson accountants assume — provided only on explicit request.
+
+    Logical batch ``t`` is ``perm[t*b : (t+1)*b]`` (``b = batch_size``) of a uniform random permutation;
+    when fewer than ``b`` unused indices remain, they are skipped and a fresh permutation is drawn, so
+    every batch has exactly ``b`` distinct indices.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        steps_per_epoch: int,
+        num_micro_batches: int = 1,
+        seed: int = 0,
+        secure_mode: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        super().__init__(
+            num_samples, steps_per_epoch, num_micro_batches, seed, secure_mode, num_replicas, rank
+        )
+        if not 1 <= batch_size <= num_samples:
+            raise ValueError(
+                f"batch_size must be in [1, num_samples={num_samples}] (got {batch_size}); lower batch_size."
+            )
+        self.batch_size = batch_size
+
+    def _permutation(self, generator: torch.Generator | None) -> list[int]:
+        if generator is None:  # secure mode: argsort of i.i.d. CSPRNG keys (ties have prob. ~N^2 / 2^65)
+            return torch.argsort(_os_random_int64(self.num_samples), stable=True).tolist()
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def _logical_batches(self, generator: torch.Generator | None) -> Iterator[list[int]]:
+        perm, pos = self._permutation(generator), 0
+        for _ in range(self.steps_per_epoch):
+            if pos + self.batch_size > self.num_samples:
+                perm, pos = self._permutation(generator), 0
+            yield perm[pos : pos + self.batch_size]
+            pos += self.batch_size

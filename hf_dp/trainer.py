@@ -1,0 +1,291 @@
+"""DPTrainer: the Hugging Face Trainer with exact per-example clipping, Poisson sampling and accounting.
+
+Orchestration only: sampling, clipping, noise and accounting live in their own modules. A DP step
+(DESIGN.md §2): Poisson logical batch → micro-batches → per-example losses → clipped sum into
+``.grad`` (book-keeping, one backward) → at ``optimizer.step()`` noise N(0, σ²C²) once and division
+by the expected batch size → update → accountant.step(σ, q) → ε in every log line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from hf_dp.accounting import PrivacyAccountant, calibrate_noise_multiplier
+from hf_dp.arguments import DPTrainingArguments, default_delta
+from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.losses import per_example_loss
+from hf_dp.noise import GaussianNoise
+from hf_dp.optim.base import GradientPrivatizer
+from hf_dp.optim.factory import make_dp_optimizer
+from hf_dp.sampling import PoissonBatchSampler, ShuffledBatchSampler
+
+logger = logging.getLogger(__name__)
+
+EXAMPLE_MASK_KEY = "hf_dp_example_mask"
+PRIVACY_STATE_FILE = "hf_dp_privacy_state.json"
+_NOISE_SEED_OFFSET = 0x5EED
+
+
+class _EpochDataLoader(DataLoader):
+    """A DataLoader whose ``set_epoch`` reaches our batch sampler (the Trainer calls it each epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+class _MaskingCollator:
+    """Collates a micro-batch and adds a (B,) mask of real examples; an empty micro-batch becomes one
+    placeholder example with mask 0, so every step can run the same code path."""
+
+    def __init__(self, collator, dataset) -> None:
+        self.collator = collator
+        self.dataset = dataset
+
+    def __call__(self, examples: list) -> dict[str, Any]:
+        real = len(examples)
+        batch = dict(self.collator(examples if real else [self.dataset[0]]))
+        batch[EXAMPLE_MASK_KEY] = torch.ones(real) if real else torch.zeros(1)
+        return batch
+
+
+class _PrivacyCallback(TrainerCallback):
+    """Records every optimizer step with the accountant and stops before the budget would be exceeded."""
+
+    def __init__(self, trainer: DPTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if trainer.args.disable_dp:
+            return control
+        trainer.accountant.step(trainer.noise_multiplier, trainer.sample_rate)
+        target = trainer.args.target_epsilon
+        if target is not None and state.global_step < state.max_steps:
+            next_epsilon = trainer.accountant.epsilon_after(trainer.noise_multiplier, trainer.sample_rate)
+            if next_epsilon > target:
+                logger.warning(
+                    f"hf_dp: stopping at step {state.global_step}: one more step would spend epsilon "
+                    f"{next_epsilon:.4g} > target_epsilon {target:g} (spent so far {trainer.get_epsilon():.4g})"
+                )
+                control.should_training_stop = True
+        return control
+
+
+class DPTrainerMixin:
+    """Makes a ``transformers.Trainer`` (sub)class differentially private; see ``DPTrainer``."""
+
+    args: DPTrainingArguments
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, DPTrainingArguments):
+            raise TypeError("DPTrainer needs DPTrainingArguments (from hf_dp), not TrainingArguments")
+        if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
+            raise ValueError("DPTrainer needs a train_dataset with a length: Poisson sampling draws from N examples")
+        self.num_train_examples = len(self.train_dataset)
+        self.expected_batch_size = (
+            self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+        )
+        if self.expected_batch_size > self.num_train_examples:
+            raise ValueError(
+                f"the logical batch ({self.expected_batch_size} = per-device batch x accumulation x processes) "
+                f"exceeds the {self.num_train_examples} training examples: lower per_device_train_batch_size or "
+                "gradient_accumulation_steps"
+            )
+        self.sample_rate = self.expected_batch_size / self.num_train_examples
+        self.steps_per_epoch = math.ceil(self.num_train_examples / self.expected_batch_size)
+        self.planned_steps = (
+            self.args.max_steps
+            if self.args.max_steps > 0
+            else math.ceil(self.args.num_train_epochs * self.steps_per_epoch)
+        )
+        self.target_delta = self.args.target_delta or default_delta(self.num_train_examples)
+        self.noise_multiplier = self._resolve_noise_multiplier()
+        self.accountant = PrivacyAccountant(self.args.accountant, self.target_delta)
+        self.clipping_engine = None
+        if not self.args.disable_dp:
+            self.clipping_engine = ClippingEngine(
+                self.model,
+                self.args.per_sample_max_grad_norm,
+                clipping_fn=self.args.clipping_fn,
+                mode=self.args.clipping_mode,
+            )
+        self._verified_engine = False
+        self._uses_custom_compute_loss = type(self).compute_loss is not Trainer.compute_loss
+        self.privatizer = GradientPrivatizer(
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=0.0 if self.args.disable_dp else self.args.per_sample_max_grad_norm,
+            expected_batch_size=self.expected_batch_size,
+            noise=GaussianNoise(seed=self.args.seed + _NOISE_SEED_OFFSET, secure_mode=self.args.secure_mode),
+        )
+        self.add_callback(_PrivacyCallback(self))
+        logger.info(
+            f"hf_dp: N={self.num_train_examples}, expected batch {self.expected_batch_size}, q={self.sample_rate:.4g}, "
+            f"{self.planned_steps} planned steps, sigma={self.noise_multiplier:.4g}, delta={self.target_delta:.3g}"
+        )
+
+    def _resolve_noise_multiplier(self) -> float:
+        if self.args.disable_dp:
+            return 0.0
+        if self.args.noise_multiplier is not None:
+            return float(self.args.noise_multiplier)
+        return calibrate_noise_multiplier(
+            self.args.target_epsilon, self.target_delta, self.sample_rate, self.planned_steps, self.args.accountant
+        )
+
+    # ---- privacy state ----------------------------------------------------------------------------
+
+    def get_epsilon(self) -> float:
+        """ε spent so far at ``self.target_delta`` (inf for a run without noise)."""
+        if self.args.disable_dp or self.noise_multiplier == 0:
+            return math.inf
+        return self.accountant.get_epsilon()
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        logs = {**logs, "epsilon": self.get_epsilon()}
+        super().log(logs, *args, **kwargs)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> float | None:
+        """The Trainer would log the norm of the clipped sum BEFORE noise, an unprivatised statistic: log none."""
+        if self.args.disable_dp:
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+        return None
+
+    def privacy_state(self) -> dict[str, Any]:
+        return {
+            "accountant": self.accountant.state_dict(),
+            "sampler": self._batch_sampler.state_dict() if hasattr(self, "_batch_sampler") else None,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "target_delta": self.target_delta,
+        }
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            with open(os.path.join(folder, PRIVACY_STATE_FILE), "w") as f:
+                json.dump(self.privacy_state(), f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, PRIVACY_STATE_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: this checkpoint has no privacy state to resume from")
+        with open(path) as f:
+            state = json.load(f)
+        self.accountant.load_state_dict(state["accountant"])
+        if state["sampler"] is not None and hasattr(self, "_batch_sampler"):
+            self._batch_sampler.load_state_dict(state["sampler"])
+
+    # ---- data ---------------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> DataLoader:
+        """Poisson (or, on request, shuffled fixed-size) logical batches, split into micro-batches.
+
+        Not passed through ``accelerator.prepare``: the sampler itself splits each logical batch across ranks.
+        """
+        dataset, collator = self.train_dataset, self.data_collator
+        if hasattr(dataset, "column_names"):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        common = {
+            "num_samples": self.num_train_examples,
+            "steps_per_epoch": self.steps_per_epoch,
+            "num_micro_batches": self.args.gradient_accumulation_steps,
+            "seed": self.args.seed,
+            "secure_mode": self.args.secure_mode,
+            "num_replicas": self.args.world_size,
+            "rank": self.args.process_index,
+        }
+        if self.args.poisson_sampling:
+            self._batch_sampler = PoissonBatchSampler(sample_rate=self.sample_rate, **common)
+        else:
+            self._batch_sampler = ShuffledBatchSampler(batch_size=self.expected_batch_size, **common)
+        return _EpochDataLoader(
+            dataset,
+            batch_sampler=self._batch_sampler,
+            collate_fn=_MaskingCollator(collator, dataset),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    # ---- optimizer ----------------------------------------------------------------------------------
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The ``dp_optimizer`` rule (or the user's optimizer), with the privatising step attached."""
+        if self.optimizer is None:
+            model = model if model is not None else self.model
+            decay = set(self.get_decay_parameter_names(model))
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
+            groups = [g for g in groups if g["params"]]
+            kwargs = {"lr": self.args.learning_rate, **self.args.dp_optimizer_kwargs}
+            self.optimizer = make_dp_optimizer(self.args.dp_optimizer, groups, **kwargs)
+        self.privatizer.attach(self.optimizer)
+        return self.optimizer
+
+    # ---- the DP micro-step --------------------------------------------------------------------------
+
+    def compute_per_example_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """L_i for each example of the micro-batch, shape (B,). Override this (not compute_loss) to change the loss.
+
+        A subclass that overrides ``compute_loss`` instead must return this same (B,) vector from it.
+        """
+        if self._uses_custom_compute_loss:
+            losses = self.compute_loss(model, inputs)
+            batch = self.clipping_engine_batch_size
+            if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != batch:
+                shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+                raise ValueError(
+                    f"{type(self).__name__}.compute_loss returned {shape}; under DP it must return one loss per "
+                    f"example, shape ({batch},), or override compute_per_example_loss instead"
+                )
+            return losses
+        return per_example_loss(model, inputs)
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """Adds Σ_i c_i ∇L_i of this micro-batch to ``.grad``; returns Σ_i L_i / B̄ for logging.
+
+        ``num_items_in_batch`` is ignored: normalising by the tokens of the whole logical batch would
+        mix examples; the only normalisation is by the expected batch size, in the privatiser.
+        """
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        mask = inputs[EXAMPLE_MASK_KEY].to(self.args.device)
+        if not mask.any():
+            return torch.zeros((), device=self.args.device)
+        self.clipping_engine_batch_size = batch_size = mask.shape[0]
+        model_inputs = {k: v for k, v in inputs.items() if k != EXAMPLE_MASK_KEY}
+        if self.clipping_engine is None:
+            with self.compute_loss_context_manager():
+                losses = self.compute_per_example_loss(model, model_inputs)
+            self.accelerator.backward((losses * mask).sum())
+        else:
+            with self.compute_loss_context_manager(), self.clipping_engine.record(batch_size):
+                losses = self.compute_per_example_loss(model, model_inputs)
+            self.clipping_engine.clipped_backward(losses, mask, verify=not self._verified_engine)
+            self._verified_engine = True
+        return (losses.detach() * mask).sum() / self.expected_batch_size
+
+
+class DPTrainer(DPTrainerMixin, Trainer):
+    """``transformers.Trainer`` with differential privacy (DP-SGD family), configured by ``DPTrainingArguments``."""

@@ -1,0 +1,255 @@
+"""The norm engine's clipped sum equals brute force (one backward per example), layer by layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
+from hf_dp.losses import per_example_loss
+from tests import models
+
+MODELS = {
+    "gpt2_tied": (models.gpt2, lambda: models.token_batch()),
+    "bert_classifier": (models.bert_classifier, lambda: models.classification_batch(3)),
+    "bert_mlm": (models.bert_mlm, lambda: models.token_batch(causal=False)),
+    "roberta_classifier": (models.roberta_classifier, lambda: models.classification_batch(2, pad=1)),
+    "llama": (models.llama, lambda: models.token_batch()),
+    "t5": (models.t5, lambda: models.seq2seq_batch()),
+    "gpt2_lora": (models.gpt2_lora, lambda: models.token_batch()),
+}
+# float64 is exact up to summation order (~1e-16; T5's attention masking reaches 1e-10). T5LayerNorm
+# computes its variance in float32 whatever the model's dtype, so T5 is compared in float32.
+TOLERANCE = {torch.float64: 1e-8, torch.float32: 2e-5}
+DTYPE = {"t5": torch.float32}
+
+
+def engine_clipped_sum(model, batch, max_norm, mode, dtype=torch.float64):
+    engine = ClippingEngine(model, max_norm, mode=mode)
+    model.zero_grad(set_to_none=True)
+    with engine.record(batch["input_ids"].shape[0]):
+        losses = per_example_loss(model, batch)
+    norms = engine.clipped_backward(losses, verify=True)
+    engine.remove_hooks()
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
+    return grads, norms.double()
+
+
+def assert_close(ours: dict, reference: dict, rtol: float, floor: float) -> None:
+    """Relative error per parameter, with an absolute floor for exactly-zero true gradients (key biases)."""
+    largest = max(r.norm().item() for r in reference.values())
+    for name, ref in reference.items():
+        error = (ours[name] - ref).norm().item()
+        assert error <= rtol * max(ref.norm().item(), floor * largest), f"{name}: error {error:.3g}"
+
+
+@pytest.mark.parametrize("mode", ["ghost", "per_sample"])
+@pytest.mark.parametrize("clipping", ["active", "inactive"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_clipped_sum_matches_brute_force(name: str, clipping: str, mode: str) -> None:
+    build, make_batch = MODELS[name]
+    dtype = DTYPE.get(name, torch.float64)
+    model = build().to(dtype).eval()
+    batch = make_batch()
+    reference, ref_norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * ref_norms.min().item() if clipping == "active" else 10 * ref_norms.max().item()
+    reference, ref_norms = models.brute_force(model, batch, max_norm=max_norm)
+    ours, norms = engine_clipped_sum(model, batch, max_norm, mode)
+    torch.testing.assert_close(norms, ref_norms, rtol=TOLERANCE[dtype], atol=0)
+    assert_close(ours, reference, rtol=TOLERANCE[dtype], floor=1e-3 if dtype == torch.float32 else 1e-6)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "per_sample"])
+def test_float32_gpt2_within_float_tolerance(mode: str) -> None:
+    model = models.gpt2().eval()
+    batch = models.token_batch(batch=6, length=12)
+    reference, ref_norms = models.brute_force(model, batch, max_norm=1.0)
+    ours, norms = engine_clipped_sum(model, batch, 1.0, mode)
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
+    assert_close(ours, reference, rtol=1e-5, floor=1e-3)
+
+
+def test_tied_embedding_cross_term_is_included() -> None:
+    """GPT-2's wte is also lm_head: the norm is of the SUM of both uses, not the sum of their norms."""
+    model = models.gpt2().double().eval()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    batch = models.token_batch()
+    _, ref_norms = models.brute_force(model, batch, max_norm=1e9)
+    _, norms = engine_clipped_sum(model, batch, 1e9, "ghost")
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-10, atol=0)
+    untied = models.gpt2().double().eval()
+    untied.load_state_dict(model.state_dict())
+    untied.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
+    _, untied_norms = models.brute_force(untied, batch, max_norm=1e9)
+    assert (untied_norms - ref_norms).abs().max() > 1e-3, "the cross term should change the norm"
+
+
+def test_padding_idx_row_gets_zero_gradient() -> None:
+    """Autograd gives Embedding(padding_idx) row zero gradient; so must every per-example gradient."""
+    model = models.bert_classifier().double().eval()
+    batch = models.classification_batch(3)
+    assert (batch["input_ids"] == models.PAD).any()
+    ours, _ = engine_clipped_sum(model, batch, 1.0, "ghost")
+    pad_row = ours["bert.embeddings.word_embeddings.weight"][models.PAD]
+    assert pad_row.abs().max() == 0
+    reference, _ = models.brute_force(model, batch, max_norm=1.0)
+    torch.testing.assert_close(ours["bert.embeddings.word_embeddings.weight"],
+                               reference["bert.embeddings.word_embeddings.weight"], rtol=1e-10, atol=1e-14)
+
+
+def test_broadcast_position_ids_stay_per_example() -> None:
+    """GPT-2 passes position_ids of batch size 1; an explicit (1, T) input must not merge examples."""
+    model = models.gpt2().double().eval()
+    batch = models.token_batch()
+    batch["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None, :]
+    batch_for_brute = {k: v for k, v in batch.items() if k != "position_ids"}
+    reference, ref_norms = models.brute_force(model, batch_for_brute, max_norm=0.3)
+    ours, norms = engine_clipped_sum(model, batch, 0.3, "ghost")
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-10, atol=0)
+    assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+
+
+class _Scale(nn.Module):
+    """A module with its own parameter and no rule: handled by the torch.func fallback."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.gain)
+
+
+class _TinyClassifier(nn.Module):
+    def __init__(self, norm: nn.Module | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8, padding_idx=0)
+        self.scale = _Scale(8)
+        self.norm = norm if norm is not None else nn.GroupNorm(2, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.scale(self.embed(input_ids)).mean(dim=1)
+        return self.head(self.norm(h))
+
+
+def _tiny_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch["input_ids"]), batch["labels"], reduction="none")
+
+
+def test_functorch_fallback_for_modules_without_rule() -> None:
+    model = _TinyClassifier().double()
+    batch = {"input_ids": torch.randint(0, 20, (6, 5)), "labels": torch.arange(6) % 3}
+    reference, ref_norms = models.brute_force(model, batch, max_norm=0.2, loss_fn=_tiny_loss)
+    engine = ClippingEngine(model, 0.2)
+    with engine.record(6):
+        losses = _tiny_loss(model, batch)
+    norms = engine.clipped_backward(losses, verify=True)
+    torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-10, atol=0)
+    assert_close({n: p.grad for n, p in model.named_parameters()}, reference, rtol=1e-9, floor=1e-9)
+
+
+def test_batch_norm_is_refused_with_advice() -> None:
+    with pytest.raises(UnsupportedModuleError, match="BatchNorm1d.*use GroupNorm or LayerNorm|GroupNorm or LayerNorm"):
+        ClippingEngine(_TinyClassifier(norm=nn.BatchNorm1d(8)), 1.0)
+
+
+def test_fallback_can_be_refused_naming_the_parameter() -> None:
+    with pytest.raises(UnsupportedModuleError, match="scale.gain.*_Scale"):
+        ClippingEngine(_TinyClassifier(), 1.0, allow_functorch_fallback=False)
+
+
+class _SideUse(nn.Module):
+    """Uses its Linear's weight directly as well: a path no hook sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x) + x @ self.head.weight
+
+
+def test_parameter_used_outside_its_module_is_caught() -> None:
+    model = _SideUse()
+    engine = ClippingEngine(model, 1.0)
+    with engine.record(3):
+        losses = model(torch.randn(3, 4)).pow(2).sum(dim=1)
+    with pytest.raises(UnsupportedModuleError, match="head.weight gets gradient from outside"):
+        engine.clipped_backward(losses, verify=True)
+
+
+def test_example_mask_drops_placeholder_examples() -> None:
+    model = models.gpt2().double().eval()
+    batch = models.token_batch(batch=4)
+    engine = ClippingEngine(model, 0.5)
+    with engine.record(4):
+        losses = per_example_loss(model, batch)
+    engine.clipped_backward(losses, example_mask=torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    ours = {n: p.grad.double() for n, p in model.named_parameters()}
+    kept = {k: v[[0, 2]] for k, v in batch.items()}
+    model.zero_grad(set_to_none=True)
+    reference, _ = models.brute_force(model, kept, max_norm=0.5)
+    assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+
+
+def test_automatic_clipping_matches_brute_force() -> None:
+    """Automatic clipping (Bu et al. 2022): c_i = C / (‖g_i‖ + 0.01)."""
+    model = models.gpt2().double().eval()
+    batch = models.token_batch()
+    named = dict(model.named_parameters())
+    reference = {n: torch.zeros_like(p) for n, p in named.items()}
+    for i in range(batch["input_ids"].shape[0]):
+        one = {k: v[i : i + 1] for k, v in batch.items()}
+        grads = torch.autograd.grad(per_example_loss(model, one)[0], list(named.values()))
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        for n, g in zip(named, grads, strict=True):
+            reference[n] += 0.7 / (norm + 0.01) * g
+    engine = ClippingEngine(model, 0.7, clipping_fn="automatic")
+    with engine.record(batch["input_ids"].shape[0]):
+        losses = per_example_loss(model, batch)
+    engine.clipped_backward(losses)
+    assert_close({n: p.grad for n, p in named.items()}, reference, rtol=1e-9, floor=1e-6)
+
+
+def test_norms_agree_with_opacus_per_sample_gradients() -> None:
+    """Independent check: Opacus' hooks-mode per-sample gradients on RoBERTa (which Opacus supports)."""
+    from opacus import GradSampleModule
+
+    model = models.roberta_classifier().eval()
+    batch = models.classification_batch(2, pad=1)
+    engine = ClippingEngine(model, 1e9)
+    with engine.record(batch["input_ids"].shape[0]):
+        losses = per_example_loss(model, batch)
+    norms = engine.clipped_backward(losses)
+    engine.remove_hooks()
+
+    opacus_model = GradSampleModule(models.roberta_classifier().train(), loss_reduction="sum")  # records in train mode only
+    opacus_model._module.load_state_dict(model.state_dict())
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = opacus_model(**inputs).logits
+    nn.functional.cross_entropy(logits, batch["labels"], reduction="sum").backward()
+    opacus_norms = torch.sqrt(sum(p.grad_sample.flatten(1).pow(2).sum(1) for p in opacus_model.parameters()
+                                  if p.requires_grad and p.grad_sample is not None))
+    # Opacus' embedding sampler gives the padding row a gradient; RoBERTa's position ids skip the pad index,
+    # and the word-embedding pad row is the only difference, so compare after removing it from both sides.
+    word = opacus_model._module.roberta.embeddings.word_embeddings.weight
+    pad_row_sq = word.grad_sample[:, 1].pow(2).sum(dim=1)
+    torch.testing.assert_close(norms, torch.sqrt(opacus_norms.pow(2) - pad_row_sq), rtol=1e-4, atol=1e-6)
+
+
+def test_batch_shared_parameter_input_is_refused_naming_it() -> None:
+    model = models.t5(freeze_relative_bias=False).double().eval()
+    batch = models.seq2seq_batch()
+    engine = ClippingEngine(model, 1.0)
+    with pytest.raises(UnsupportedModuleError, match="relative_attention_bias.*freeze it"), engine.record(4):
+        per_example_loss(model, batch)
+
+
+def test_lora_only_adapters_are_clipped() -> None:
+    model = models.gpt2_lora()
+    engine = ClippingEngine(model, 1.0)
+    clipped = {id(p) for p in engine.parameters}
+    for name, p in model.named_parameters():
+        assert (id(p) in clipped) == ("lora_" in name), name
