@@ -64,6 +64,19 @@ class _PrivacyCallback(TrainerCallback):
     def __init__(self, trainer: DPTrainerMixin) -> None:
         self.trainer = trainer
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        """A resumed or extended run whose budget is already spent stops before its first step."""
+        trainer, target = self.trainer, self.trainer.args.target_epsilon
+        if trainer.args.disable_dp or target is None or state.global_step >= state.max_steps:
+            return control
+        next_epsilon = trainer.accountant.epsilon_after(trainer.noise_multiplier, trainer.sample_rate)
+        if next_epsilon > target:
+            raise ValueError(
+                f"hf_dp: the privacy budget is spent: after {trainer.accountant.steps} steps one more would reach "
+                f"epsilon {next_epsilon:.4g} > target_epsilon {target:g}; raise target_epsilon or train fewer steps"
+            )
+        return control
+
     def on_step_end(self, args, state, control, **kwargs):
         trainer = self.trainer
         if trainer.args.disable_dp:
@@ -187,6 +200,11 @@ class DPTrainerMixin:
         with open(path) as f:
             state = json.load(f)
         self.accountant.load_state_dict(state["accountant"])
+        if not math.isclose(state["noise_multiplier"], self.noise_multiplier, rel_tol=1e-9):
+            logger.warning(
+                f"hf_dp: the checkpoint trained with sigma={state['noise_multiplier']:.4g}, this run uses "
+                f"sigma={self.noise_multiplier:.4g}; the accountant composes both"
+            )
         if state["sampler"] is not None and hasattr(self, "_batch_sampler"):
             self._batch_sampler.load_state_dict(state["sampler"])
 
