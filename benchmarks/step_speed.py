@@ -155,7 +155,10 @@ def make_batch(cfg: Config) -> dict[str, torch.Tensor]:
 
 
 def _dummy_dataset(cfg: Config) -> list[dict[str, torch.Tensor]]:
-    row = {"input_ids": torch.zeros(cfg.seq, dtype=torch.long), "labels": torch.zeros(cfg.seq, dtype=torch.long)}
+    row = {
+        "input_ids": torch.zeros(cfg.seq, dtype=torch.long),
+        "labels": torch.zeros(cfg.seq, dtype=torch.long),
+    }
     return [row] * (100 * cfg.batch)
 
 
@@ -192,7 +195,9 @@ def build_non_private(cfg: Config, base: GPT2LMHeadModel, batch: dict) -> Varian
     trainer.current_gradient_accumulation_steps = 1
     model_batch = dict(batch)
     variant = Variant("non_private", _trainer_step(trainer, model, model_batch), keep=[tmpdir, trainer])
-    variant.notes.append(f"optimizer: {type(trainer.optimizer).__name__} {_optimizer_defaults(trainer.optimizer)}")
+    variant.notes.append(
+        f"optimizer: {type(trainer.optimizer).__name__} {_optimizer_defaults(trainer.optimizer)}"
+    )
     return variant
 
 
@@ -213,7 +218,9 @@ def build_dp(cfg: Config, base: GPT2LMHeadModel, batch: dict, mode: str) -> Vari
         raise RuntimeError(f"DPTrainer expected batch {trainer.expected_batch_size} != {cfg.batch}")
     dp_batch = {**batch, EXAMPLE_MASK_KEY: torch.ones(cfg.batch)}
     variant = Variant(f"dp_{mode}", _trainer_step(trainer, model, dp_batch), keep=[tmpdir, trainer])
-    variant.notes.append(f"optimizer: {type(trainer.optimizer).__name__} {_optimizer_defaults(trainer.optimizer)}")
+    variant.notes.append(
+        f"optimizer: {type(trainer.optimizer).__name__} {_optimizer_defaults(trainer.optimizer)}"
+    )
     return variant
 
 
@@ -227,11 +234,19 @@ def build_opacus(cfg: Config, base: GPT2LMHeadModel, batch: dict) -> Variant:
     state = {k: v for k, v in base.state_dict().items() if k != "lm_head.weight"}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
-        raise RuntimeError(f"copying weights into the untied model: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"copying weights into the untied model: missing {missing}, unexpected {unexpected}"
+        )
     with torch.no_grad():
         model.lm_head.weight.copy_(base.transformer.wte.weight)
-    args = _trainer_args(cfg, tempfile.gettempdir(), disable_dp=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    # The Trainers' AdamW hyper-parameters. (No TrainingArguments here: building one resets the accelerate
+    # state that the already-built Trainers use.)
+    defaults = {
+        k: DPTrainingArguments.__dataclass_fields__[k].default for k in ("learning_rate", "weight_decay")
+    }
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=defaults["learning_rate"], weight_decay=defaults["weight_decay"]
+    )
     loader = DataLoader(TensorDataset(torch.zeros(100 * cfg.batch, 1)), batch_size=cfg.batch)
     engine = PrivacyEngine()
     dp_model, dp_optimizer, criterion, _ = engine.make_private(
@@ -260,6 +275,7 @@ def build_opacus(cfg: Config, base: GPT2LMHeadModel, batch: dict) -> Variant:
         return loss.item()
 
     variant = Variant("opacus_ghost", step, keep=[engine, dp_model, dp_optimizer, criterion])
+    variant.notes.append(f"optimizer: {type(optimizer).__name__} {_optimizer_defaults(optimizer)}")
     variant.notes.append(
         "untied copy (tie_word_embeddings=False) with explicit (B, T) position_ids; "
         f"{sum(p.numel() for p in model.parameters())} trainable parameters vs "
@@ -277,8 +293,10 @@ BUILDERS: dict[str, Callable[[Config, GPT2LMHeadModel, dict], Variant]] = {
 
 
 def _optimizer_defaults(optimizer: torch.optim.Optimizer) -> dict:
-    keys = ("lr", "betas", "eps", "weight_decay", "foreach", "fused")
-    return {k: optimizer.defaults.get(k) for k in keys if k in optimizer.defaults}
+    keys = ("lr", "betas", "eps", "foreach", "fused")
+    found = {k: optimizer.defaults.get(k) for k in keys if k in optimizer.defaults}
+    found["group_weight_decays"] = [g.get("weight_decay") for g in optimizer.param_groups]
+    return found
 
 
 def _error(exc: BaseException) -> str:
@@ -439,8 +457,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    p.add_argument("--memory-variants", nargs="*", choices=VARIANTS, default=None,
-                   help="variants whose peak memory to measure (default: all timed variants)")
+    p.add_argument(
+        "--memory-variants",
+        nargs="*",
+        choices=VARIANTS,
+        default=None,
+        help="variants whose peak memory to measure (default: all timed variants)",
+    )
     p.add_argument("--memory-only", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -482,12 +505,16 @@ def print_table(result: dict) -> None:
             if r is None:
                 print(f"{label:<30}{'-':>15}{'-':>10}{'-':>12}")
             else:
-                print(f"{label:<30}{r['paired_median']:>15.2f}{r['min_time']:>10.2f}{r['throughput_paired']:>12.2f}")
+                print(
+                    f"{label:<30}{r['paired_median']:>15.2f}{r['min_time']:>10.2f}{r['throughput_paired']:>12.2f}"
+                )
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    cfg = Config(args.layers, args.width, args.heads, args.vocab, args.seq, args.batch, args.rounds, args.seed)
+    cfg = Config(
+        args.layers, args.width, args.heads, args.vocab, args.seq, args.batch, args.rounds, args.seed
+    )
     torch.set_num_threads(NUM_THREADS)
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*bos_token_id.*")
@@ -512,7 +539,10 @@ def main(argv: list[str] | None = None) -> dict:
         round_times = {name: run_step(variants[name]) for name in order}
         for name in names:
             variants[name].times.append(round_times[name])
-        print(f"round {r + 1}/{cfg.rounds}: " + ", ".join(f"{n} {_fmt(round_times[n])}" for n in order), flush=True)
+        print(
+            f"round {r + 1}/{cfg.rounds}: " + ", ".join(f"{n} {_fmt(round_times[n])}" for n in order),
+            flush=True,
+        )
     per_variant, ratios = summarise(variants)
     for v in variants.values():
         v.keep.clear()
@@ -524,9 +554,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = {
         "benchmark": "step_speed",
-        "config": {**cfg.__dict__, "threads": NUM_THREADS, "dtype": "float32", "optimizer": "AdamW",
-                   "noise_multiplier": 1.0, "per_sample_max_grad_norm": 1.0,
-                   "warmup_steps": WARMUP_STEPS, "tied_embeddings": True},
+        "config": {
+            **cfg.__dict__,
+            "threads": NUM_THREADS,
+            "dtype": "float32",
+            "optimizer": "AdamW",
+            "noise_multiplier": 1.0,
+            "per_sample_max_grad_norm": 1.0,
+            "warmup_steps": WARMUP_STEPS,
+            "tied_embeddings": True,
+        },
         "environment": {**environment(), "load_average_at_start": load_before},
         "round_orders": orders,
         "times": per_variant,

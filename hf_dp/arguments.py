@@ -30,15 +30,19 @@ class DPTrainingArguments(TrainingArguments):
     """
 
     target_epsilon: float | None = field(
-        default=None, metadata={"help": "Privacy budget ε; σ is calibrated so the planned steps spend at most this."}
+        default=None,
+        metadata={"help": "Privacy budget ε; σ is calibrated so the planned steps spend at most this."},
     )
     noise_multiplier: float | None = field(
-        default=None, metadata={"help": "σ: noise std over clip norm. 0 trains WITHOUT privacy (for testing)."}
+        default=None,
+        metadata={"help": "σ: noise std over clip norm. 0 trains WITHOUT privacy (for testing)."},
     )
     target_delta: float | None = field(
         default=None, metadata={"help": "δ of the (ε, δ) guarantee. Default: N^-1.1 for N training examples."}
     )
-    per_sample_max_grad_norm: float = field(default=1.0, metadata={"help": "C: per-example gradient clip norm."})
+    per_sample_max_grad_norm: float = field(
+        default=1.0, metadata={"help": "C: per-example gradient clip norm."}
+    )
     clipping_mode: str = field(
         default="ghost",
         metadata={
@@ -47,9 +51,12 @@ class DPTrainingArguments(TrainingArguments):
         },
     )
     clipping_fn: str = field(
-        default="abadi", metadata={"help": "'abadi': min(1, C/‖g‖); 'automatic': C/(‖g‖ + 0.01) (Bu et al. 2022)."}
+        default="abadi",
+        metadata={"help": "'abadi': min(1, C/‖g‖); 'automatic': C/(‖g‖ + 0.01) (Bu et al. 2022)."},
     )
-    accountant: str = field(default="prv", metadata={"help": "'prv' (Gopi et al. 2021) or 'rdp' (Mironov 2017)."})
+    accountant: str = field(
+        default="prv", metadata={"help": "'prv' (Gopi et al. 2021) or 'rdp' (Mironov 2017)."}
+    )
     poisson_sampling: bool = field(
         default=True,
         metadata={
@@ -59,18 +66,24 @@ class DPTrainingArguments(TrainingArguments):
     )
     dp_optimizer: str = field(default="adamw", metadata={"help": f"One of {sorted(DP_OPTIMIZERS)}."})
     dp_optimizer_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Extra keyword arguments for the DP optimizer (JSON on the command line)."}
+        default=None,
+        metadata={"help": "Extra keyword arguments for the DP optimizer (JSON on the command line)."},
     )
     disable_dp: bool = field(
-        default=False, metadata={"help": "Same code path with no clipping and no noise: a non-private baseline."}
+        default=False,
+        metadata={"help": "Same code path with no clipping and no noise: a non-private baseline."},
     )
     secure_mode: bool = field(
         default=False,
-        metadata={"help": "Draw noise and batches from OS entropy (not reproducible; checkpoints cannot replay them)."},
+        metadata={
+            "help": "Draw noise and batches from OS entropy (not reproducible; checkpoints cannot replay them)."
+        },
     )
     max_grad_norm: float = field(
         default=0.0,
-        metadata={"help": "Must stay 0 under DP: it would clip the noisy aggregate. Use per_sample_max_grad_norm."},
+        metadata={
+            "help": "Must stay 0 under DP: it would clip the noisy aggregate. Use per_sample_max_grad_norm."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -127,7 +140,9 @@ class DPTrainingArguments(TrainingArguments):
         if self.disable_dp:
             return
         if self.fp16:
-            raise ValueError("DPTrainingArguments: fp16 loss scaling is not supported under DP; use bf16 or fp32")
+            raise ValueError(
+                "DPTrainingArguments: fp16 loss scaling is not supported under DP; use bf16 or fp32"
+            )
         if self.gradient_checkpointing:
             raise ValueError(
                 "DPTrainingArguments: gradient_checkpointing re-runs forwards inside backward, which per-example "

@@ -59,7 +59,9 @@ def token_loss_per_example(logits: torch.Tensor, labels: torch.Tensor, shift: bo
     return token_losses.sum(dim=1) / counts
 
 
-def sequence_loss_per_example(logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None) -> torch.Tensor:
+def sequence_loss_per_example(
+    logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None
+) -> torch.Tensor:
     """Classification losses per example, with HF's rule for inferring ``problem_type``."""
     num_labels = logits.shape[-1]
     if problem_type is None:
@@ -70,8 +72,11 @@ def sequence_loss_per_example(logits: torch.Tensor, labels: torch.Tensor, proble
         else:
             problem_type = "multi_label_classification"
     if problem_type == "regression":
-        return F.mse_loss(logits.float().view(labels.shape[0], -1), labels.float().view(labels.shape[0], -1),
-                          reduction="none").mean(dim=1)
+        return F.mse_loss(
+            logits.float().view(labels.shape[0], -1),
+            labels.float().view(labels.shape[0], -1),
+            reduction="none",
+        ).mean(dim=1)
     if problem_type == "single_label_classification":
         return F.cross_entropy(logits.float().view(-1, num_labels), labels.view(-1), reduction="none")
     return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(dim=1)

@@ -35,7 +35,9 @@ class GaussianNoise:
             stream = np.random.Generator(np.random.PCG64DXSM(secrets.randbits(128)))
             pair = torch.from_numpy(stream.standard_normal((2, *shape)))
             return (pair.sum(dim=0) * (std / math.sqrt(2.0))).to(device=device, dtype=dtype)
-        return (torch.randn(shape, generator=self._generator(device), device=device, dtype=work) * std).to(dtype)
+        return (torch.randn(shape, generator=self._generator(device), device=device, dtype=work) * std).to(
+            dtype
+        )
 
     def state_dict(self) -> dict:
         return {
@@ -49,5 +51,7 @@ class GaussianNoise:
         for device_name, rng_state in state["generators"].items():
             device = torch.device(device_name)
             generator = torch.Generator(device=device)
-            generator.set_state(rng_state.cpu() if isinstance(rng_state, torch.Tensor) else torch.as_tensor(rng_state))
+            generator.set_state(
+                rng_state.cpu() if isinstance(rng_state, torch.Tensor) else torch.as_tensor(rng_state)
+            )
             self._generators[device] = generator

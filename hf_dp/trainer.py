@@ -59,22 +59,38 @@ class _MaskingCollator:
 
 
 class _PrivacyCallback(TrainerCallback):
-    """Records every optimizer step with the accountant and stops before the budget would be exceeded."""
+    """Records every optimizer step with the accountant and stops before the budget would be exceeded.
+
+    σ and q are fixed within a run, so the number of steps the budget allows is found once, by
+    bisection at train start, instead of asking the accountant after every step.
+    """
 
     def __init__(self, trainer: DPTrainerMixin) -> None:
         self.trainer = trainer
+        self.allowed_steps: int | None = None
+
+    def _fits(self, extra_steps: int) -> bool:
+        trainer = self.trainer
+        spent = trainer.accountant.epsilon_after(trainer.noise_multiplier, trainer.sample_rate, extra_steps)
+        return spent <= trainer.args.target_epsilon
 
     def on_train_begin(self, args, state, control, **kwargs):
-        """A resumed or extended run whose budget is already spent stops before its first step."""
         trainer, target = self.trainer, self.trainer.args.target_epsilon
-        if trainer.args.disable_dp or target is None or state.global_step >= state.max_steps:
+        self.allowed_steps = None
+        remaining = state.max_steps - state.global_step
+        if trainer.args.disable_dp or target is None or remaining <= 0 or self._fits(remaining):
             return control
-        next_epsilon = trainer.accountant.epsilon_after(trainer.noise_multiplier, trainer.sample_rate)
-        if next_epsilon > target:
+        low, high = 0, remaining  # invariant: low steps fit, high steps do not
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self._fits(middle) else (low, middle)
+        if low == 0:
+            spent = trainer.accountant.epsilon_after(trainer.noise_multiplier, trainer.sample_rate)
             raise ValueError(
                 f"hf_dp: the privacy budget is spent: after {trainer.accountant.steps} steps one more would reach "
-                f"epsilon {next_epsilon:.4g} > target_epsilon {target:g}; raise target_epsilon or train fewer steps"
+                f"epsilon {spent:.4g} > target_epsilon {target:g}; raise target_epsilon or train fewer steps"
             )
+        self.allowed_steps = trainer.accountant.steps + low
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -82,15 +98,14 @@ class _PrivacyCallback(TrainerCallback):
         if trainer.args.disable_dp:
             return control
         trainer.accountant.step(trainer.noise_multiplier, trainer.sample_rate)
-        target = trainer.args.target_epsilon
-        if target is not None and state.global_step < state.max_steps:
+        if self.allowed_steps is not None and trainer.accountant.steps >= self.allowed_steps:
             next_epsilon = trainer.accountant.epsilon_after(trainer.noise_multiplier, trainer.sample_rate)
-            if next_epsilon > target:
-                logger.warning(
-                    f"hf_dp: stopping at step {state.global_step}: one more step would spend epsilon "
-                    f"{next_epsilon:.4g} > target_epsilon {target:g} (spent so far {trainer.get_epsilon():.4g})"
-                )
-                control.should_training_stop = True
+            logger.warning(
+                f"hf_dp: stopping at step {state.global_step}: one more step would spend epsilon "
+                f"{next_epsilon:.4g} > target_epsilon {trainer.args.target_epsilon:g} "
+                f"(spent so far {trainer.get_epsilon():.4g})"
+            )
+            control.should_training_stop = True
         return control
 
 
@@ -104,10 +119,14 @@ class DPTrainerMixin:
         if not isinstance(self.args, DPTrainingArguments):
             raise TypeError("DPTrainer needs DPTrainingArguments (from hf_dp), not TrainingArguments")
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
-            raise ValueError("DPTrainer needs a train_dataset with a length: Poisson sampling draws from N examples")
+            raise ValueError(
+                "DPTrainer needs a train_dataset with a length: Poisson sampling draws from N examples"
+            )
         self.num_train_examples = len(self.train_dataset)
         self.expected_batch_size = (
-            self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+            self.args.per_device_train_batch_size
+            * self.args.gradient_accumulation_steps
+            * self.args.world_size
         )
         if self.expected_batch_size > self.num_train_examples:
             raise ValueError(
@@ -153,7 +172,11 @@ class DPTrainerMixin:
         if self.args.noise_multiplier is not None:
             return float(self.args.noise_multiplier)
         return calibrate_noise_multiplier(
-            self.args.target_epsilon, self.target_delta, self.sample_rate, self.planned_steps, self.args.accountant
+            self.args.target_epsilon,
+            self.target_delta,
+            self.sample_rate,
+            self.planned_steps,
+            self.args.accountant,
         )
 
     # ---- privacy state ----------------------------------------------------------------------------
@@ -186,7 +209,9 @@ class DPTrainerMixin:
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
             with open(os.path.join(folder, PRIVACY_STATE_FILE), "w") as f:
                 json.dump(self.privacy_state(), f)
 

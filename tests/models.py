@@ -26,42 +26,108 @@ VOCAB, PAD = 64, 0
 
 
 def gpt2(**overrides) -> GPT2LMHeadModel:
-    config = dict(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=32, bos_token_id=1,
-                  eos_token_id=1, pad_token_id=PAD, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = dict(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=32,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=PAD,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(GPT2Config(**{**config, **overrides}))
 
 
 def bert_classifier(num_labels: int = 3) -> BertForSequenceClassification:
-    return BertForSequenceClassification(BertConfig(
-        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32, vocab_size=VOCAB,
-        num_labels=num_labels, pad_token_id=PAD, max_position_embeddings=32, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0))
+    return BertForSequenceClassification(
+        BertConfig(
+            num_hidden_layers=2,
+            hidden_size=16,
+            num_attention_heads=2,
+            intermediate_size=32,
+            vocab_size=VOCAB,
+            num_labels=num_labels,
+            pad_token_id=PAD,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def bert_mlm() -> BertForMaskedLM:
-    return BertForMaskedLM(BertConfig(
-        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32, vocab_size=VOCAB,
-        pad_token_id=PAD, max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return BertForMaskedLM(
+        BertConfig(
+            num_hidden_layers=2,
+            hidden_size=16,
+            num_attention_heads=2,
+            intermediate_size=32,
+            vocab_size=VOCAB,
+            pad_token_id=PAD,
+            max_position_embeddings=32,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def roberta_classifier(num_labels: int = 2) -> RobertaForSequenceClassification:
-    return RobertaForSequenceClassification(RobertaConfig(
-        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32, vocab_size=VOCAB,
-        num_labels=num_labels, pad_token_id=1, bos_token_id=0, eos_token_id=2, max_position_embeddings=40,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return RobertaForSequenceClassification(
+        RobertaConfig(
+            num_hidden_layers=2,
+            hidden_size=16,
+            num_attention_heads=2,
+            intermediate_size=32,
+            vocab_size=VOCAB,
+            num_labels=num_labels,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            max_position_embeddings=40,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 def llama() -> LlamaForCausalLM:
-    return LlamaForCausalLM(LlamaConfig(
-        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
-        vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, max_position_embeddings=32))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=32,
+            vocab_size=VOCAB,
+            pad_token_id=PAD,
+            bos_token_id=1,
+            eos_token_id=2,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def t5(freeze_relative_bias: bool = True) -> T5ForConditionalGeneration:
     """T5 (RMSNorm "T5LayerNorm", encoder-decoder); its relative attention bias is shared by all examples."""
-    model = T5ForConditionalGeneration(T5Config(
-        num_layers=1, num_decoder_layers=1, d_model=16, d_kv=8, num_heads=2, d_ff=32, vocab_size=VOCAB,
-        pad_token_id=PAD, eos_token_id=1, decoder_start_token_id=PAD, dropout_rate=0.0))
+    model = T5ForConditionalGeneration(
+        T5Config(
+            num_layers=1,
+            num_decoder_layers=1,
+            d_model=16,
+            d_kv=8,
+            num_heads=2,
+            d_ff=32,
+            vocab_size=VOCAB,
+            pad_token_id=PAD,
+            eos_token_id=1,
+            decoder_start_token_id=PAD,
+            dropout_rate=0.0,
+        )
+    )
     if freeze_relative_bias:
         for name, p in model.named_parameters():
             if "relative_attention_bias" in name:
@@ -72,11 +138,17 @@ def t5(freeze_relative_bias: bool = True) -> T5ForConditionalGeneration:
 def gpt2_lora() -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
-                                             lora_dropout=0.0, fan_in_fan_out=True))
+    return get_peft_model(
+        gpt2(),
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], lora_dropout=0.0, fan_in_fan_out=True
+        ),
+    )
 
 
-def token_batch(batch: int = 5, length: int = 10, seed: int = 0, causal: bool = True) -> dict[str, torch.Tensor]:
+def token_batch(
+    batch: int = 5, length: int = 10, seed: int = 0, causal: bool = True
+) -> dict[str, torch.Tensor]:
     """Right-padded token batch with ragged lengths, pad labels and some extra ignored labels."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (batch, length), generator=g)
@@ -92,8 +164,9 @@ def token_batch(batch: int = 5, length: int = 10, seed: int = 0, causal: bool = 
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def classification_batch(num_labels: int, batch: int = 5, length: int = 10, seed: int = 0,
-                         pad: int = PAD) -> dict[str, torch.Tensor]:
+def classification_batch(
+    num_labels: int, batch: int = 5, length: int = 10, seed: int = 0, pad: int = PAD
+) -> dict[str, torch.Tensor]:
     out = token_batch(batch, length, seed)
     out["input_ids"] = out["input_ids"].masked_fill(out["attention_mask"] == 0, pad)
     out["labels"] = torch.arange(batch) % num_labels
@@ -103,7 +176,11 @@ def classification_batch(num_labels: int, batch: int = 5, length: int = 10, seed
 def seq2seq_batch(batch: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
     source = token_batch(batch, 8, seed)
     target = token_batch(batch, 6, seed + 1)
-    return {"input_ids": source["input_ids"], "attention_mask": source["attention_mask"], "labels": target["labels"]}
+    return {
+        "input_ids": source["input_ids"],
+        "attention_mask": source["attention_mask"],
+        "labels": target["labels"],
+    }
 
 
 def brute_force(

@@ -94,8 +94,12 @@ def test_padding_idx_row_gets_zero_gradient() -> None:
     pad_row = ours["bert.embeddings.word_embeddings.weight"][models.PAD]
     assert pad_row.abs().max() == 0
     reference, _ = models.brute_force(model, batch, max_norm=1.0)
-    torch.testing.assert_close(ours["bert.embeddings.word_embeddings.weight"],
-                               reference["bert.embeddings.word_embeddings.weight"], rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(
+        ours["bert.embeddings.word_embeddings.weight"],
+        reference["bert.embeddings.word_embeddings.weight"],
+        rtol=1e-10,
+        atol=1e-14,
+    )
 
 
 def test_broadcast_position_ids_stay_per_example() -> None:
@@ -151,7 +155,9 @@ def test_functorch_fallback_for_modules_without_rule() -> None:
 
 
 def test_batch_norm_is_refused_with_advice() -> None:
-    with pytest.raises(UnsupportedModuleError, match="BatchNorm1d.*use GroupNorm or LayerNorm|GroupNorm or LayerNorm"):
+    with pytest.raises(
+        UnsupportedModuleError, match="BatchNorm1d.*use GroupNorm or LayerNorm|GroupNorm or LayerNorm"
+    ):
         ClippingEngine(_TinyClassifier(norm=nn.BatchNorm1d(8)), 1.0)
 
 
@@ -225,13 +231,20 @@ def test_norms_agree_with_opacus_per_sample_gradients() -> None:
     norms = engine.clipped_backward(losses)
     engine.remove_hooks()
 
-    opacus_model = GradSampleModule(models.roberta_classifier().train(), loss_reduction="sum")  # records in train mode only
+    opacus_model = GradSampleModule(
+        models.roberta_classifier().train(), loss_reduction="sum"
+    )  # records in train mode only
     opacus_model._module.load_state_dict(model.state_dict())
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = opacus_model(**inputs).logits
     nn.functional.cross_entropy(logits, batch["labels"], reduction="sum").backward()
-    opacus_norms = torch.sqrt(sum(p.grad_sample.flatten(1).pow(2).sum(1) for p in opacus_model.parameters()
-                                  if p.requires_grad and p.grad_sample is not None))
+    opacus_norms = torch.sqrt(
+        sum(
+            p.grad_sample.flatten(1).pow(2).sum(1)
+            for p in opacus_model.parameters()
+            if p.requires_grad and p.grad_sample is not None
+        )
+    )
     # Opacus' embedding sampler gives the padding row a gradient; RoBERTa's position ids skip the pad index,
     # and the word-embedding pad row is the only difference, so compare after removing it from both sides.
     word = opacus_model._module.roberta.embeddings.word_embeddings.weight

@@ -10,10 +10,17 @@ import dp_accounting
 import pytest
 import torch
 
-from hf_dp import DPTrainer, DPTrainingArguments
+from hf_dp import DPTrainer
 from hf_dp.losses import per_example_loss
 from tests import models
-from tests.trainer_utils import TokenRows, make_args, make_trainer, pad_collate, sampled_logical_batches, snapshot
+from tests.trainer_utils import (
+    TokenRows,
+    make_args,
+    make_trainer,
+    pad_collate,
+    sampled_logical_batches,
+    snapshot,
+)
 
 
 def brute_force_update(model, dataset, indices, max_norm, expected_batch):
@@ -29,13 +36,21 @@ def test_one_step_equals_brute_force_whatever_the_accumulation(tmp_path, accumul
     division of the loss by the accumulation steps and its token normalisation are neutralised."""
     torch.manual_seed(1)
     model = models.gpt2().double()  # float64, so that θ₀ − θ₁ resolves the step exactly
-    trainer = make_trainer(tmp_path, model=model, noise_multiplier=0.0, max_steps=1,
-                           per_device_train_batch_size=12 // accumulation, gradient_accumulation_steps=accumulation)
+    trainer = make_trainer(
+        tmp_path,
+        model=model,
+        noise_multiplier=0.0,
+        max_steps=1,
+        per_device_train_batch_size=12 // accumulation,
+        gradient_accumulation_steps=accumulation,
+    )
     before = snapshot(model)
     (indices,) = sampled_logical_batches(trainer, 1)
     reference_model = models.gpt2().double()
     reference_model.load_state_dict(model.state_dict())
-    expected = brute_force_update(reference_model, trainer.train_dataset, indices, 0.5, trainer.expected_batch_size)
+    expected = brute_force_update(
+        reference_model, trainer.train_dataset, indices, 0.5, trainer.expected_batch_size
+    )
     trainer.train()
     for name, p in model.named_parameters():
         if name == "lm_head.weight":
@@ -60,10 +75,18 @@ def test_noise_std_is_sigma_c_over_expected_batch(tmp_path):
     for s in (0.0, sigma):
         torch.manual_seed(3)
         model = models.gpt2()
-        trainer = make_trainer(tmp_path, model=model, noise_multiplier=s, per_sample_max_grad_norm=clip,
-                               max_steps=1, learning_rate=1.0)
+        trainer = make_trainer(
+            tmp_path,
+            model=model,
+            noise_multiplier=s,
+            per_sample_max_grad_norm=clip,
+            max_steps=1,
+            learning_rate=1.0,
+        )
         trainer.train()
-        runs[s] = torch.cat([p.detach().flatten() for n, p in model.named_parameters() if n != "lm_head.weight"])
+        runs[s] = torch.cat(
+            [p.detach().flatten() for n, p in model.named_parameters() if n != "lm_head.weight"]
+        )
     noise = runs[0.0] - runs[sigma]
     expected = sigma * clip / trainer.expected_batch_size
     assert noise.numel() > 8_000
@@ -75,7 +98,8 @@ def test_noise_std_is_sigma_c_over_expected_batch(tmp_path):
 
 def _dp_accounting_epsilon(sigma, q, steps, delta, accountant):
     event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
     if accountant == "rdp":
         acc = dp_accounting.rdp.RdpAccountant()
     else:
@@ -86,13 +110,14 @@ def _dp_accounting_epsilon(sigma, q, steps, delta, accountant):
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
 def test_calibrated_sigma_and_reported_epsilon_match_dp_accounting(tmp_path, accountant):
     trainer = make_trainer(tmp_path, target_epsilon=3.0, accountant=accountant, max_steps=6)
-    independent = _dp_accounting_epsilon(trainer.noise_multiplier, trainer.sample_rate, 6, trainer.target_delta,
-                                         accountant)
+    independent = _dp_accounting_epsilon(
+        trainer.noise_multiplier, trainer.sample_rate, 6, trainer.target_delta, accountant
+    )
     assert 0.97 * 3.0 <= independent <= 1.01 * 3.0
     trainer.train()
     assert trainer.state.global_step == 6
     assert trainer.get_epsilon() == pytest.approx(independent, rel=0.01)
-    assert trainer.target_delta == pytest.approx(32 ** -1.1)
+    assert trainer.target_delta == pytest.approx(32**-1.1)
 
 
 def test_every_log_line_carries_epsilon_and_no_unnoised_grad_norm(tmp_path):
@@ -108,8 +133,14 @@ def test_every_log_line_carries_epsilon_and_no_unnoised_grad_norm(tmp_path):
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     """Adam state, noise generator, sampler position, dropout RNG and accountant all come back."""
-    common = dict(noise_multiplier=1.0, dp_optimizer="adamw", learning_rate=1e-2, max_steps=6,
-                  save_strategy="steps", save_steps=3)
+    common = dict(
+        noise_multiplier=1.0,
+        dp_optimizer="adamw",
+        learning_rate=1e-2,
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=3,
+    )
     torch.manual_seed(5)
     model = models.gpt2(resid_pdrop=0.1)
     initial = model.state_dict()
@@ -150,8 +181,14 @@ def test_resuming_a_spent_budget_refuses_to_train(tmp_path):
 
 
 def test_poisson_batches_vary_and_drop_last_is_ignored(tmp_path):
-    trainer = make_trainer(tmp_path, noise_multiplier=1.0, dataset=TokenRows(400), per_device_train_batch_size=5,
-                           gradient_accumulation_steps=2, dataloader_drop_last=True)
+    trainer = make_trainer(
+        tmp_path,
+        noise_multiplier=1.0,
+        dataset=TokenRows(400),
+        per_device_train_batch_size=5,
+        gradient_accumulation_steps=2,
+        dataloader_drop_last=True,
+    )
     sizes = []
     for epoch in range(4):
         loader = trainer.get_train_dataloader()
@@ -167,9 +204,15 @@ def test_empty_logical_batches_train_and_add_only_noise(tmp_path):
     """q = 0.002: a logical batch can be empty. With σ = 0 that step leaves SGD's weights exactly alone;
     with σ > 0 it still adds noise (skipping it would reveal that the batch was empty)."""
     dataset = TokenRows(1000)
-    settings = dict(dataset=dataset, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=1)
-    seed = next(s for s in range(1000)
-                if sampled_logical_batches(make_trainer(tmp_path, noise_multiplier=0.0, seed=s, **settings), 1) == [[]])
+    settings = dict(
+        dataset=dataset, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=1
+    )
+    seed = next(
+        s
+        for s in range(1000)
+        if sampled_logical_batches(make_trainer(tmp_path, noise_multiplier=0.0, seed=s, **settings), 1)
+        == [[]]
+    )
     for sigma in (0.0, 1.0):
         model = models.gpt2()
         before = snapshot(model)
@@ -179,8 +222,14 @@ def test_empty_logical_batches_train_and_add_only_noise(tmp_path):
 
 
 def test_micro_batches_with_no_examples_are_skipped_but_counted(tmp_path):
-    trainer = make_trainer(tmp_path, noise_multiplier=1.0, dataset=TokenRows(1000), per_device_train_batch_size=1,
-                           gradient_accumulation_steps=2, max_steps=12)
+    trainer = make_trainer(
+        tmp_path,
+        noise_multiplier=1.0,
+        dataset=TokenRows(1000),
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        max_steps=12,
+    )
     assert any(len(b) < 2 for b in sampled_logical_batches(trainer, 12))
     trainer.train()
     assert trainer.state.global_step == 12 and trainer.accountant.steps == 12
@@ -209,7 +258,9 @@ def test_subclass_compute_loss_keeps_per_example_clipping(tmp_path):
 
 def test_subclass_compute_loss_returning_a_scalar_is_a_clear_error(tmp_path):
     trainer = make_trainer(tmp_path, trainer_class=ScalarLossTrainer, noise_multiplier=0.5)
-    with pytest.raises(ValueError, match=r"compute_loss returned \(\); under DP it must return one loss per example"):
+    with pytest.raises(
+        ValueError, match=r"compute_loss returned \(\); under DP it must return one loss per example"
+    ):
         trainer.train()
 
 
@@ -220,14 +271,17 @@ def test_disable_dp_is_the_plain_mean_gradient(tmp_path):
     (indices,) = sampled_logical_batches(trainer, 1)
     reference_model = models.gpt2().double()
     reference_model.load_state_dict(model.state_dict())
-    expected = brute_force_update(reference_model, trainer.train_dataset, indices, math.inf, trainer.expected_batch_size)
+    expected = brute_force_update(
+        reference_model, trainer.train_dataset, indices, math.inf, trainer.expected_batch_size
+    )
     before = snapshot(model)
     trainer.train()
     assert math.isinf(trainer.get_epsilon())
     for name, p in model.named_parameters():
         if name != "lm_head.weight":
-            torch.testing.assert_close((before[name] - p.detach()) / 0.5, expected[name], rtol=1e-9,
-                                       atol=1e-13, msg=name)
+            torch.testing.assert_close(
+                (before[name] - p.detach()) / 0.5, expected[name], rtol=1e-9, atol=1e-13, msg=name
+            )
 
 
 def test_lora_trains_only_adapters(tmp_path):
@@ -295,5 +349,9 @@ def test_plain_training_arguments_are_refused(tmp_path):
     from transformers import TrainingArguments
 
     with pytest.raises(TypeError, match="needs DPTrainingArguments"):
-        DPTrainer(model=models.gpt2(), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True),
-                  train_dataset=TokenRows(8), data_collator=pad_collate)
+        DPTrainer(
+            model=models.gpt2(),
+            args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True),
+            train_dataset=TokenRows(8),
+            data_collator=pad_collate,
+        )

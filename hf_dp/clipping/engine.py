@@ -75,7 +75,9 @@ class ClippingEngine:
         self._recording = False
         self._handles = []
         for module in self._owned:
-            self._handles.append(module.register_forward_pre_hook(self._expand_broadcast_batch, with_kwargs=True))
+            self._handles.append(
+                module.register_forward_pre_hook(self._expand_broadcast_batch, with_kwargs=True)
+            )
             self._handles.append(module.register_forward_hook(self._record, with_kwargs=True))
 
     # ---- set-up -------------------------------------------------------------------------------------
@@ -155,7 +157,11 @@ class ClippingEngine:
     def _record(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         if not self._active():
             return
-        outputs = [o for o in (output if isinstance(output, tuple | list) else (output,)) if isinstance(o, torch.Tensor)]
+        outputs = [
+            o
+            for o in (output if isinstance(output, tuple | list) else (output,))
+            if isinstance(o, torch.Tensor)
+        ]
         if not any(o.requires_grad for o in outputs):
             return
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -201,12 +207,10 @@ class ClippingEngine:
             if verify:
                 self._verify(parts, reference, torch.ones_like(factors))
             for param, param_parts in parts.values():
-                update = sum(part.weighted_sum(factors).reshape(param.shape) for part in param_parts)
-                update = update.to(param.dtype)
                 if param.grad is None:
-                    param.grad = update
-                else:
-                    param.grad.add_(update)
+                    param.grad = torch.zeros_like(param)
+                for part in param_parts:
+                    part.add_weighted_sum(param.grad, factors)
         return norms
 
     def _per_example_parts(
@@ -257,7 +261,9 @@ class ClippingEngine:
     def _verify(self, parts: dict, reference: dict, ones: torch.Tensor) -> None:
         largest = max((g.norm().item() for g in reference.values() if g is not None), default=0.0)
         for pid, (param, param_parts) in parts.items():
-            ours = sum(p.weighted_sum(ones).reshape(param.shape) for p in param_parts)
+            ours = torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
+            for part in param_parts:
+                part.add_weighted_sum(ours, ones)
             ref = reference.get(pid)
             ref = torch.zeros_like(param) if ref is None else ref
             error = (ours - ref.float()).norm().item()
@@ -267,7 +273,9 @@ class ClippingEngine:
                     f"it (engine {ours.norm().item():.4g} vs autograd {ref.norm().item():.4g}), so its per-example "
                     "norm would be wrong: freeze it or call it through its module"
                 )
-        missing = [self._names[pid] for pid, g in reference.items() if pid not in parts and g is not None and g.any()]
+        missing = [
+            self._names[pid] for pid, g in reference.items() if pid not in parts and g is not None and g.any()
+        ]
         if missing:
             raise UnsupportedModuleError(
                 f"parameter {missing[0]} has a gradient but its module's forward was never recorded: freeze it or "

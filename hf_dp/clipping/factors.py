@@ -72,25 +72,36 @@ class OuterProductSum:
             stop = min(batch, start + step)
             if self.is_index:
                 grads = self.right.new_zeros(stop - start, rows, cols)
-                grads.scatter_add_(1, self.left[start:stop, :, None].expand(-1, -1, cols), self.right[start:stop])
+                grads.scatter_add_(
+                    1, self.left[start:stop, :, None].expand(-1, -1, cols), self.right[start:stop]
+                )
             else:
                 grads = torch.bmm(self.left[start:stop].transpose(1, 2), self.right[start:stop])
             yield grads
 
-    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        """Σ_i w_i G_i as one GEMM (or one index_add for embeddings), w folded into the smaller side."""
+    def add_weighted_sum(self, out: torch.Tensor, weights: torch.Tensor) -> None:
+        """out += Σ_i w_i G_i as one GEMM (one index_add for embeddings), w folded into the smaller side."""
         cols = self.right.shape[2]
         weights = weights.to(self.right.dtype)
+        target = out.view(self.rows, cols) if out.dtype == self.right.dtype else None
         if self.is_index:
             scaled = (self.right * weights[:, None, None]).reshape(-1, cols)
-            out = self.right.new_zeros(self.rows, cols)
-            return out.index_add_(0, self.left.reshape(-1), scaled)
-        left, right = self.left, self.right
-        if left.shape[2] <= right.shape[2]:
-            left = left * weights[:, None, None]
+            if target is None:
+                target = self.right.new_zeros(self.rows, cols)
+            target.index_add_(0, self.left.reshape(-1), scaled)
         else:
-            right = right * weights[:, None, None]
-        return left.reshape(-1, left.shape[2]).T @ right.reshape(-1, cols)
+            left, right = self.left, self.right
+            if left.shape[2] <= right.shape[2]:
+                left = left * weights[:, None, None]
+            else:
+                right = right * weights[:, None, None]
+            left, right = left.reshape(-1, left.shape[2]), right.reshape(-1, cols)
+            if target is None:
+                target = left.T @ right
+            else:
+                target.addmm_(left.T, right)
+        if target.data_ptr() != out.data_ptr():
+            out.add_(target.view(out.shape).to(out.dtype))
 
 
 @dataclass
@@ -102,8 +113,11 @@ class Materialised:
     def squared_norm(self, materialise: bool = True) -> torch.Tensor:
         return self.grads.flatten(1).pow(2).sum(dim=1)
 
-    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        return torch.tensordot(weights.to(self.grads.dtype), self.grads, dims=1)
+    def add_weighted_sum(self, out: torch.Tensor, weights: torch.Tensor) -> None:
+        """out += Σ_i w_i G_i."""
+        out.add_(
+            torch.tensordot(weights.to(self.grads.dtype), self.grads, dims=1).view(out.shape).to(out.dtype)
+        )
 
 
 PerExampleGradient = OuterProductSum | Materialised

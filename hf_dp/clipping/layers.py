@@ -33,7 +33,9 @@ def _float(x: torch.Tensor) -> torch.Tensor:
 def linear_rule(module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, PerExampleGradient]:
     """y = x Wᵀ + b:  G_i(W) = Σ_t ∂y_t ⊗ x_t,  G_i(b) = Σ_t ∂y_t."""
     a, g = _float(_as_sequence(x)), _float(_as_sequence(grad_out))
-    parts: dict[str, PerExampleGradient] = {"weight": OuterProductSum(left=g, right=a, rows=module.out_features)}
+    parts: dict[str, PerExampleGradient] = {
+        "weight": OuterProductSum(left=g, right=a, rows=module.out_features)
+    }
     if module.bias is not None:
         parts["bias"] = Materialised(g.sum(dim=1))
     return parts
@@ -45,7 +47,9 @@ def conv1d_rule(module: Conv1D, x: torch.Tensor, grad_out: torch.Tensor) -> dict
     return {"weight": OuterProductSum(left=a, right=g, rows=module.nx), "bias": Materialised(g.sum(dim=1))}
 
 
-def embedding_rule(module: nn.Embedding, ids: torch.Tensor, grad_out: torch.Tensor) -> dict[str, PerExampleGradient]:
+def embedding_rule(
+    module: nn.Embedding, ids: torch.Tensor, grad_out: torch.Tensor
+) -> dict[str, PerExampleGradient]:
     """y_t = E[x_t]:  G_i(E) = Σ_t onehot(x_t) ⊗ ∂y_t; the padding_idx row gets no gradient, as in autograd."""
     ids = ids.reshape(ids.shape[0], -1)
     g = _float(grad_out.reshape(ids.shape[0], ids.shape[1], -1))
@@ -54,7 +58,9 @@ def embedding_rule(module: nn.Embedding, ids: torch.Tensor, grad_out: torch.Tens
     return {"weight": OuterProductSum(left=ids, right=g, rows=module.num_embeddings)}
 
 
-def layer_norm_rule(module: nn.LayerNorm, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, PerExampleGradient]:
+def layer_norm_rule(
+    module: nn.LayerNorm, x: torch.Tensor, grad_out: torch.Tensor
+) -> dict[str, PerExampleGradient]:
     """y = x̂ ⊙ γ + β (Ba et al. 2016):  G_i(γ) = Σ_t ∂y_t ⊙ x̂_t,  G_i(β) = Σ_t ∂y_t."""
     shape = module.normalized_shape
     x_hat = torch.nn.functional.layer_norm(_float(x), shape, eps=module.eps)
@@ -68,13 +74,17 @@ def layer_norm_rule(module: nn.LayerNorm, x: torch.Tensor, grad_out: torch.Tenso
     return parts
 
 
-def rms_norm_rule(module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, PerExampleGradient]:
+def rms_norm_rule(
+    module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor
+) -> dict[str, PerExampleGradient]:
     """y = x̂ ⊙ w (Llama, T5, torch) or x̂ ⊙ (1 + w) (Gemma), x̂ = x / rms(x) (Zhang & Sennrich 2019):
     G_i(w) = Σ_t ∂y_t ⊙ x̂_t. x̂ comes from the module itself run with w = 0 or w = 1, so it carries
     exactly the module's own precision choices (HF norms compute the variance in float32)."""
     weight = module.weight
     with_zero = functional_call(module, {"weight": torch.zeros_like(weight)}, (x,))
-    x_hat = with_zero if with_zero.any() else functional_call(module, {"weight": torch.ones_like(weight)}, (x,))
+    x_hat = (
+        with_zero if with_zero.any() else functional_call(module, {"weight": torch.ones_like(weight)}, (x,))
+    )
     g = _float(grad_out)
     return {"weight": Materialised((g * _float(x_hat)).reshape(g.shape[0], -1, g.shape[-1]).sum(dim=1))}
 
@@ -123,7 +133,9 @@ def functorch_per_example_grads(
     params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if n in param_names}
     is_batched = [isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch_size for a in args]
     batched_kwargs = {
-        k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch_size
+        k: v
+        for k, v in kwargs.items()
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch_size
     }
     static_kwargs = {k: v for k, v in kwargs.items() if k not in batched_kwargs}
     used = [i for i, g in enumerate(grad_outputs) if g is not None]
@@ -133,7 +145,9 @@ def functorch_per_example_grads(
         call_kwargs = {**static_kwargs, **{k: v.unsqueeze(0) for k, v in example_kwargs.items()}}
         out = functional_call(module, p, tuple(call_args), call_kwargs, strict=False)
         outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, torch.Tensor)]
-        return sum((outs[i] * c.unsqueeze(0).to(outs[i].dtype)).sum() for i, c in zip(used, cotangents, strict=True))
+        return sum(
+            (outs[i] * c.unsqueeze(0).to(outs[i].dtype)).sum() for i, c in zip(used, cotangents, strict=True)
+        )
 
     arg_dims = [0 if b else None for b in is_batched]
     per_example = vmap(grad(objective), in_dims=(None, arg_dims, 0, 0))(

@@ -25,4 +25,6 @@ def make_dp_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> torch.
     try:
         return DP_OPTIMIZERS[name](params, **kwargs)
     except TypeError as error:
-        raise ValueError(f"dp_optimizer {name!r} does not accept these dp_optimizer_kwargs: {error}") from None
+        raise ValueError(
+            f"dp_optimizer {name!r} does not accept these dp_optimizer_kwargs: {error}"
+        ) from None
