@@ -90,9 +90,12 @@ NOTES = [
     "norm rule for HF Conv1D, so those layers fall back to functorch per-sample gradients.",
     "Paired ratio: the median over rounds of time(variant)/time(baseline) measured in the same round; "
     "min-time ratio: min time(variant) / min time(baseline). Throughput ratio = 1 / step-time ratio.",
-    "Memory: each variant in its own subprocess (build, warm up 1 step, run 2 steps). ru_maxrss_mb is the "
+    "Memory: each variant in its own subprocess (build, warm up 1 step, run 2 steps), started through a tiny "
+    "launcher process because Linux carries the parent's peak RSS across fork+exec into the child's "
+    "ru_maxrss (started directly, every child reported the timing process's own peak). ru_maxrss_mb is the "
     "process peak including imports, model build and the warm-up step (for DPTrainer that is the step that "
-    "also verifies the engine against autograd); steady_peak_rss_mb is VmHWM after resetting it "
+    "also verifies the engine against autograd); peak_rss_vmhwm_mb is the same peak read from "
+    "/proc/self/status (a cross-check); steady_peak_rss_mb is VmHWM after resetting it "
     "(/proc/self/clear_refs) once the warm-up step is done, i.e. the peak of the 2 steady-state steps only.",
 ]
 
@@ -399,18 +402,28 @@ def memory_only(name: str, cfg: Config) -> dict:
     del base
     for _ in range(MEMORY_WARMUP_STEPS):
         run_step(variant)
+    hwm = _vm_hwm_kb()
+    result["peak_rss_vmhwm_mb"] = hwm / 1024 if hwm is not None else None  # so far; updated below
     reset = _reset_peak_rss()
     for _ in range(MEMORY_STEPS):
         run_step(variant)
     result["ru_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     hwm = _vm_hwm_kb()
     result["steady_peak_rss_mb"] = hwm / 1024 if reset and hwm is not None else None
+    if hwm is not None and result["peak_rss_vmhwm_mb"] is not None:
+        result["peak_rss_vmhwm_mb"] = max(result["peak_rss_vmhwm_mb"], hwm / 1024)
     result["error"] = variant.error
     return result
 
 
+# Linux carries a process's peak RSS across fork + exec: a child started directly from this (large) process
+# reports THIS process's peak as its own ru_maxrss. A tiny launcher in between gives the child a fresh count.
+_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
+
+
 def measure_memory(name: str, cfg: Config, timeout: float = 1800) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--memory-only", name, *_config_argv(cfg)]
+    child = [sys.executable, str(Path(__file__).resolve()), "--memory-only", name, *_config_argv(cfg)]
+    cmd = [sys.executable, "-c", _LAUNCHER, *child]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     except subprocess.TimeoutExpired:
@@ -432,7 +445,7 @@ def _config_argv(cfg: Config) -> list[str]:
 
 def memory_ratios(memory: dict[str, dict]) -> dict:
     out: dict = {}
-    for key in ("ru_maxrss_mb", "steady_peak_rss_mb"):
+    for key in ("ru_maxrss_mb", "peak_rss_vmhwm_mb", "steady_peak_rss_mb"):
         reference = memory.get("non_private", {})
         ref = None if reference.get("error") else reference.get(key)
         for name, m in memory.items():

@@ -53,6 +53,9 @@ def main() -> None:
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--max_length", type=int, default=64)
+    parser.add_argument("--logging_steps", type=int, default=4)
+    parser.add_argument("--train_limit", type=int, default=None, help="use only the first N training rows")
+    parser.add_argument("--eval_limit", type=int, default=None, help="evaluate on the first N dev rows")
     parser.add_argument("--output_dir", default="out/sst2_quickstart")
     cli = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -81,7 +84,7 @@ def main() -> None:
         lr_scheduler_type="constant",
         dp_optimizer="adamw",
         weight_decay=0.0,
-        logging_steps=5,
+        logging_steps=cli.logging_steps,
         save_strategy="no",
         report_to="none",
         use_cpu=True,
