@@ -38,8 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The repository root first: the venv's editable install of hf_dp resolves to an empty namespace package
-# when imported from outside the repository (see benchmarks/README.md).
+# The repository root first, so the script measures this checkout's hf_dp even without an up-to-date
+# editable install (a stale one once resolved hf_dp to an empty namespace package).
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)

@@ -46,9 +46,13 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 
 def token_loss_per_example(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
-    """L_i = mean over t with labels_{i,t} != -100 of CE(logits_{i,t}, labels_{i,t}); 0 if none."""
+    """L_i = mean over t with labels_{i,t} != -100 of CE(logits_{i,t}, labels_{i,t}); 0 if none.
+
+    For causal LMs position t predicts labels_{t+1}: the LABELS are shifted (one -100 column appended),
+    never the logits, which would copy the B·T·V logit tensor.
+    """
     if shift:
-        logits, labels = logits[:, :-1], labels[:, 1:]
+        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     token_losses = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(),
         labels.reshape(-1),
