@@ -53,6 +53,15 @@ def main() -> None:
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--max_length", type=int, default=64)
+    parser.add_argument(
+        "--trainable",
+        choices=["all", "bitfit"],
+        default="bitfit",
+        help="'bitfit': biases, LayerNorms and the classification head only (Bu et al. 2022, DP-BiTFiT)",
+    )
+    parser.add_argument(
+        "--holdout", type=int, default=0, help="evaluate on the last N TRAIN rows instead of dev"
+    )
     parser.add_argument("--logging_steps", type=int, default=4)
     parser.add_argument("--train_limit", type=int, default=None, help="use only the first N training rows")
     parser.add_argument("--eval_limit", type=int, default=None, help="evaluate on the first N dev rows")
@@ -63,6 +72,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(cli.model_name_or_path)
     model = AutoModelForSequenceClassification.from_pretrained(cli.model_name_or_path, num_labels=2)
     model.train()
+    if cli.trainable == "bitfit":
+        for name, param in model.named_parameters():
+            param.requires_grad_(
+                name.endswith("bias") or "LayerNorm" in name or name.startswith(("classifier", "bert.pooler"))
+            )
 
     def tokenize(batch):
         return tokenizer(batch["sentence"], truncation=True, max_length=cli.max_length)
@@ -106,7 +120,7 @@ def main() -> None:
     trainer.train()
     metrics = trainer.evaluate()
     print(
-        f"SST-2 dev accuracy {metrics['eval_accuracy']:.4f} at epsilon {trainer.get_epsilon():.3f} "
+        f"SST-2 {'held-out train' if cli.holdout else 'dev'} accuracy {metrics['eval_accuracy']:.4f} at epsilon {trainer.get_epsilon():.3f} "
         f"(delta {trainer.target_delta:.2e}, {trainer.state.global_step} steps)",
         flush=True,
     )

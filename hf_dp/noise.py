@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import math
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+# Large draws are split into this many chunks, each from its own generator seeded by the main one and
+# filled on its own thread (torch's CPU normal sampler is single-threaded). A fixed count keeps the
+# noise a function of the seed alone, whatever the machine's thread count.
+_CHUNKS = 2
+_CHUNKED_ABOVE = 1 << 20
+_POOL = ThreadPoolExecutor(max_workers=_CHUNKS)
+
+
+def _fill_normal(chunk: torch.Tensor, generator: torch.Generator) -> None:
+    chunk.normal_(generator=generator)
 
 
 class GaussianNoise:

