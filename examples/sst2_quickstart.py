@@ -57,7 +57,7 @@ def main() -> None:
         "--trainable",
         choices=["all", "bitfit"],
         default="bitfit",
-        help="'bitfit': biases, LayerNorms and the classification head only (Bu et al. 2022, DP-BiTFiT)",
+        help="'bitfit': biases, LayerNorms and the classifier only (Bu et al. 2022, DP-BiTFiT)",
     )
     parser.add_argument(
         "--holdout", type=int, default=0, help="evaluate on the last N TRAIN rows instead of dev"
@@ -75,16 +75,19 @@ def main() -> None:
     if cli.trainable == "bitfit":
         for name, param in model.named_parameters():
             param.requires_grad_(
-                name.endswith("bias") or "LayerNorm" in name or name.startswith(("classifier", "bert.pooler"))
+                name.endswith("bias") or "LayerNorm" in name or name.startswith("classifier")
             )
 
     def tokenize(batch):
         return tokenizer(batch["sentence"], truncation=True, max_length=cli.max_length)
 
-    train = read_sst2(Path(cli.data_dir) / "train.tsv").map(
-        tokenize, batched=True, remove_columns=["sentence"]
-    )
-    dev = read_sst2(Path(cli.data_dir) / "dev.tsv").map(tokenize, batched=True, remove_columns=["sentence"])
+    train = read_sst2(Path(cli.data_dir) / "train.tsv", cli.train_limit)
+    dev = read_sst2(Path(cli.data_dir) / "dev.tsv", cli.eval_limit)
+    if cli.holdout:  # choose settings on held-out TRAIN rows, never on the dev set we report
+        dev = train.select(range(len(train) - cli.holdout, len(train)))
+        train = train.select(range(len(train) - cli.holdout))
+    train = train.map(tokenize, batched=True, remove_columns=["sentence"])
+    dev = dev.map(tokenize, batched=True, remove_columns=["sentence"])
 
     args = DPTrainingArguments(
         output_dir=cli.output_dir,

@@ -118,6 +118,11 @@ class DPTrainerMixin:
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, DPTrainingArguments):
             raise TypeError("DPTrainer needs DPTrainingArguments (from hf_dp), not TrainingArguments")
+        if self.args.world_size > 1 or self.is_deepspeed_enabled:
+            raise ValueError(
+                "DPTrainer runs in one process for now: multi-process DDP and DeepSpeed need clipped sums reduced "
+                "across ranks and per-rank noise, which are not implemented yet; launch a single process"
+            )
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise ValueError(
                 "DPTrainer needs a train_dataset with a length: Poisson sampling draws from N examples"
@@ -192,9 +197,13 @@ class DPTrainerMixin:
         super().log(logs, *args, **kwargs)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> float | None:
-        """The Trainer would log the norm of the clipped sum BEFORE noise, an unprivatised statistic: log none."""
+        """The Trainer would log the norm of the clipped sum BEFORE noise, an unprivatised statistic: log none.
+
+        Without DP, report the norm of the mean gradient (``.grad`` holds the sum until the optimizer step).
+        """
         if self.args.disable_dp:
-            return super()._get_grad_norm(model, grad_norm=grad_norm)
+            norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+            return None if norm is None else norm / self.expected_batch_size
         return None
 
     def privacy_state(self) -> dict[str, Any]:

@@ -42,56 +42,37 @@ def gpt2(**overrides) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(GPT2Config(**{**config, **overrides}))
 
 
+# The encoder size shared by the tiny BERT and RoBERTa models (dropout off so brute force can compare).
+_ENCODER = dict(
+    num_hidden_layers=2,
+    hidden_size=16,
+    num_attention_heads=2,
+    intermediate_size=32,
+    vocab_size=VOCAB,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+
+
 def bert_classifier(num_labels: int = 3) -> BertForSequenceClassification:
-    return BertForSequenceClassification(
-        BertConfig(
-            num_hidden_layers=2,
-            hidden_size=16,
-            num_attention_heads=2,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            num_labels=num_labels,
-            pad_token_id=PAD,
-            max_position_embeddings=32,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    )
+    config = BertConfig(**_ENCODER, num_labels=num_labels, pad_token_id=PAD, max_position_embeddings=32)
+    return BertForSequenceClassification(config)
 
 
 def bert_mlm() -> BertForMaskedLM:
-    return BertForMaskedLM(
-        BertConfig(
-            num_hidden_layers=2,
-            hidden_size=16,
-            num_attention_heads=2,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            pad_token_id=PAD,
-            max_position_embeddings=32,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    )
+    return BertForMaskedLM(BertConfig(**_ENCODER, pad_token_id=PAD, max_position_embeddings=32))
 
 
 def roberta_classifier(num_labels: int = 2) -> RobertaForSequenceClassification:
-    return RobertaForSequenceClassification(
-        RobertaConfig(
-            num_hidden_layers=2,
-            hidden_size=16,
-            num_attention_heads=2,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            num_labels=num_labels,
-            pad_token_id=1,
-            bos_token_id=0,
-            eos_token_id=2,
-            max_position_embeddings=40,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
+    config = RobertaConfig(
+        **_ENCODER,
+        num_labels=num_labels,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        max_position_embeddings=40,
     )
+    return RobertaForSequenceClassification(config)
 
 
 def llama() -> LlamaForCausalLM:

@@ -10,7 +10,7 @@ import dp_accounting
 import pytest
 import torch
 
-from hf_dp import DPTrainer
+from hf_dp import DPTrainer, DPTrainingArguments
 from hf_dp.losses import per_example_loss
 from tests import models
 from tests.trainer_utils import (
@@ -355,3 +355,10 @@ def test_plain_training_arguments_are_refused(tmp_path):
             train_dataset=TokenRows(8),
             data_collator=pad_collate,
         )
+
+
+def test_multi_process_is_refused_until_it_is_implemented(tmp_path, monkeypatch):
+    args = make_args(tmp_path, noise_multiplier=1.0)
+    monkeypatch.setattr(DPTrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="runs in one process for now"):
+        DPTrainer(model=models.gpt2(), args=args, train_dataset=TokenRows(32), data_collator=pad_collate)
