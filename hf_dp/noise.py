@@ -47,9 +47,15 @@ class GaussianNoise:
             stream = np.random.Generator(np.random.PCG64DXSM(secrets.randbits(128)))
             pair = torch.from_numpy(stream.standard_normal((2, *shape)))
             return (pair.sum(dim=0) * (std / math.sqrt(2.0))).to(device=device, dtype=dtype)
-        return (torch.randn(shape, generator=self._generator(device), device=device, dtype=work) * std).to(
-            dtype
-        )
+        generator = self._generator(device)
+        out = torch.empty(shape, device=device, dtype=work)
+        if out.numel() < _CHUNKED_ABOVE or device.type != "cpu":
+            out.normal_(generator=generator)
+        else:
+            seeds = torch.randint(0, 2**62, (_CHUNKS,), generator=generator, device=device).tolist()
+            chunk_generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+            list(_POOL.map(_fill_normal, out.view(-1).chunk(_CHUNKS), chunk_generators))
+        return out.mul_(std).to(dtype)
 
     def state_dict(self) -> dict:
         return {

@@ -207,10 +207,10 @@ class ClippingEngine:
             if verify:
                 self._verify(parts, reference, torch.ones_like(factors))
             for param, param_parts in parts.values():
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
+                grad = param.grad
                 for part in param_parts:
-                    part.add_weighted_sum(param.grad, factors)
+                    grad = part.accumulate(grad, factors, param)
+                param.grad = grad
         return norms
 
     def _per_example_parts(
@@ -261,9 +261,11 @@ class ClippingEngine:
     def _verify(self, parts: dict, reference: dict, ones: torch.Tensor) -> None:
         largest = max((g.norm().item() for g in reference.values() if g is not None), default=0.0)
         for pid, (param, param_parts) in parts.items():
-            ours = torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
+            ours = None
             for part in param_parts:
-                part.add_weighted_sum(ours, ones)
+                ours = part.accumulate(
+                    ours, ones, param.detach().to(torch.promote_types(param.dtype, torch.float32))
+                )
             ref = reference.get(pid)
             ref = torch.zeros_like(param) if ref is None else ref
             error = (ours - ref.float()).norm().item()

@@ -79,29 +79,34 @@ class OuterProductSum:
                 grads = torch.bmm(self.left[start:stop].transpose(1, 2), self.right[start:stop])
             yield grads
 
-    def add_weighted_sum(self, out: torch.Tensor, weights: torch.Tensor) -> None:
-        """out += Σ_i w_i G_i as one GEMM (one index_add for embeddings), w folded into the smaller side."""
+    def accumulate(
+        self, grad: torch.Tensor | None, weights: torch.Tensor, like: torch.Tensor
+    ) -> torch.Tensor:
+        """grad + Σ_i w_i G_i (grad None: a fresh tensor shaped like ``like``), as one GEMM written in place
+        (one index_add for embeddings), with w folded into the smaller side."""
         cols = self.right.shape[2]
         weights = weights.to(self.right.dtype)
-        target = out.view(self.rows, cols) if out.dtype == self.right.dtype else None
+        in_place = grad is not None and grad.dtype == self.right.dtype
         if self.is_index:
-            scaled = (self.right * weights[:, None, None]).reshape(-1, cols)
-            if target is None:
-                target = self.right.new_zeros(self.rows, cols)
-            target.index_add_(0, self.left.reshape(-1), scaled)
+            if grad is None:
+                grad = torch.zeros_like(like)
+                in_place = grad.dtype == self.right.dtype
+            target = grad.view(self.rows, cols) if in_place else self.right.new_zeros(self.rows, cols)
+            target.index_add_(
+                0, self.left.reshape(-1), (self.right * weights[:, None, None]).reshape(-1, cols)
+            )
+            return grad if in_place else grad.add_(target.view(like.shape).to(grad.dtype))
+        left, right = self.left, self.right
+        if left.shape[2] <= right.shape[2]:
+            left = left * weights[:, None, None]
         else:
-            left, right = self.left, self.right
-            if left.shape[2] <= right.shape[2]:
-                left = left * weights[:, None, None]
-            else:
-                right = right * weights[:, None, None]
-            left, right = left.reshape(-1, left.shape[2]), right.reshape(-1, cols)
-            if target is None:
-                target = left.T @ right
-            else:
-                target.addmm_(left.T, right)
-        if target.data_ptr() != out.data_ptr():
-            out.add_(target.view(out.shape).to(out.dtype))
+            right = right * weights[:, None, None]
+        left, right = left.reshape(-1, left.shape[2]), right.reshape(-1, cols)
+        if in_place:
+            grad.view(self.rows, cols).addmm_(left.T, right)
+            return grad
+        fresh = (left.T @ right).view(like.shape).to(like.dtype)
+        return fresh if grad is None else grad.add_(fresh)
 
 
 @dataclass
@@ -113,11 +118,14 @@ class Materialised:
     def squared_norm(self, materialise: bool = True) -> torch.Tensor:
         return self.grads.flatten(1).pow(2).sum(dim=1)
 
-    def add_weighted_sum(self, out: torch.Tensor, weights: torch.Tensor) -> None:
-        """out += Σ_i w_i G_i."""
-        out.add_(
-            torch.tensordot(weights.to(self.grads.dtype), self.grads, dims=1).view(out.shape).to(out.dtype)
+    def accumulate(
+        self, grad: torch.Tensor | None, weights: torch.Tensor, like: torch.Tensor
+    ) -> torch.Tensor:
+        """grad + Σ_i w_i G_i (grad None: a fresh tensor shaped like ``like``)."""
+        fresh = (
+            torch.tensordot(weights.to(self.grads.dtype), self.grads, dims=1).view(like.shape).to(like.dtype)
         )
+        return fresh if grad is None else grad.add_(fresh)
 
 
 PerExampleGradient = OuterProductSum | Materialised
