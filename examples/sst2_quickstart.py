@@ -1,8 +1,11 @@
 """A short private fine-tuning on CPU: MiniLM (all-MiniLM-L6-v2) on SST-2 at ε = 8.
 
-Prints loss and ε as it trains, then dev accuracy and the final (ε, δ). Runs offline from the
-PyPI-packaged MiniLM and ../shared/data/glue/SST-2; with Hub access, --model_name_or_path and
---data_dir accept Hub names too (e.g. --model_name_or_path sentence-transformers/all-MiniLM-L6-v2).
+Prints loss and ε as it trains, then dev accuracy and the final (ε, δ). The defaults (DP-BiTFiT: biases,
+LayerNorms and classifier; DP-AdamW lr 5e-3; 40 steps of 256 expected examples) were chosen on 1,000
+held-out TRAIN rows (--holdout 1000) and run in about three minutes on 2 cores; at this scale the noise
+limits accuracy (held-out 0.59 at ε = 8 vs 0.81 with clipping and no noise). Runs offline from the
+PyPI-packaged MiniLM and ../shared/data/glue/SST-2; with Hub access --model_name_or_path also takes
+a Hub name (e.g. sentence-transformers/all-MiniLM-L6-v2).
 
     python examples/sst2_quickstart.py [--target_epsilon 8 --max_steps 40]
 """
@@ -50,9 +53,9 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=40)
     parser.add_argument("--batch_size", type=int, default=64, help="per micro-batch")
     parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per logical batch")
-    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--learning_rate", type=float, default=5e-3)
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--max_length", type=int, default=64)
+    parser.add_argument("--max_length", type=int, default=32)
     parser.add_argument(
         "--trainable",
         choices=["all", "bitfit"],
