@@ -362,3 +362,16 @@ def test_multi_process_is_refused_until_it_is_implemented(tmp_path, monkeypatch)
     monkeypatch.setattr(DPTrainingArguments, "world_size", property(lambda self: 2))
     with pytest.raises(ValueError, match="runs in one process for now"):
         DPTrainer(model=models.gpt2(), args=args, train_dataset=TokenRows(32), data_collator=pad_collate)
+
+
+def test_bf16_autocast_step_is_close_to_the_float32_step(tmp_path):
+    """Under bf16 autocast the norms are computed in float32 from bf16 activations: same step to bf16 precision."""
+    steps = {}
+    for bf16 in (False, True):
+        torch.manual_seed(8)
+        model = models.gpt2()
+        before = snapshot(model)
+        make_trainer(tmp_path, model=model, noise_multiplier=0.0, bf16=bf16, max_steps=1).train()
+        steps[bf16] = torch.cat([(before[n] - p.detach()).flatten() for n, p in model.named_parameters()])
+    assert steps[False].norm() > 0
+    assert (steps[True] - steps[False]).norm() < 0.05 * steps[False].norm()

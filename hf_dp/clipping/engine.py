@@ -205,7 +205,11 @@ class ClippingEngine:
             if example_mask is not None:
                 factors = factors * example_mask.to(factors.dtype)
             if verify:
-                self._verify(parts, reference, torch.ones_like(factors))
+                # mixed precision (bf16 autocast) rounds the two computations differently
+                tolerance = max(
+                    [1e-3] + [4 * torch.finfo(o.dtype).eps for o in outputs if o.is_floating_point()]
+                )
+                self._verify(parts, reference, torch.ones_like(factors), tolerance)
             for param, param_parts in parts.values():
                 grad = param.grad
                 for part in param_parts:
@@ -258,7 +262,7 @@ class ClippingEngine:
         params = self.parameters
         return params[0].device if params else torch.device("cpu")
 
-    def _verify(self, parts: dict, reference: dict, ones: torch.Tensor) -> None:
+    def _verify(self, parts: dict, reference: dict, ones: torch.Tensor, tolerance: float) -> None:
         largest = max((g.norm().item() for g in reference.values() if g is not None), default=0.0)
         for pid, (param, param_parts) in parts.items():
             ours = None
@@ -269,7 +273,7 @@ class ClippingEngine:
             ref = reference.get(pid)
             ref = torch.zeros_like(param) if ref is None else ref
             error = (ours - ref.float()).norm().item()
-            if error > 1e-3 * max(ref.norm().item(), 1e-3 * largest, 1e-12):
+            if error > tolerance * max(ref.norm().item(), 1e-3 * largest, 1e-12):
                 raise UnsupportedModuleError(
                     f"parameter {self._names[pid]} gets gradient from outside the forward of the module that owns "
                     f"it (engine {ours.norm().item():.4g} vs autograd {ref.norm().item():.4g}), so its per-example "
