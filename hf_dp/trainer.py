@@ -8,6 +8,7 @@ by the expected batch size → update → accountant.step(σ, q) → ε in every
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -301,16 +302,17 @@ class DPTrainerMixin:
         A subclass that overrides ``compute_loss`` instead must return this same (B,) vector from it.
         """
         if self._uses_custom_compute_loss:
-            losses = self.compute_loss(model, inputs)
-            batch = self.clipping_engine_batch_size
-            if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != batch:
-                shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
-                raise ValueError(
-                    f"{type(self).__name__}.compute_loss returned {shape}; under DP it must return one loss per "
-                    f"example, shape ({batch},), or override compute_per_example_loss instead"
-                )
-            return losses
+            return self.compute_loss(model, inputs)
         return per_example_loss(model, inputs)
+
+    def _require_per_example(self, losses: Any, batch_size: int) -> None:
+        if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != batch_size:
+            shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+            source = "compute_loss" if self._uses_custom_compute_loss else "compute_per_example_loss"
+            raise ValueError(
+                f"{type(self).__name__}.{source} returned {shape}; under DP it must return one loss per example, "
+                f"shape ({batch_size},), or override compute_per_example_loss instead"
+            )
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
@@ -325,15 +327,17 @@ class DPTrainerMixin:
         mask = inputs[EXAMPLE_MASK_KEY].to(self.args.device)
         if not mask.any():
             return torch.zeros((), device=self.args.device)
-        self.clipping_engine_batch_size = batch_size = mask.shape[0]
+        batch_size = mask.shape[0]
         model_inputs = {k: v for k, v in inputs.items() if k != EXAMPLE_MASK_KEY}
+        recording = (
+            self.clipping_engine.record(batch_size) if self.clipping_engine else contextlib.nullcontext()
+        )
+        with self.compute_loss_context_manager(), recording:
+            losses = self.compute_per_example_loss(model, model_inputs)
+        self._require_per_example(losses, batch_size)
         if self.clipping_engine is None:
-            with self.compute_loss_context_manager():
-                losses = self.compute_per_example_loss(model, model_inputs)
             self.accelerator.backward((losses * mask).sum())
         else:
-            with self.compute_loss_context_manager(), self.clipping_engine.record(batch_size):
-                losses = self.compute_per_example_loss(model, model_inputs)
             self.clipping_engine.clipped_backward(losses, mask, verify=not self._verified_engine)
             self._verified_engine = True
         return (losses.detach() * mask).sum() / self.expected_batch_size

@@ -68,6 +68,9 @@ class ClippingEngine:
         self.clipping_fn = clipping_fn
         self.materialise = mode == "per_sample"
         self._owned = self._assign_parameters(model, allow_functorch_fallback)
+        self._rules = {module: rule_for(module) for module in self._owned}
+        unique = {id(getattr(m, n)): getattr(m, n) for m, names in self._owned.items() for n in names}
+        self.parameters: list[nn.Parameter] = list(unique.values())  # what this engine clips, each once
         self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._module_names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
         self._calls: list[_Call] = []
@@ -114,16 +117,6 @@ class ClippingEngine:
             for module, pname in chosen:
                 owned.setdefault(module, []).append(pname)
         return owned
-
-    @property
-    def parameters(self) -> list[nn.Parameter]:
-        """The trainable parameters this engine clips, each once."""
-        seen: dict[int, nn.Parameter] = {}
-        for module, names in self._owned.items():
-            for n in names:
-                p = getattr(module, n)
-                seen[id(p)] = p
-        return list(seen.values())
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -223,10 +216,9 @@ class ClippingEngine:
         parts: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]] = {}
         for call in calls:
             grads = [next(output_grads) if o.requires_grad else None for o in call.outputs]
-            names = self._owned[call.module]
-            rule = rule_for(call.module)
             if all(g is None for g in grads):
                 continue
+            names, rule = self._owned[call.module], self._rules[call.module]
             if rule is not None:
                 grad_out = grads[0] if grads[0] is not None else torch.zeros_like(call.outputs[0])
                 found = rule(call.module, call.args[0], grad_out)
@@ -250,17 +242,14 @@ class ClippingEngine:
     def _norms(self, parts: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]]) -> torch.Tensor:
         """‖g_i‖² = Σ_params ‖Σ_uses G_i‖², each tied parameter's cross terms included."""
         dtype = torch.float64 if any(p.dtype == torch.float64 for p, _ in parts.values()) else torch.float32
-        total = torch.zeros(self._batch_size or 0, dtype=dtype, device=self._device())
+        device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        total = torch.zeros(self._batch_size or 0, dtype=dtype, device=device)
         for param, uses in parts.values():
             for k, part in enumerate(uses):
                 total += part.squared_norm(self.materialise).to(total)
                 for other in uses[k + 1 :]:
                     total += 2 * cross_inner(part, other, param.shape).to(total)
         return total.clamp(min=0).sqrt()
-
-    def _device(self) -> torch.device:
-        params = self.parameters
-        return params[0].device if params else torch.device("cpu")
 
     def _verify(self, parts: dict, reference: dict, ones: torch.Tensor, tolerance: float) -> None:
         largest = max((g.norm().item() for g in reference.values() if g is not None), default=0.0)
