@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.util
+import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +71,7 @@ def main() -> None:
     parser.add_argument("--train_limit", type=int, default=None, help="use only the first N training rows")
     parser.add_argument("--eval_limit", type=int, default=None, help="evaluate on the first N dev rows")
     parser.add_argument("--output_dir", default="out/sst2_quickstart")
+    parser.add_argument("--results_json", default=None, help="also write the settings and results here")
     cli = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -123,8 +126,23 @@ def main() -> None:
         f"steps={trainer.planned_steps}  sigma={trainer.noise_multiplier:.3f}  delta={trainer.target_delta:.2e}",
         flush=True,
     )
+    started = time.time()
     trainer.train()
     metrics = trainer.evaluate()
+    if cli.results_json:
+        record = {
+            "settings": vars(cli),
+            "split": "held-out train" if cli.holdout else "dev",
+            "accuracy": metrics["eval_accuracy"],
+            "epsilon": trainer.get_epsilon(),
+            "delta": trainer.target_delta,
+            "noise_multiplier": trainer.noise_multiplier,
+            "sample_rate": trainer.sample_rate,
+            "steps": trainer.state.global_step,
+            "wall_seconds": time.time() - started,
+            "date": time.strftime("%Y-%m-%d"),
+        }
+        Path(cli.results_json).write_text(json.dumps(record, indent=2) + "\n")
     print(
         f"SST-2 {'held-out train' if cli.holdout else 'dev'} accuracy {metrics['eval_accuracy']:.4f} at epsilon {trainer.get_epsilon():.3f} "
         f"(delta {trainer.target_delta:.2e}, {trainer.state.global_step} steps)",
