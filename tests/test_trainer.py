@@ -357,13 +357,6 @@ def test_plain_training_arguments_are_refused(tmp_path):
         )
 
 
-def test_multi_process_is_refused_until_it_is_implemented(tmp_path, monkeypatch):
-    args = make_args(tmp_path, noise_multiplier=1.0)
-    monkeypatch.setattr(DPTrainingArguments, "world_size", property(lambda self: 2))
-    with pytest.raises(ValueError, match="runs in one process for now"):
-        DPTrainer(model=models.gpt2(), args=args, train_dataset=TokenRows(32), data_collator=pad_collate)
-
-
 def test_bf16_autocast_step_is_close_to_the_float32_step(tmp_path):
     """Under bf16 autocast the norms are computed in float32 from bf16 activations: same step to bf16 precision."""
     steps = {}

@@ -1,0 +1,64 @@
+"""What DP needs from multi-process training: a cross-process sum, and DeepSpeed settings that keep DP exact.
+
+Under DDP every process holds its share's clipped sum in ``.grad``; they are summed once per logical
+batch and every process adds the same noise (DESIGN §4.4, replicated gradients). Under DeepSpeed ZeRO
+the gradient goes through ``engine.backward`` (the two-pass scheme of DEEPSPEED.md) and each process
+adds independent noise to the partition it owns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def sum_across_processes(tensors: list[torch.Tensor]) -> None:
+    """In place: every tensor becomes its sum over all processes (one all-reduce per dtype)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def zero_stage(config: dict[str, Any]) -> int:
+    return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+def check_deepspeed_config(config: dict[str, Any]) -> None:
+    """Refuse DeepSpeed settings that would change or void the DP step, before training starts."""
+
+    def enabled(section: str) -> bool:
+        return config.get(section, {}).get("enabled", False) is True
+
+    if "optimizer" in config:
+        raise ValueError(
+            "the DeepSpeed config has an 'optimizer' section: DeepSpeed would replace DPTrainer's optimizer and "
+            "no noise would be added; remove it and choose the optimizer with dp_optimizer"
+        )
+    clipping = config.get("gradient_clipping", 0.0)
+    if clipping not in (0, 0.0, "auto"):
+        raise ValueError(
+            f"DeepSpeed gradient_clipping={clipping} would clip the aggregate gradient; set it to 0 or 'auto' "
+            "(per-example clipping is per_sample_max_grad_norm)"
+        )
+    if enabled("fp16") or enabled("bf16"):
+        raise ValueError(
+            "DeepSpeed fp16/bf16 training is not supported by DPTrainer yet (loss scaling and per-example norms "
+            "in half precision are unchecked); set fp16.enabled and bf16.enabled to false or 'auto'"
+        )
+    zero = config.get("zero_optimization", {})
+    for key in ("offload_optimizer", "offload_param"):
+        if zero.get(key, {}).get("device", "none") not in ("none", None):
+            raise ValueError(
+                f"DeepSpeed zero_optimization.{key} is not supported by DPTrainer yet; remove it"
+            )
+    if config.get("gradient_predivide_factor", 1.0) != 1.0:
+        raise ValueError("DeepSpeed gradient_predivide_factor must be 1.0 under DPTrainer")

@@ -1,0 +1,151 @@
+"""One DPTrainer run for the multi-process tests, launched by torchrun / accelerate launch (or alone).
+
+Trains the tiny tied GPT-2 on random token rows and writes, from the main process, the final full
+parameters, what the run was (world size, distributed type, ZeRO stage) and its privacy numbers to
+``--out``; every process also writes the noise it drew (``--record_noise``).
+
+    torchrun --nproc_per_node 2 tests/distributed_worker.py --out DIR [--zero 2] [--sigma 1.0] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+from tests import models  # noqa: E402
+from tests.trainer_utils import TokenRows, pad_collate  # noqa: E402
+
+
+def deepspeed_config(stage: int) -> dict:
+    return {
+        "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def full_parameters(trainer: DPTrainer) -> dict[str, torch.Tensor]:
+    params = dict(trainer.model.named_parameters())
+    if trainer.is_deepspeed_enabled:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {n: p.detach().clone() for n, p in params.items()}
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+class _Snapshot(TrainerCallback):
+    """Saves the full parameters after one optimizer step (every process takes part in the ZeRO-3 gather)."""
+
+    def __init__(self, trainer: DPTrainer, step: int, out: str) -> None:
+        self.trainer, self.step, self.out = trainer, step, out
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            params = full_parameters(self.trainer)
+            if args.process_index == 0:
+                torch.save(params, os.path.join(self.out, f"params_step{self.step}.pt"))
+        return control
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--zero", type=int, default=None, help="DeepSpeed ZeRO stage (default: no DeepSpeed)")
+    parser.add_argument("--sigma", type=float, default=0.0)
+    parser.add_argument("--target_epsilon", type=float, default=None)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--per_device", type=int, default=4)
+    parser.add_argument("--gas", type=int, default=2)
+    parser.add_argument("--examples", type=int, default=64)
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--clip", type=float, default=0.5)
+    parser.add_argument("--save_steps", type=int, default=0)
+    parser.add_argument("--resume_from", default=None)
+    parser.add_argument("--record_noise", action="store_true")
+    parser.add_argument(
+        "--snapshot_step", type=int, default=0, help="also save the parameters after this step"
+    )
+    cli = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = models.gpt2()
+    privacy = (
+        {"target_epsilon": cli.target_epsilon} if cli.target_epsilon else {"noise_multiplier": cli.sigma}
+    )
+    args = DPTrainingArguments(
+        output_dir=cli.out,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+        save_strategy="steps" if cli.save_steps else "no",
+        save_steps=cli.save_steps or 500,
+        per_device_train_batch_size=cli.per_device,
+        gradient_accumulation_steps=cli.gas,
+        learning_rate=cli.lr,
+        lr_scheduler_type="constant",
+        dp_optimizer=cli.optimizer,
+        per_sample_max_grad_norm=cli.clip,
+        max_steps=cli.steps,
+        seed=7,
+        deepspeed=deepspeed_config(cli.zero) if cli.zero is not None else None,
+        **privacy,
+    )
+    trainer = DPTrainer(
+        model=model, args=args, train_dataset=TokenRows(cli.examples), data_collator=pad_collate
+    )
+    drawn: list[torch.Tensor] = []
+    if cli.record_noise:
+        sample = trainer.privatizer.noise.sample
+
+        def recording_sample(*a, **k):
+            noise = sample(*a, **k)
+            drawn.append(noise.detach().flatten().clone())
+            return noise
+
+        trainer.privatizer.noise.sample = recording_sample
+    if cli.snapshot_step:
+        trainer.add_callback(_Snapshot(trainer, cli.snapshot_step, cli.out))
+    trainer.train(resume_from_checkpoint=cli.resume_from)
+    params = full_parameters(trainer)
+    if drawn:
+        torch.save(torch.cat(drawn), os.path.join(cli.out, f"noise_process{args.process_index}.pt"))
+    if args.process_index == 0:
+        torch.save(params, os.path.join(cli.out, "final.pt"))
+        info = {
+            "world_size": args.world_size,
+            "distributed_type": str(trainer.accelerator.distributed_type),
+            "deepspeed": trainer.is_deepspeed_enabled,
+            "zero_stage": trainer._zero_stage,
+            "epsilon": trainer.get_epsilon(),
+            "noise_multiplier": trainer.noise_multiplier,
+            "sample_rate": trainer.sample_rate,
+            "expected_batch_size": trainer.expected_batch_size,
+            "steps": trainer.accountant.steps,
+            "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+            "log_keys": sorted({k for log in trainer.state.log_history for k in log}),
+        }
+        with open(os.path.join(cli.out, "info.json"), "w") as f:
+            json.dump(info, f)
+    trainer.accelerator.wait_for_everyone()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""DPTrainer on 2 processes: DDP through accelerate launch / torchrun, and DeepSpeed ZeRO-1/2/3.
+
+Every run is a real 2-process job (tests/distributed_worker.py) and asserts the world size and the
+distributed type it meant to test. With σ = 0 and the same logical batches each must end at the same
+parameters as one process; with σ > 0 the noise must be added exactly once: std σC/B̄ per coordinate
+of the update, identical on DDP replicas, independent between the partitions of different ZeRO ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_dp import calibrate_noise_multiplier, compute_epsilon
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = str(REPO / "tests" / "distributed_worker.py")
+BIN = Path(sys.executable).parent
+CONFIGS = REPO / "recipes" / "configs"
+LR, CLIP = 0.5, 0.5  # the worker's learning rate (SGD) and clip norm
+
+
+class Runs:
+    """Launches each distinct job once, one at a time (2 cores), each on its own port."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.port, self.done = root, 29700 + os.getpid() % 200, {}
+
+    def __call__(self, name: str, launcher: str, *worker_args: str) -> Path:
+        if name in self.done:
+            return self.done[name]
+        out = self.root / name
+        self.port += 1
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+        if launcher == "single":
+            env.update(
+                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port)
+            )
+            command = [sys.executable]
+        elif launcher == "torchrun":
+            command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(self.port)]
+        else:  # an accelerate config file from recipes/configs
+            command = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / launcher)]
+            command += ["--main_process_port", str(self.port)]
+        result = subprocess.run(
+            [*command, WORKER, "--out", str(out), *worker_args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if result.returncode != 0:
+            raise AssertionError(f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        self.done[name] = out
+        return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("distributed"))
+
+
+def info(out: Path) -> dict:
+    return json.loads((out / "info.json").read_text())
+
+
+def flat(path: Path) -> torch.Tensor:
+    params = torch.load(path)
+    return torch.cat([params[name].flatten() for name in sorted(params)])
+
+
+def relative_difference(a: Path, b: Path) -> float:
+    x, y = flat(a), flat(b)
+    return ((x - y).norm() / y.norm()).item()
+
+
+def assert_world(out: Path, distributed_type: str, zero_stage: int | None = None) -> dict:
+    run = info(out)
+    assert run["world_size"] == 2, run
+    assert run["distributed_type"] == f"DistributedType.{distributed_type}", run
+    assert run["zero_stage"] == zero_stage, run
+    assert "grad_norm" not in run["log_keys"]  # the unnoised norm must never be logged
+    return run
+
+
+def one_process_reference(runs: Runs) -> Path:
+    """The same logical batches in one process: 2 × the per-device batch, same accumulation."""
+    return runs("reference", "single", "--per_device", "8")
+
+
+def test_reference_clips(runs):
+    """The parity tests below mean something only if clipping is active: a huge C gives another result."""
+    reference = one_process_reference(runs)
+    unclipped = runs("reference_unclipped", "single", "--per_device", "8", "--clip", "1e6")
+    assert relative_difference(unclipped / "final.pt", reference / "final.pt") > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("name", "launcher", "extra", "distributed_type", "stage"),
+    [
+        ("ddp_accelerate", "ddp.yaml", ("--snapshot_step", "1"), "MULTI_CPU", None),
+        ("ddp_torchrun", "torchrun", (), "MULTI_CPU", None),
+        ("zero1", "torchrun", ("--zero", "1"), "DEEPSPEED", 1),
+        ("zero2_accelerate", "deepspeed_zero2.yaml", ("--snapshot_step", "1"), "DEEPSPEED", 2),
+        ("zero3", "torchrun", ("--zero", "3"), "DEEPSPEED", 3),
+    ],
+)
+def test_two_processes_match_one_process_without_noise(runs, name, launcher, extra, distributed_type, stage):
+    reference = one_process_reference(runs)
+    out = runs(name, launcher, *extra)
+    run = assert_world(out, distributed_type, stage)
+    assert run["expected_batch_size"] == info(reference)["expected_batch_size"] == 16
+    assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
+    # the logged loss is the mean over the whole logical batch, not one process's share
+    assert run["losses"] == pytest.approx(info(reference)["losses"], rel=1e-5)
+
+
+def noise_of_first_step(runs: Runs, noisy: Path, clean_name: str, launcher: str, *extra: str) -> torch.Tensor:
+    clean = runs(clean_name, launcher, "--snapshot_step", "1", *extra)
+    return (flat(noisy / "params_step1.pt") - flat(clean / "params_step1.pt")) / LR
+
+
+def assert_noise_std(noise: torch.Tensor, sigma: float, expected_batch: int) -> None:
+    """Per coordinate the update noise must be σC/B̄ (once, after the sum): 3% is > 4 standard errors here."""
+    expected = sigma * CLIP / expected_batch
+    assert noise.numel() > 5000
+    assert noise.std().item() == pytest.approx(expected, rel=0.03)
+
+
+def test_ddp_noise_is_added_once_and_identical_on_replicas(runs):
+    noisy = runs("ddp_noisy", "ddp.yaml", "--sigma", "1.0", "--snapshot_step", "1", "--record_noise")
+    run = assert_world(noisy, "MULTI_CPU")
+    assert_noise_std(
+        noise_of_first_step(runs, noisy, "ddp_accelerate", "ddp.yaml"), 1.0, run["expected_batch_size"]
+    )
+    # replicated gradients: both processes drew the same noise, so their parameters stay identical
+    assert torch.equal(torch.load(noisy / "noise_process0.pt"), torch.load(noisy / "noise_process1.pt"))
+
+
+def test_zero2_noise_is_independent_per_partition_and_epsilon_matches_one_process(runs):
+    noisy = runs(
+        "zero2_noisy",
+        "deepspeed_zero2.yaml",
+        "--target_epsilon",
+        "4",
+        "--snapshot_step",
+        "1",
+        "--record_noise",
+    )
+    run = assert_world(noisy, "DEEPSPEED", 2)
+    noise = noise_of_first_step(runs, noisy, "zero2_accelerate", "deepspeed_zero2.yaml")
+    assert_noise_std(noise, run["noise_multiplier"], run["expected_batch_size"])
+    first, second = torch.load(noisy / "noise_process0.pt"), torch.load(noisy / "noise_process1.pt")
+    total = sum(p.numel() for p in torch.load(noisy / "final.pt").values())
+    # each process drew noise for its own partition only: about half of the coordinates per step
+    assert first.numel() < 0.6 * total * run["steps"] and second.numel() < 0.6 * total * run["steps"]
+    n = min(first.numel(), second.numel())
+    correlation = torch.corrcoef(torch.stack([first[:n], second[:n]]))[0, 1].item()
+    assert abs(correlation) < 0.05  # the same seed on both ranks would give 1.0
+    # accounting sees the global q and the optimizer steps: the same σ and ε as one process
+    sigma = calibrate_noise_multiplier(4.0, 64**-1.1, run["sample_rate"], run["steps"], "prv")
+    assert run["sample_rate"] == 16 / 64
+    assert run["noise_multiplier"] == pytest.approx(sigma, rel=1e-9)
+    assert run["epsilon"] == pytest.approx(
+        compute_epsilon(sigma, run["sample_rate"], 3, 64**-1.1, "prv"), rel=1e-6
+    )
+    assert run["epsilon"] <= 4.0
+
+
+@pytest.mark.parametrize(
+    ("name", "launcher", "extra", "distributed_type", "stage"),
+    [
+        ("ddp", "ddp.yaml", (), "MULTI_CPU", None),
+        ("zero3", "torchrun", ("--zero", "3"), "DEEPSPEED", 3),
+    ],
+)
+def test_resume_continues_the_uninterrupted_run(runs, name, launcher, extra, distributed_type, stage):
+    """σ > 0: the noise generators, sampler and accountant resume exactly with the weights and optimizer."""
+    common = ("--sigma", "1.0", "--steps", "4", "--optimizer", "adamw", "--lr", "0.01", *extra)
+    whole = runs(f"{name}_whole", launcher, "--save_steps", "2", *common)
+    resumed = runs(f"{name}_resumed", launcher, "--resume_from", str(whole / "checkpoint-2"), *common)
+    run = assert_world(resumed, distributed_type, stage)
+    assert run["steps"] == 4 and run["epsilon"] == pytest.approx(info(whole)["epsilon"], rel=1e-12)
+    assert relative_difference(resumed / "final.pt", whole / "final.pt") < 1e-6
