@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -23,11 +24,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_dp.accounting import PrivacyAccountant, calibrate_noise_multiplier
 from hf_dp.arguments import DPTrainingArguments, default_delta
-from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.engine import ClippingEngine, clip_factors
+from hf_dp.distributed import check_deepspeed_config, sum_across_processes, zero_stage
+from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.losses import per_example_loss
 from hf_dp.noise import GaussianNoise
 from hf_dp.optim.base import GradientPrivatizer
 from hf_dp.optim.factory import make_dp_optimizer
+from hf_dp.optim.plan import StepPlan, plan_for
 from hf_dp.sampling import PoissonBatchSampler, ShuffledBatchSampler
 
 logger = logging.getLogger(__name__)
@@ -35,6 +39,42 @@ logger = logging.getLogger(__name__)
 EXAMPLE_MASK_KEY = "hf_dp_example_mask"
 PRIVACY_STATE_FILE = "hf_dp_privacy_state.json"
 _NOISE_SEED_OFFSET = 0x5EED
+# these optimizers need the engine's book-keeping (scaled geometry, two evaluations), not DeepSpeed's backward
+_NEEDS_BOOKKEEPING = ("stp", "dp2", "disk")
+
+
+def _noise_state_file(process_index: int) -> str:
+    return f"hf_dp_noise_state_process{process_index}.pt"
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    """Replay the same dropout masks in another pass over the same examples."""
+    torch.set_rng_state(state[0])
+    if state[1]:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+@contextlib.contextmanager
+def _shifted(shift: Mapping[nn.Parameter, torch.Tensor] | None) -> Iterator[None]:
+    """Parameters at θ + shift inside the block; θ restored exactly (from a copy, not by subtraction)."""
+    if not shift:
+        yield
+        return
+    saved = {p: p.detach().clone() for p in shift}
+    with torch.no_grad():
+        for p, delta in shift.items():
+            p.add_(delta.to(p.dtype))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in saved.items():
+                p.copy_(value)
 
 
 class _EpochDataLoader(DataLoader):
@@ -119,11 +159,7 @@ class DPTrainerMixin:
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, DPTrainingArguments):
             raise TypeError("DPTrainer needs DPTrainingArguments (from hf_dp), not TrainingArguments")
-        if self.args.world_size > 1 or self.is_deepspeed_enabled:
-            raise ValueError(
-                "DPTrainer runs in one process for now: multi-process DDP and DeepSpeed need clipped sums reduced "
-                "across ranks and per-rank noise, which are not implemented yet; launch a single process"
-            )
+        self._zero_stage = self._check_deepspeed() if self.is_deepspeed_enabled else None
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise ValueError(
                 "DPTrainer needs a train_dataset with a length: Poisson sampling draws from N examples"
@@ -160,17 +196,39 @@ class DPTrainerMixin:
             )
         self._verified_engine = False
         self._uses_custom_compute_loss = type(self).compute_loss is not Trainer.compute_loss
+        # replicated gradients (one process, DDP, ZeRO-0) get the same noise on every process after the sum;
+        # partitioned ones (ZeRO-1/2/3) independent noise per process on the partition it owns
+        partitioned = bool(self._zero_stage)
+        noise_seed = self.args.seed + _NOISE_SEED_OFFSET + (self.args.process_index if partitioned else 0)
         self.privatizer = GradientPrivatizer(
             noise_multiplier=self.noise_multiplier,
             max_grad_norm=0.0 if self.args.disable_dp else self.args.per_sample_max_grad_norm,
             expected_batch_size=self.expected_batch_size,
-            noise=GaussianNoise(seed=self.args.seed + _NOISE_SEED_OFFSET, secure_mode=self.args.secure_mode),
+            noise=GaussianNoise(seed=noise_seed, secure_mode=self.args.secure_mode),
+            sum_across_processes=(
+                sum_across_processes if self.args.world_size > 1 and not self.is_deepspeed_enabled else None
+            ),
         )
+        self._planned_at_step: int | None = None
+        self._dp_optimizer: torch.optim.Optimizer | None = None
         self.add_callback(_PrivacyCallback(self))
         logger.info(
             f"hf_dp: N={self.num_train_examples}, expected batch {self.expected_batch_size}, q={self.sample_rate:.4g}, "
             f"{self.planned_steps} planned steps, sigma={self.noise_multiplier:.4g}, delta={self.target_delta:.3g}"
         )
+
+    def _check_deepspeed(self) -> int:
+        """Validate the DeepSpeed config for DP (DEEPSPEED.md) and return its ZeRO stage."""
+        config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        check_deepspeed_config(config)
+        if self.args.dp_optimizer in _NEEDS_BOOKKEEPING:
+            raise ValueError(
+                f"dp_optimizer={self.args.dp_optimizer!r} (scaled clipping or two evaluations per step) is not "
+                "supported under DeepSpeed yet; use DDP (accelerate launch without DeepSpeed) or another dp_optimizer"
+            )
+        # our optimizer is a torch one, which DeepSpeed calls "untested"; it only wraps it
+        config.setdefault("zero_allow_untested_optimizer", True)
+        return zero_stage(config)
 
     def _resolve_noise_multiplier(self) -> float:
         if self.args.disable_dp:
@@ -207,6 +265,36 @@ class DPTrainerMixin:
             return None if norm is None else norm / self.expected_batch_size
         return None
 
+    def privacy_report(self) -> dict[str, Any]:
+        """The guarantee of this run as plain values: what model cards and logs state (hf_dp.hub)."""
+        return {
+            "epsilon": self.get_epsilon(),
+            "delta": self.target_delta,
+            "target_epsilon": self.args.target_epsilon,
+            "accountant": self.args.accountant,
+            "noise_multiplier": self.noise_multiplier,
+            "max_grad_norm": self.args.per_sample_max_grad_norm,
+            "sample_rate": self.sample_rate,
+            "sampling": "poisson" if self.args.poisson_sampling else "shuffled fixed-size batches",
+            "expected_batch_size": self.expected_batch_size,
+            "num_train_examples": self.num_train_examples,
+            "steps": self.accountant.steps,
+            "optimizer": self.args.dp_optimizer,
+            "optimizer_kwargs": dict(self.args.dp_optimizer_kwargs),
+            "clipping_mode": self.args.clipping_mode,
+            "clipping_fn": self.args.clipping_fn,
+            "disable_dp": self.args.disable_dp,
+        }
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's card plus the privacy guarantee as YAML metadata and prose (hf_dp.hub)."""
+        super().create_model_card(*args, **kwargs)
+        if self.is_world_process_zero():
+            dataset = kwargs.get("dataset") or kwargs.get("dataset_tags") or kwargs.get("dataset_args")
+            add_privacy_to_model_card(
+                os.path.join(self.args.output_dir, "README.md"), self.privacy_report(), dataset
+            )
+
     def privacy_state(self) -> dict[str, Any]:
         return {
             "accountant": self.accountant.state_dict(),
@@ -217,11 +305,16 @@ class DPTrainerMixin:
         }
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint, the privacy state, and each process's noise generator state."""
         super()._save_checkpoint(model, trial)
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
+        os.makedirs(folder, exist_ok=True)
+        torch.save(
+            self.privatizer.state_dict(), os.path.join(folder, _noise_state_file(self.args.process_index))
+        )
         if self.args.should_save:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
             with open(os.path.join(folder, PRIVACY_STATE_FILE), "w") as f:
                 json.dump(self.privacy_state(), f)
 
@@ -234,6 +327,12 @@ class DPTrainerMixin:
             raise FileNotFoundError(f"{path} is missing: this checkpoint has no privacy state to resume from")
         with open(path) as f:
             state = json.load(f)
+        noise_path = os.path.join(checkpoint, _noise_state_file(self.args.process_index))
+        if not os.path.isfile(noise_path):
+            raise FileNotFoundError(
+                f"{noise_path} is missing: resume with the same number of processes the checkpoint was written with"
+            )
+        self.privatizer.load_state_dict(torch.load(noise_path, weights_only=False))
         self.accountant.load_state_dict(state["accountant"])
         if not math.isclose(state["noise_multiplier"], self.noise_multiplier, rel_tol=1e-9):
             logger.warning(
@@ -290,8 +389,11 @@ class DPTrainerMixin:
             ]
             groups = [g for g in groups if g["params"]]
             kwargs = {"lr": self.args.learning_rate, **self.args.dp_optimizer_kwargs}
-            self.optimizer = make_dp_optimizer(self.args.dp_optimizer, groups, **kwargs)
+            noise_std = self.privatizer.noise_std / self.expected_batch_size
+            self.optimizer = make_dp_optimizer(self.args.dp_optimizer, groups, noise_std=noise_std, **kwargs)
         self.privatizer.attach(self.optimizer)
+        if self._dp_optimizer is None:
+            self._dp_optimizer = self.optimizer  # before accelerate/DeepSpeed wrap it
         return self.optimizer
 
     # ---- the DP micro-step --------------------------------------------------------------------------
@@ -314,33 +416,101 @@ class DPTrainerMixin:
                 f"shape ({batch_size},), or override compute_per_example_loss instead"
             )
 
+    def _plan(self) -> StepPlan:
+        """The optimizer's plan for the current logical batch, made at its first micro-batch and then held."""
+        if self._planned_at_step != self.state.global_step or self.privatizer.plan is None:
+            plan = plan_for(self._dp_optimizer, self.privatizer.max_grad_norm)
+            if self.is_deepspeed_enabled and (
+                plan.clip_scale or len(plan.evaluations) > 1 or plan.evaluations[0].shift
+            ):
+                raise ValueError(
+                    "scaled clipping and shifted evaluations are not supported under DeepSpeed yet"
+                )
+            self.privatizer.plan, self._planned_at_step = plan, self.state.global_step
+        return self.privatizer.plan
+
+    def _losses(self, model: nn.Module, inputs: dict[str, Any], batch_size: int) -> torch.Tensor:
+        with self.compute_loss_context_manager():
+            losses = self.compute_per_example_loss(model, inputs)
+        self._require_per_example(losses, batch_size)
+        return losses
+
+    def _clip_kwargs(self, plan: StepPlan) -> dict[str, Any]:
+        if plan.clip_norm == self.privatizer.max_grad_norm and not plan.clip_scale:
+            return {}
+        return {"clip_norm": plan.clip_norm, "clip_scale": plan.clip_scale}
+
+    def _bookkeeping_backward(
+        self, inputs: dict[str, Any], mask: torch.Tensor, plan: StepPlan
+    ) -> torch.Tensor:
+        """Σ_i c_i u_i into ``.grad`` with u_i = Σ_e w_e ∇L_i(θ + shift_e): every evaluation replays the same
+        dropout randomness, runs on the bare module (no DDP hooks: the privatiser sums across processes)."""
+        engine, module, batch_size = self.clipping_engine, self.model, mask.shape[0]
+        verify = not self._verified_engine
+        if len(plan.evaluations) == 1 and plan.evaluations[0].shift is None:
+            with engine.record(batch_size):
+                losses = self._losses(module, inputs, batch_size)
+            engine.clipped_backward(losses, mask, verify=verify, **self._clip_kwargs(plan))
+            self._verified_engine = True
+            return losses
+        rng = _rng_state()
+        evaluated = []
+        for k, evaluation in enumerate(plan.evaluations):
+            if k:
+                _set_rng_state(rng)
+            with _shifted(evaluation.shift), engine.record(batch_size):
+                losses = self._losses(module, inputs, batch_size)
+                evaluated.append((engine.per_example_gradients(losses, verify=verify), evaluation.weight))
+        engine.clip_and_accumulate(evaluated, mask, clip_norm=plan.clip_norm, clip_scale=plan.clip_scale)
+        self._verified_engine = True
+        return losses
+
+    def _deepspeed_backward(
+        self, model: nn.Module, inputs: dict[str, Any], mask: torch.Tensor
+    ) -> torch.Tensor:
+        """DEEPSPEED.md's exact scheme: norms from a pass on the bare module (no ``.grad`` touched), then
+        ``engine.backward(W · Σ_i c_i L_i)`` through DeepSpeed, which averages over the W processes, so the
+        client optimizer receives this rank's partition of Σ_i c_i g_i. Both passes see the same dropout."""
+        batch_size = mask.shape[0]
+        factors = mask
+        rng = _rng_state()
+        if self.clipping_engine is not None:
+            with self.clipping_engine.record(batch_size):
+                losses = self._losses(self.model, inputs, batch_size)
+            norms = self.clipping_engine.clipped_backward(losses, accumulate=False)
+            factors = clip_factors(norms, self.privatizer.max_grad_norm, self.args.clipping_fn) * mask
+            _set_rng_state(rng)
+        losses = self._losses(model, inputs, batch_size)
+        weighted = (factors.detach().to(losses.dtype) * losses).sum() * self.args.world_size
+        self.accelerator.backward(weighted, scale_wrt_gas=False)
+        return losses
+
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
         """Adds Σ_i c_i ∇L_i of this micro-batch to ``.grad``; returns Σ_i L_i / B̄ for logging.
 
         ``num_items_in_batch`` is ignored: normalising by the tokens of the whole logical batch would
-        mix examples; the only normalisation is by the expected batch size, in the privatiser.
+        mix examples; the only normalisation is by the expected batch size, in the privatiser. The
+        value returned is scaled by the number of processes, because the Trainer logs their mean.
         """
         model.train()
+        self.model.train()
         inputs = self._prepare_inputs(inputs)
         mask = inputs[EXAMPLE_MASK_KEY].to(self.args.device)
-        if not mask.any():
-            return torch.zeros((), device=self.args.device)
-        batch_size = mask.shape[0]
         model_inputs = {k: v for k, v in inputs.items() if k != EXAMPLE_MASK_KEY}
-        recording = (
-            self.clipping_engine.record(batch_size) if self.clipping_engine else contextlib.nullcontext()
-        )
-        with self.compute_loss_context_manager(), recording:
-            losses = self.compute_per_example_loss(model, model_inputs)
-        self._require_per_example(losses, batch_size)
-        if self.clipping_engine is None:
-            self.accelerator.backward((losses * mask).sum())
+        plan = self._plan() if self.clipping_engine is not None else None
+        if self.is_deepspeed_enabled:
+            # every process runs every pass, even with no real example: ZeRO's collectives must match
+            losses = self._deepspeed_backward(model, model_inputs, mask)
+        elif not mask.any():
+            return torch.zeros((), device=self.args.device)
+        elif self.clipping_engine is None:
+            losses = self._losses(self.model, model_inputs, mask.shape[0])
+            (losses * mask).sum().backward()
         else:
-            self.clipping_engine.clipped_backward(losses, mask, verify=not self._verified_engine)
-            self._verified_engine = True
-        return (losses.detach() * mask).sum() / self.expected_batch_size
+            losses = self._bookkeeping_backward(model_inputs, mask, plan)
+        return (losses.detach() * mask).sum() * self.args.world_size / self.expected_batch_size
 
 
 class DPTrainer(DPTrainerMixin, Trainer):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from hf_dp import calibrate_noise_multiplier, compute_epsilon
+from hf_dp.distributed import check_deepspeed_config
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "distributed_worker.py")
@@ -189,3 +190,30 @@ def test_resume_continues_the_uninterrupted_run(runs, name, launcher, extra, dis
     run = assert_world(resumed, distributed_type, stage)
     assert run["steps"] == 4 and run["epsilon"] == pytest.approx(info(whole)["epsilon"], rel=1e-12)
     assert relative_difference(resumed / "final.pt", whole / "final.pt") < 1e-6
+
+
+def test_deepspeed_norm_and_gradient_passes_see_the_same_dropout(runs):
+    """DeepSpeed needs two passes; with different dropout masks the clipped object would not be the one
+    whose norm was measured. One process, dropout on: DeepSpeed ZeRO-2 must equal the book-keeping path."""
+    common = ("--per_device", "8", "--dropout", "0.2")
+    plain = runs("dropout_plain", "single", *common)
+    zero2 = runs("dropout_zero2", "single", "--zero", "2", *common)
+    assert info(zero2)["zero_stage"] == 2 and info(zero2)["world_size"] == 1
+    assert relative_difference(zero2 / "final.pt", plain / "final.pt") < 1e-5
+    undropped = runs("reference", "single", "--per_device", "8")
+    assert relative_difference(undropped / "final.pt", plain / "final.pt") > 1e-3  # dropout did act
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"optimizer": {"type": "Adam"}}, "'optimizer' section"),
+        ({"gradient_clipping": 1.0}, "gradient_clipping=1.0"),
+        ({"bf16": {"enabled": True}}, "fp16/bf16"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+        ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+    ],
+)
+def test_deepspeed_settings_that_break_dp_are_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        check_deepspeed_config(config)

@@ -5,20 +5,25 @@ respect to the recorded outputs gives every output gradient without computing an
 From (input, output gradient) each layer rule gives per-example gradients in factored form, their
 norms are summed per Parameter object (so tied weights get the norm of the sum, cross terms
 included), c_i = clip factor, and Σ_i c_i G_i is written to ``.grad`` by one GEMM per layer.
+
+A step may evaluate each example at several parameter points and clip the weighted combination
+u_i = Σ_e w_e g_i^e once (DiSK), in a scaled geometry ‖s ⊙ u_i‖ ≤ C (scale-then-privatize, DP²):
+``per_example_gradients`` once per evaluation, then ``clip_and_accumulate`` once.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
-from hf_dp.clipping.factors import PerExampleGradient, cross_inner
+from hf_dp.clipping.factors import PerExampleGradient, Weighted, combined_squared_norm
 from hf_dp.clipping.layers import functorch_per_example_grads, rule_for
+from hf_dp.clipping.scale import ClipScale, ClipScales, FactoredScale
 
 ClippingMode = Literal["ghost", "per_sample"]
 ClippingFn = Literal["abadi", "automatic"]
@@ -37,6 +42,36 @@ class _Call:
     args: tuple
     kwargs: dict
     outputs: list[torch.Tensor]
+
+
+@dataclass
+class EvaluationGradients:
+    """The per-example gradients of one evaluation (one forward and its backward), per Parameter object:
+    ``parts[id(p)] = (p, [one factored part per use of p])``."""
+
+    parts: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]]
+    batch_size: int
+
+
+def _scales_by_id(scales: ClipScales | None, clipped: list[nn.Parameter]) -> dict[int, ClipScale]:
+    """The clip scales of the parameters this engine clips, checked against their shapes."""
+    found: dict[int, ClipScale] = {}
+    by_id = {id(p): p for p in clipped}
+    for param, scale in (scales or {}).items():
+        if id(param) not in by_id:
+            continue
+        if isinstance(scale, FactoredScale):
+            shape = (scale.rows.numel(), scale.cols.numel())
+            if param.dim() != 2 or tuple(param.shape) != shape:
+                raise ValueError(
+                    f"a FactoredScale {shape} needs a 2-D parameter of that shape, got {tuple(param.shape)}"
+                )
+        elif scale.shape != param.shape:
+            raise ValueError(
+                f"a dense clip scale must be shaped like its parameter {tuple(param.shape)}, got {tuple(scale.shape)}"
+            )
+        found[id(param)] = scale
+    return found
 
 
 def clip_factors(norms: torch.Tensor, max_norm: float, fn: ClippingFn) -> torch.Tensor:
@@ -166,19 +201,43 @@ class ClippingEngine:
             )
         self._calls.append(_Call(module, tuple(args), dict(kwargs), outputs))
 
-    # ---- the clipped backward -------------------------------------------------------------------------
+    # ---- per-example gradients, then the clipped sum ----------------------------------------------
 
     def clipped_backward(
         self,
         per_example_loss: torch.Tensor,
         example_mask: torch.Tensor | None = None,
         verify: bool = False,
+        accumulate: bool = True,
+        *,
+        clip_norm: float | None = None,
+        clip_scale: ClipScales | None = None,
     ) -> torch.Tensor:
-        """Add Σ_i c_i ∇L_i to every clipped parameter's ``.grad``; return the per-example norms ‖∇L_i‖.
+        """Add Σ_i c_i ∇L_i to every clipped parameter's ``.grad``; return the per-example norms ‖s ⊙ ∇L_i‖.
 
         ``example_mask`` (B,) zeroes c_i of padding examples. ``verify`` also runs autograd's own
         gradient of Σ_i L_i and raises if the unclipped engine sum disagrees, which catches a
-        parameter used outside the forward of the module that owns it.
+        parameter used outside the forward of the module that owns it. ``accumulate=False`` only computes
+        the norms (the norm pass of the two-pass scheme that DeepSpeed ZeRO needs, DEEPSPEED.md).
+        ``clip_norm`` and ``clip_scale`` as in ``clip_and_accumulate``.
+        """
+        gradients = self.per_example_gradients(per_example_loss, verify=verify)
+        return self.clip_and_accumulate(
+            [(gradients, 1.0)],
+            example_mask,
+            clip_norm=clip_norm,
+            clip_scale=clip_scale,
+            accumulate=accumulate,
+        )
+
+    def per_example_gradients(
+        self, per_example_loss: torch.Tensor, verify: bool = False
+    ) -> EvaluationGradients:
+        """The per-example gradients of the forward recorded by the last ``record(B)``, in factored form.
+
+        One ``autograd.grad`` of Σ_i L_i with respect to the recorded outputs; no ``.grad`` is touched. Call it
+        while the parameters are still those of the forward (the rules read the recorded inputs only, but
+        the torch.func fallback and ``verify`` use the current parameters).
         """
         calls, self._calls = self._calls, []
         if per_example_loss.dim() != 1 or per_example_loss.shape[0] != self._batch_size:
@@ -190,23 +249,52 @@ class ClippingEngine:
         grads = torch.autograd.grad(per_example_loss.sum(), outputs + params, allow_unused=True)
         output_grads = iter(grads[: len(outputs)])
         reference = dict(zip((id(p) for p in params), grads[len(outputs) :], strict=True))
-
         with torch.no_grad():
             parts = self._per_example_parts(calls, output_grads)
-            norms = self._norms(parts)
-            factors = clip_factors(norms, self.max_grad_norm, self.clipping_fn)
-            if example_mask is not None:
-                factors = factors * example_mask.to(factors.dtype)
             if verify:
                 # mixed precision (bf16 autocast) rounds the two computations differently
                 tolerance = max(
                     [1e-3] + [4 * torch.finfo(o.dtype).eps for o in outputs if o.is_floating_point()]
                 )
-                self._verify(parts, reference, torch.ones_like(factors), tolerance)
-            for param, param_parts in parts.values():
+                ones = per_example_loss.new_ones(per_example_loss.shape[0], dtype=torch.float32)
+                self._verify(parts, reference, ones, tolerance)
+        return EvaluationGradients(parts, per_example_loss.shape[0])
+
+    def clip_and_accumulate(
+        self,
+        evaluations: Sequence[tuple[EvaluationGradients, float]],
+        example_mask: torch.Tensor | None = None,
+        *,
+        clip_norm: float | None = None,
+        clip_scale: ClipScales | None = None,
+        accumulate: bool = True,
+    ) -> torch.Tensor:
+        """Clip each example's weighted combination u_i = Σ_e w_e g_i^e once, in the geometry ‖s ⊙ u_i‖.
+
+        c_i = clip factor of ‖s ⊙ u_i‖ (s = 1 for a parameter without a scale) at ``clip_norm`` (default: the
+        engine's C), times ``example_mask``; then, if ``accumulate``, ``.grad`` += Σ_e w_e Σ_i c_i g_i^e, the
+        UN-scaled clipped sum (the privatiser scales the noise instead). Returns ‖s ⊙ u_i‖, shape (B,).
+        Clipping the combination, not each evaluation, keeps the sensitivity at C (DiSK, spec B A2).
+        """
+        clip_norm = self.max_grad_norm if clip_norm is None else clip_norm
+        if clip_norm <= 0:
+            raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+        sizes = {gradients.batch_size for gradients, _ in evaluations}
+        if len(sizes) != 1:
+            raise ValueError(f"evaluations of one micro-batch must share its batch size, got {sorted(sizes)}")
+        terms: dict[int, tuple[nn.Parameter, list[Weighted]]] = {}
+        for gradients, weight in evaluations:
+            for pid, (param, parts) in gradients.parts.items():
+                terms.setdefault(pid, (param, []))[1].extend((weight, part) for part in parts if weight != 0)
+        with torch.no_grad():
+            norms = self._norms(terms, sizes.pop(), _scales_by_id(clip_scale, self.parameters))
+            factors = clip_factors(norms, clip_norm, self.clipping_fn)
+            if example_mask is not None:
+                factors = factors * example_mask.to(factors.dtype)
+            for param, weighted in terms.values() if accumulate else ():
                 grad = param.grad
-                for part in param_parts:
-                    grad = part.accumulate(grad, factors, param)
+                for weight, part in weighted:
+                    grad = part.accumulate(grad, factors if weight == 1 else weight * factors, param)
                 param.grad = grad
         return norms
 
@@ -239,16 +327,17 @@ class ClippingEngine:
         finally:
             self._recording = was_recording
 
-    def _norms(self, parts: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]]) -> torch.Tensor:
-        """‖g_i‖² = Σ_params ‖Σ_uses G_i‖², each tied parameter's cross terms included."""
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p, _ in parts.values()) else torch.float32
+    def _norms(
+        self, terms: dict[int, tuple[nn.Parameter, list[Weighted]]], batch_size: int, scales: dict
+    ) -> torch.Tensor:
+        """‖s ⊙ u_i‖² = Σ_params ‖s ⊙ Σ_(uses, evaluations) w G_i‖², every cross term included."""
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p, _ in terms.values()) else torch.float32
         device = self.parameters[0].device if self.parameters else torch.device("cpu")
-        total = torch.zeros(self._batch_size or 0, dtype=dtype, device=device)
-        for param, uses in parts.values():
-            for k, part in enumerate(uses):
-                total += part.squared_norm(self.materialise).to(total)
-                for other in uses[k + 1 :]:
-                    total += 2 * cross_inner(part, other, param.shape).to(total)
+        total = torch.zeros(batch_size, dtype=dtype, device=device)
+        for pid, (param, weighted) in terms.items():
+            if weighted:
+                squared = combined_squared_norm(weighted, scales.get(pid), param.shape, self.materialise)
+                total += squared.to(total)
         return total.clamp(min=0).sqrt()
 
     def _verify(self, parts: dict, reference: dict, ones: torch.Tensor, tolerance: float) -> None:

@@ -5,13 +5,21 @@ G_i = Σ_t u_{i,t} ⊗ v_{i,t} (Linear: u = output gradient, v = input). Its squ
 Σ_{t,t'} ⟨u_t, u_t'⟩⟨v_t, v_t'⟩ (the "ghost" Gram form of Goodfellow 2015 and Li et al. 2022),
 or ‖G_i‖² from the materialised G_i when that is cheaper (Bu et al. 2023, book-keeping).
 The clipped sum Σ_i c_i G_i is one GEMM over (example, position) pairs.
+
+``combined_squared_norm`` gives ‖s ⊙ Σ_k w_k G^k_i‖² for several weighted uses of one parameter
+(tied uses, and evaluations at several parameter points for DiSK) in a clip geometry s (spec A, Part C):
+a rank-1 s = r cᵀ scales the two factors, a dense s scales embedding rows and vectors exactly and
+otherwise needs the explicit per-example gradients.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from hf_dp.clipping.scale import ClipScale, FactoredScale, dense_scale
 
 # Materialised per-example gradients are built this many floats at a time (about 256 MB).
 _CHUNK_FLOATS = 64 * 1024 * 1024
@@ -52,32 +60,47 @@ class OuterProductSum:
         right_gram = torch.bmm(self.right, other.right.transpose(1, 2))
         return (self.left_gram(other) * right_gram).sum(dim=(1, 2))
 
-    def gram_is_cheaper(self) -> bool:
-        """Gram costs T²(rows + cols) per example, the materialised gradient T·rows·cols."""
-        if self.is_index:
+    def gram_is_cheaper(self, other: OuterProductSum | None = None) -> bool:
+        """The (cross-)Gram costs T·T'(rows + cols) per example, materialising both sides (T + T')·rows·cols;
+        with one-hot rows the Gram is a gather and always cheaper."""
+        other = self if other is None else other
+        if self.is_index or other.is_index:
             return True
-        steps, rows, cols = self.left.shape[1], self.left.shape[2], self.right.shape[2]
-        return steps * (rows + cols) <= rows * cols
+        rows, cols = self.left.shape[2], self.right.shape[2]
+        steps, other_steps = self.left.shape[1], other.left.shape[1]
+        return steps * other_steps * (rows + cols) <= (steps + other_steps) * rows * cols
 
     def squared_norm(self, materialise: bool) -> torch.Tensor:
         if materialise or not self.gram_is_cheaper():
             return torch.cat([g.pow(2).sum(dim=(1, 2)) for g in self.materialise_chunks()])
         return self.inner(self)
 
-    def materialise_chunks(self):
+    def materialise(self, start: int, stop: int) -> torch.Tensor:
+        """The explicit per-example gradients (stop − start, rows, cols) of examples start..stop."""
+        if self.is_index:
+            cols = self.right.shape[2]
+            grads = self.right.new_zeros(stop - start, self.rows, cols)
+            return grads.scatter_add_(
+                1, self.left[start:stop, :, None].expand(-1, -1, cols), self.right[start:stop]
+            )
+        return torch.bmm(self.left[start:stop].transpose(1, 2), self.right[start:stop])
+
+    def materialise_chunks(self) -> Iterator[torch.Tensor]:
         """Yield the explicit per-example gradients (b, rows, cols) a few examples at a time."""
-        batch, rows, cols = self.batch_size, self.rows, self.right.shape[2]
-        step = max(1, _CHUNK_FLOATS // max(1, rows * cols))
-        for start in range(0, batch, step):
-            stop = min(batch, start + step)
+        for start, stop in _chunks(self.batch_size, self.rows * self.right.shape[2]):
+            yield self.materialise(start, stop)
+
+    def scaled(self, scale: ClipScale) -> OuterProductSum | None:
+        """s ⊙ G_i in the same form when that is exact: a rank-1 s = r cᵀ scales left by r and right by c;
+        with one-hot rows a dense s scales right_t by row x_t of s. None for a dense s on dense factors."""
+        if isinstance(scale, FactoredScale):
+            rows, cols = scale.rows.to(self.right), scale.cols.to(self.right)
             if self.is_index:
-                grads = self.right.new_zeros(stop - start, rows, cols)
-                grads.scatter_add_(
-                    1, self.left[start:stop, :, None].expand(-1, -1, cols), self.right[start:stop]
-                )
-            else:
-                grads = torch.bmm(self.left[start:stop].transpose(1, 2), self.right[start:stop])
-            yield grads
+                return OuterProductSum(self.left, self.right * rows[self.left][:, :, None] * cols, self.rows)
+            return OuterProductSum(self.left * rows, self.right * cols, self.rows)
+        if self.is_index:
+            return OuterProductSum(self.left, self.right * scale.to(self.right)[self.left], self.rows)
+        return None
 
     def accumulate(
         self, grad: torch.Tensor | None, weights: torch.Tensor, like: torch.Tensor
@@ -118,6 +141,12 @@ class Materialised:
     def squared_norm(self, materialise: bool = True) -> torch.Tensor:
         return self.grads.flatten(1).pow(2).sum(dim=1)
 
+    def materialise(self, start: int, stop: int) -> torch.Tensor:
+        return self.grads[start:stop]
+
+    def scaled(self, scale: ClipScale) -> Materialised:
+        return Materialised(self.grads * dense_scale(scale).to(self.grads))
+
     def accumulate(
         self, grad: torch.Tensor | None, weights: torch.Tensor, like: torch.Tensor
     ) -> torch.Tensor:
@@ -129,17 +158,59 @@ class Materialised:
 
 
 PerExampleGradient = OuterProductSum | Materialised
+Weighted = tuple[float, PerExampleGradient]
 
 
-def as_materialised(part: PerExampleGradient, shape: torch.Size) -> torch.Tensor:
-    """Explicit (B, *shape) per-example gradients of any part, for cross terms with a materialised part."""
-    if isinstance(part, Materialised):
-        return part.grads.reshape(part.grads.shape[0], *shape)
-    return torch.cat(list(part.materialise_chunks())).reshape(-1, *shape)
+def _chunks(batch: int, floats_per_example: int) -> Iterator[tuple[int, int]]:
+    step = max(1, _CHUNK_FLOATS // max(1, floats_per_example))
+    for start in range(0, batch, step):
+        yield start, min(batch, start + step)
 
 
-def cross_inner(a: PerExampleGradient, b: PerExampleGradient, shape: torch.Size) -> torch.Tensor:
-    """⟨G^a_i, G^b_i⟩ per example for two uses of one (tied) parameter."""
-    if isinstance(a, OuterProductSum) and isinstance(b, OuterProductSum):
-        return a.inner(b)
-    return (as_materialised(a, shape).flatten(1) * as_materialised(b, shape).flatten(1)).sum(dim=1)
+def _batch_size(part: PerExampleGradient) -> int:
+    return part.batch_size if isinstance(part, OuterProductSum) else part.grads.shape[0]
+
+
+def combined_squared_norm(
+    terms: Sequence[Weighted], scale: ClipScale | None, shape: torch.Size, materialise: bool
+) -> torch.Tensor:
+    """‖s ⊙ Σ_k w_k G^k_i‖² per example, exactly. One term: its own cheapest form. Several: Σ_{k,l} w_k w_l
+    ⟨G^k_i, G^l_i⟩ by cross-Grams when every pair's Gram is cheaper, else from the explicit weighted sum;
+    a scale s is folded into the factors first, and a dense s on dense factors needs the explicit sum."""
+    if scale is not None:
+        scaled = [(weight, part.scaled(scale)) for weight, part in terms]
+        if any(part is None for _, part in scaled):
+            return _explicit_squared_norm(terms, shape, dense_scale(scale))
+        terms = scaled
+    if len(terms) == 1:
+        weight, part = terms[0]
+        return weight * weight * part.squared_norm(materialise)
+    parts = [part for _, part in terms]
+    by_grams = not materialise and all(
+        isinstance(a, OuterProductSum) and isinstance(b, OuterProductSum) and a.gram_is_cheaper(b)
+        for k, a in enumerate(parts)
+        for b in parts[k:]
+    )
+    if not by_grams:
+        return _explicit_squared_norm(terms, shape)
+    total = 0
+    for k, (weight, part) in enumerate(terms):
+        for n, (other_weight, other) in enumerate(terms[k:]):
+            total = total + (1 if n == 0 else 2) * weight * other_weight * part.inner(other)
+    return total
+
+
+def _explicit_squared_norm(
+    terms: Sequence[Weighted], shape: torch.Size, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """‖s ⊙ Σ_k w_k G^k_i‖² from the explicit per-example gradients, a few examples at a time."""
+    norms = []
+    for start, stop in _chunks(_batch_size(terms[0][1]), shape.numel()):
+        (weight, part), rest = terms[0], terms[1:]
+        grads = weight * part.materialise(start, stop).reshape(-1, *shape)
+        for weight, part in rest:
+            grads.add_(part.materialise(start, stop).reshape(-1, *shape), alpha=weight)
+        if scale is not None:
+            grads.mul_(scale.to(grads))
+        norms.append(grads.flatten(1).pow_(2).sum(dim=1))
+    return torch.cat(norms)

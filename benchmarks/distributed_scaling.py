@@ -1,0 +1,201 @@
+"""Scaling from 1 to 2 processes on CPU, DP vs non-private (DDP and DeepSpeed ZeRO-2), interleaved rounds.
+
+Each configuration is a fresh launch (python / torchrun) of this same file with ``--worker``; the worker
+trains a GPT-2-shaped model with DPTrainer for a fixed number of steps of the same logical batch and
+reports the time per optimizer step, measured after one warm-up step. On 2 cores one process runs 2
+threads and each of 2 processes runs 1 thread, so this measures the parallel efficiency of the
+multi-process paths (extra communication, DeepSpeed's two passes), not a speed-up from more hardware.
+
+    python benchmarks/distributed_scaling.py [--rounds 3] [--out benchmarks/results/distributed_scaling.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {
+    "1 process, non-private": ("single", (), True),
+    "1 process, DP": ("single", (), False),
+    "2 processes DDP, non-private": ("torchrun", (), True),
+    "2 processes DDP, DP": ("torchrun", (), False),
+    "2 processes ZeRO-2, DP": ("torchrun", ("--zero", "2"), False),
+}
+
+
+def worker(cli: argparse.Namespace) -> None:
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+
+    from hf_dp import DPTrainer, DPTrainingArguments
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, 2 // world))
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        vocab_size=8192,
+        n_positions=cli.seq,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    model = GPT2LMHeadModel(config)
+
+    class Rows(Dataset):
+        def __len__(self) -> int:
+            return 4096
+
+        def __getitem__(self, i: int) -> dict:
+            g = torch.Generator().manual_seed(i)
+            ids = torch.randint(2, 8192, (cli.seq,), generator=g)
+            return {"input_ids": ids, "labels": ids}
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter())
+
+    deepspeed = None
+    if cli.zero is not None:
+        deepspeed = {
+            "zero_optimization": {"stage": cli.zero},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto",
+            "gradient_clipping": 0,
+            "zero_allow_untested_optimizer": True,
+        }
+    privacy = {} if cli.non_private else {"noise_multiplier": 1.0}
+    args = DPTrainingArguments(
+        output_dir="/tmp/hf_dp_scaling",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_strategy="no",
+        per_device_train_batch_size=cli.batch // (world * 2),
+        gradient_accumulation_steps=2,
+        learning_rate=1e-4,
+        dp_optimizer="adamw",
+        per_sample_max_grad_norm=1.0,
+        max_steps=cli.steps + 1,
+        seed=0,
+        disable_dp=cli.non_private,
+        deepspeed=deepspeed,
+        **privacy,
+        poisson_sampling=False,  # the same batch size every step, so step times compare
+    )
+    clock = Clock()
+    trainer = DPTrainer(model=model, args=args, train_dataset=Rows())
+    trainer.add_callback(clock)
+    trainer.train()
+    if args.process_index == 0:
+        per_step = (clock.times[-1] - clock.times[0]) / (len(clock.times) - 1)
+        print(json.dumps({"seconds_per_step": per_step, "world_size": args.world_size}))
+    trainer.accelerator.wait_for_everyone()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(kind: str, extra: tuple[str, ...], non_private: bool, cli: argparse.Namespace, port: int) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    if kind == "single":
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        command = [sys.executable]
+    else:
+        command = [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+        ]
+    command += [
+        __file__,
+        "--worker",
+        "--steps",
+        str(cli.steps),
+        "--batch",
+        str(cli.batch),
+        "--seq",
+        str(cli.seq),
+    ]
+    command += [*extra, *(["--non_private"] if non_private else [])]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr[-4000:])
+    return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--zero", type=int, default=None)
+    parser.add_argument("--non_private", action="store_true")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=16, help="logical batch (2 micro-batches)")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distributed_scaling.json"))
+    cli = parser.parse_args()
+    if cli.worker:
+        return worker(cli)
+    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    port = 29900
+    for round_ in range(cli.rounds):  # interleaved: every configuration once per round
+        for name, (kind, extra, non_private) in CONFIGS.items():
+            port += 1
+            times[name].append(launch(kind, extra, non_private, cli, port)["seconds_per_step"])
+            print(f"round {round_}: {name}: {times[name][-1]:.3f} s/step", flush=True)
+    base = "1 process, non-private"
+    results = {
+        "setup": {
+            "model": "GPT-2 4x256, vocab 8192",
+            "seq": cli.seq,
+            "logical_batch": cli.batch,
+            "steps_timed": cli.steps,
+            "rounds": cli.rounds,
+            "optimizer": "adamw",
+            "cores": os.cpu_count(),
+        },
+        "seconds_per_step": times,
+        "paired_median_ratio_vs_1_process_non_private": {
+            name: statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
+            for name in times
+        },
+        "min_time_ratio_vs_1_process_non_private": {
+            name: min(times[name]) / min(times[base]) for name in times
+        },
+        "dp_over_non_private_same_launch": {
+            "1 process": statistics.median(
+                a / b for a, b in zip(times["1 process, DP"], times[base], strict=True)
+            ),
+            "2 processes DDP": statistics.median(
+                a / b
+                for a, b in zip(
+                    times["2 processes DDP, DP"], times["2 processes DDP, non-private"], strict=True
+                )
+            ),
+        },
+    }
+    Path(cli.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The privacy guarantee in the model card: YAML metadata for machines and a prose section for people.
+
+``DPTrainer.create_model_card`` (which ``push_to_hub`` calls before uploading) writes the Trainer's card and
+then calls ``add_privacy_to_model_card`` on it, so every card hf_dp writes or uploads states (ε, δ) and how
+they were obtained, or says plainly that the model has no privacy guarantee.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import re
+from typing import Any
+
+from huggingface_hub import ModelCard
+
+METADATA_KEY = "differential_privacy"
+SECTION_TITLE = "## Differential privacy"
+DP_TAG = "differential-privacy"
+
+_OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+_ACCOUNTANT_NAMES = {"prv": "PRV accountant (Gopi et al. 2021)", "rdp": "RDP accountant (Mironov 2017)"}
+
+
+def _plain(value: Any) -> Any:
+    """Python scalars, lists and dicts only, so the YAML holds no numpy or torch tags."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def is_private(report: dict[str, Any]) -> bool:
+    """True when the run carries a finite (ε, δ) guarantee: DP on and noise added."""
+    return not report["disable_dp"] and report["noise_multiplier"] > 0 and math.isfinite(report["epsilon"])
+
+
+def privacy_metadata(report: dict[str, Any], dataset: str | list[str] | None = None) -> dict[str, Any]:
+    """The ``differential_privacy:`` mapping of the card's YAML front matter, from ``privacy_report()``."""
+    private = is_private(report)
+    return _plain(
+        {
+            "guarantee": "(epsilon, delta)-DP" if private else "none",
+            "unit": "example",
+            "library": "hf_dp",
+            "epsilon": report["epsilon"] if private else math.inf,
+            "delta": report["delta"],
+            "target_epsilon": report["target_epsilon"],
+            "accountant": report["accountant"],
+            "noise_multiplier": report["noise_multiplier"],
+            "max_grad_norm": report["max_grad_norm"],
+            "sample_rate": report["sample_rate"],
+            "sampling": report["sampling"],
+            "steps": report["steps"],
+            "expected_batch_size": report["expected_batch_size"],
+            "num_train_examples": report["num_train_examples"],
+            "dataset": dataset,
+            "optimizer": report["optimizer"],
+            "optimizer_kwargs": report["optimizer_kwargs"],
+            "clipping_mode": report["clipping_mode"],
+            "clipping_fn": report["clipping_fn"],
+            "disable_dp": report["disable_dp"],
+        }
+    )
+
+
+def _dataset_words(dataset: str | list[str] | None) -> str:
+    if not dataset:
+        return "the training set"
+    names = [dataset] if isinstance(dataset, str) else list(dataset)
+    return " + ".join(names)
+
+
+def _optimizer_name(report: dict[str, Any]) -> str:
+    name = _OPTIMIZER_NAMES.get(report["optimizer"], report["optimizer"])
+    return f"DP-{name}" if is_private(report) else name
+
+
+def privacy_section(report: dict[str, Any], dataset: str | list[str] | None = None) -> str:
+    """The "## Differential privacy" prose: the guarantee in words, or that there is none."""
+    data = _dataset_words(dataset)
+    if not is_private(report):
+        why = (
+            "`disable_dp=True`: no per-example clipping and no noise"
+            if report["disable_dp"]
+            else "noise multiplier σ = 0: clipping without noise"
+        )
+        return (
+            f"{SECTION_TITLE}\n\n"
+            f"**This model has NO differential privacy guarantee** (ε = ∞). hf_dp trained it with {why}, "
+            f"as a non-private baseline on {data} "
+            f"(N = {report['num_train_examples']}). Do not treat it or its outputs as private.\n"
+        )
+    rate, batch = f"{report['sample_rate']:.4g}", report["expected_batch_size"]
+    sampling = (
+        f"Poisson sampling (rate q = {rate}, expected batch {batch})"
+        if report["sampling"] == "poisson"
+        else f"{report['sampling']} of {batch} examples, accounted AS IF Poisson-sampled with rate "
+        f"q = {rate}, which they were not"
+    )
+    kwargs = f" ({report['optimizer_kwargs']})" if report["optimizer_kwargs"] else ""
+    guarantee = f"(ε, δ) = ({report['epsilon']:.4g}, {report['delta']:.3g})"
+    accountant = _ACCOUNTANT_NAMES.get(report["accountant"], report["accountant"])
+    target = "" if report["target_epsilon"] is None else f" (target ε {report['target_epsilon']:g})"
+    return (
+        f"{SECTION_TITLE}\n\n"
+        f"This model was trained with hf_dp and is **{guarantee}-differentially private at the example "
+        f"level**: adding or removing any one of the N = {report['num_train_examples']} training examples "
+        f"of {data} changes the probability of any set of released weights by at most a factor e^ε, "
+        "plus δ.\n\n"
+        f"- accounting: {accountant} over {report['steps']} steps{target}\n"
+        f"- sampling: {sampling}\n"
+        f"- per-example clip norm C = {report['max_grad_norm']:g} ({report['clipping_fn']} clipping, "
+        f"{report['clipping_mode']} mode); Gaussian noise multiplier σ = {report['noise_multiplier']:.4g}\n"
+        f"- optimizer: {_optimizer_name(report)}{kwargs}\n\n"
+        "The guarantee covers the released weights only for this fine-tuning data: not the data a base model "
+        "was pretrained on, not data used to choose hyperparameters, and not the training loss or metrics "
+        "logged during training. It assumes each person contributes one example; a person with k examples is "
+        "protected at group level k (roughly k·ε).\n"
+    )
+
+
+def _replace_section(text: str, section: str) -> str:
+    """``text`` with its "## Differential privacy" section replaced by (or, if absent, inserted as)
+    ``section``, placed before the first second-level heading so readers meet it early."""
+    pattern = re.compile(rf"^{re.escape(SECTION_TITLE)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+    text = pattern.sub("", text)
+    heading = re.search(r"^## ", text, re.MULTILINE)
+    at = heading.start() if heading else len(text)
+    before = text[:at].rstrip("\n")
+    return f"{before}\n\n{section}\n{text[at:]}" if before else f"{section}\n{text[at:]}"
+
+
+def _correct_optimizer_line(text: str, report: dict[str, Any]) -> str:
+    """The Trainer lists ``args.optim`` as the optimizer; under hf_dp the step is the DP optimizer's."""
+    noise = "per-example clipping and Gaussian noise" if is_private(report) else "no noise: NOT private"
+    kwargs = report["optimizer_kwargs"] or "{}"
+    line = f"- optimizer: {_optimizer_name(report)} from hf_dp ({noise}), kwargs {kwargs}"
+    return re.sub(r"^- optimizer: .*$", lambda _: line, text, flags=re.MULTILINE)
+
+
+def add_privacy_to_model_card(
+    readme_path: str, report: dict[str, Any], dataset: str | list[str] | None = None
+) -> ModelCard:
+    """Write the guarantee of ``report`` (``DPTrainer.privacy_report()``) into the card at ``readme_path``.
+
+    Adds ``differential_privacy:`` to the YAML front matter (and the ``differential-privacy`` tag for a
+    private run), the "## Differential privacy" section to the text, and names the DP optimizer in the
+    Trainer's hyperparameter list. Calling it again replaces what an earlier call wrote. Returns the card.
+    """
+    card = ModelCard.load(readme_path) if os.path.isfile(readme_path) else ModelCard("---\n{}\n---\n")
+    card.data[METADATA_KEY] = privacy_metadata(report, dataset)
+    tags = [t for t in (card.data.tags or []) if t != DP_TAG]
+    card.data.tags = [*tags, DP_TAG] if is_private(report) else tags or None
+    text = _correct_optimizer_line(card.text, report)
+    card.text = _replace_section(text, privacy_section(report, dataset))
+    card.save(readme_path)
+    return card

@@ -1,0 +1,133 @@
+"""DiSK — simplified Kalman filter on the privatised gradient (Zhang et al., Alg. 3), spec B Part A.
+
+Each example's gradient is evaluated at θ_t + γd and at θ_t on the same examples and the COMBINATION
+u_i = c·∇f_i(θ_t + γd) + (1−c)·∇f_i(θ_t), c = (1−κ)/(κγ), is clipped once (sensitivity C, the same σ and
+accounting as DP-SGD). The privatised ĝ is filtered, g̃ ← (1−κ)g̃ + κĝ, with g̃ started at the first ĝ
+(the paper's convention; the Opacus port's ``lerp_(grad, 1−κ)`` swaps the roles of κ and 1−κ, so there
+κ = 1 would freeze g̃), and g̃ is handed to the base optimizer as its gradient. d = θ_{t+1} − θ_t is the
+ACTUAL displacement (learning-rate schedule, Adam scaling and weight decay included).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from hf_dp.optim.factory import make_dp_optimizer
+from hf_dp.optim.plan import Evaluation, PlansSteps, StepPlan
+
+
+class _Extrapolation(Mapping):
+    """{p: γ·d_p}, computed on access so that a plan pins no copy of the model; valid until ``step()``."""
+
+    def __init__(self, gamma: float, displacements: dict[torch.Tensor, torch.Tensor]) -> None:
+        self.gamma, self.displacements = gamma, displacements
+
+    def __getitem__(self, p: torch.Tensor) -> torch.Tensor:
+        return (self.gamma * self.displacements[p]).to(p.dtype)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.displacements)
+
+    def __len__(self) -> int:
+        return len(self.displacements)
+
+
+def _state_dtype(p: torch.Tensor) -> torch.dtype:
+    """g̃ and d are kept in at least float32 (spec B C6: bf16 would drift)."""
+    return torch.promote_types(p.dtype, torch.float32)
+
+
+class DiSK(torch.optim.Optimizer):
+    """Wraps a DP update rule, sharing its ``param_groups`` (so the trainer's scheduler drives it)."""
+
+    def __init__(self, base: torch.optim.Optimizer, kappa: float = 0.7, gamma: float = 0.5) -> None:
+        if not 0 < kappa <= 1:
+            raise ValueError(f"DiSK needs 0 < kappa ≤ 1 (the weight of the new gradient), got {kappa}")
+        if gamma == 0:
+            raise ValueError(
+                "DiSK needs gamma ≠ 0 (c = (1 − κ)/(κγ)); use kappa=1 for the base optimizer alone"
+            )
+        if isinstance(base, PlansSteps):
+            raise ValueError(f"DiSK cannot wrap {type(base).__name__}, which plans its own clipping")
+        self.base, self.kappa, self.gamma = base, kappa, gamma
+        super().__init__(base.param_groups, base.defaults)
+        self.param_groups = base.param_groups
+
+    @property
+    def c(self) -> float:
+        """The weight of the extrapolated point, (1 − κ)/(κγ)."""
+        return (1 - self.kappa) / (self.kappa * self.gamma)
+
+    @torch.no_grad()
+    def plan_step(self, clip_norm: float) -> StepPlan:
+        """One evaluation at θ when c = 0 or d = 0 (t = 0), one at θ + γd when c = 1, else both."""
+        displaced = {p: state["displacement"] for p, state in self.state.items() if "displacement" in state}
+        if self.c == 0 or not any(d.any() for d in displaced.values()):
+            return StepPlan(clip_norm=clip_norm)
+        shift = _Extrapolation(self.gamma, displaced)
+        if math.isclose(self.c, 1.0, rel_tol=1e-12):
+            return StepPlan(clip_norm=clip_norm, evaluations=(Evaluation(shift=shift),))
+        return StepPlan(
+            clip_norm=clip_norm, evaluations=(Evaluation(weight=self.c, shift=shift), Evaluation(1 - self.c))
+        )
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        if closure is not None:
+            raise ValueError(
+                "DiSK takes no closure: it would recompute a non-private gradient after the noise"
+            )
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p in params:
+            state = self.state[p]
+            dtype = _state_dtype(p)
+            if "filtered" not in state:
+                state["step"] = torch.tensor(0.0)
+                state["filtered"] = p.grad.to(dtype, copy=True)
+                state["displacement"] = torch.empty_like(state["filtered"])
+            else:
+                state["filtered"].lerp_(p.grad.to(dtype), self.kappa)
+            state["step"] += 1
+            p.grad.copy_(state["filtered"])
+            state["displacement"].copy_(p)  # θ_t, until the base has stepped
+        self.base.step()
+        for p in params:
+            self.state[p]["displacement"].neg_().add_(p)
+
+    def state_dict(self) -> dict:
+        """g̃, d and the step count per parameter, and the base optimizer's state under ``"base"``."""
+        return {**super().state_dict(), "base": self.base.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        self.base.load_state_dict(state_dict.pop("base"))
+        super().load_state_dict(state_dict)
+        self.param_groups = self.base.param_groups  # loading made new group dicts: share the base's again
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict["state"].items():  # torch cast them to the parameter's dtype
+            param = params[index]
+            for key in ("filtered", "displacement"):
+                self.state[param][key] = saved[key].to(param.device, _state_dtype(param))
+
+
+def build(
+    params: Iterable[Any],
+    *,
+    noise_std: float,
+    kappa: float = 0.7,
+    gamma: float = 0.5,
+    base: str = "adamw",
+    **base_kwargs: Any,
+) -> torch.optim.Optimizer:
+    """DiSK over ``make_dp_optimizer(base, ...)``. The base is told the stationary noise std of g̃,
+    √(κ/(2−κ))·σC/B̄ (spec B D2), which only a noise-aware base (adam_bc) uses."""
+    if base == "disk":
+        raise ValueError("DiSK cannot wrap itself")
+    inner = make_dp_optimizer(
+        base, params, noise_std=noise_std * math.sqrt(kappa / (2 - kappa)), **base_kwargs
+    )
+    return DiSK(inner, kappa=kappa, gamma=gamma)
