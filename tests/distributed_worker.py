@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--clip", type=float, default=0.5)
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume_from", default=None)
     parser.add_argument("--record_noise", action="store_true")
@@ -84,7 +85,10 @@ def main() -> None:
     cli = parser.parse_args()
 
     torch.manual_seed(0)
-    model = models.gpt2(resid_pdrop=cli.dropout, embd_pdrop=cli.dropout, attn_pdrop=cli.dropout)
+    if cli.model == "llama":
+        model = models.llama()
+    else:
+        model = models.gpt2(resid_pdrop=cli.dropout, embd_pdrop=cli.dropout, attn_pdrop=cli.dropout)
     privacy = (
         {"target_epsilon": cli.target_epsilon} if cli.target_epsilon else {"noise_multiplier": cli.sigma}
     )

@@ -123,6 +123,14 @@ def test_two_processes_match_one_process_without_noise(runs, name, launcher, ext
     assert run["losses"] == pytest.approx(info(reference)["losses"], rel=1e-5)
 
 
+def test_zero3_llama_matches_one_process_without_noise(runs):
+    """RMSNorm's rule runs the module itself: under ZeRO-3 it must not trip the parameter gathering."""
+    reference = runs("reference_llama", "single", "--per_device", "8", "--model", "llama")
+    out = runs("zero3_llama", "torchrun", "--zero", "3", "--model", "llama")
+    assert_world(out, "DEEPSPEED", 3)
+    assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
+
+
 def noise_of_first_step(runs: Runs, noisy: Path, clean_name: str, launcher: str, *extra: str) -> torch.Tensor:
     clean = runs(clean_name, launcher, "--snapshot_step", "1", *extra)
     return (flat(noisy / "params_step1.pt") - flat(clean / "params_step1.pt")) / LR

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses, minus the hooks
 from transformers.pytorch_utils import Conv1D
 
 from hf_dp.clipping.factors import Materialised, OuterProductSum, PerExampleGradient
@@ -74,6 +75,13 @@ def layer_norm_rule(
     return parts
 
 
+def _forward_with_weight(module: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The module's own forward with ``weight`` in place of its weight, skipping every hook (ours, and
+    DeepSpeed ZeRO-3's parameter gathering, which would try to gather the plain tensor)."""
+    with _reparametrize_module(module, {"weight": weight}):
+        return module.forward(x)
+
+
 def rms_norm_rule(
     module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor
 ) -> dict[str, PerExampleGradient]:
@@ -81,10 +89,10 @@ def rms_norm_rule(
     G_i(w) = Σ_t ∂y_t ⊙ x̂_t. x̂ comes from the module itself run with w = 0 or w = 1, so it carries
     exactly the module's own precision choices (HF norms compute the variance in float32)."""
     weight = module.weight
-    with_zero = functional_call(module, {"weight": torch.zeros_like(weight)}, (x,))
-    x_hat = (
-        with_zero if with_zero.any() else functional_call(module, {"weight": torch.ones_like(weight)}, (x,))
-    )
+    # DeepSpeed ZeRO-3 leaves a partitioned weight of shape (0,) outside the forward; ds_shape is its real one
+    shape, like = getattr(weight, "ds_shape", weight.shape), {"dtype": weight.dtype, "device": weight.device}
+    with_zero = _forward_with_weight(module, torch.zeros(shape, **like), x)
+    x_hat = with_zero if with_zero.any() else _forward_with_weight(module, torch.ones(shape, **like), x)
     g = _float(grad_out)
     return {"weight": Materialised((g * _float(x_hat)).reshape(g.shape[0], -1, g.shape[-1]).sum(dim=1))}
 
