@@ -33,7 +33,8 @@ class Runs:
     def __init__(self, root: Path) -> None:
         self.root, self.port, self.done = root, 29700 + os.getpid() % 200, {}
 
-    def __call__(self, name: str, launcher: str, *worker_args: str) -> Path:
+    def __call__(self, name: str, launcher: str, *worker_args: str, fails: bool = False) -> Path | str:
+        """The run's output folder, or with ``fails=True`` its stderr (the run must fail)."""
         if name in self.done:
             return self.done[name]
         out = self.root / name
@@ -57,6 +58,9 @@ class Runs:
             text=True,
             timeout=600,
         )
+        if fails:
+            assert result.returncode != 0, f"{name} was expected to fail"
+            return result.stderr
         if result.returncode != 0:
             raise AssertionError(f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
         self.done[name] = out
@@ -129,6 +133,20 @@ def test_zero3_llama_matches_one_process_without_noise(runs):
     out = runs("zero3_llama", "torchrun", "--zero", "3", "--model", "llama")
     assert_world(out, "DEEPSPEED", 3)
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
+
+
+def test_ddp_disk_matches_one_process_without_noise(runs):
+    """DiSK's two evaluations per step (shifted parameters, the combination clipped once) under DDP."""
+    common = ("--optimizer", "disk", "--lr", "0.05")
+    reference = runs("reference_disk", "single", "--per_device", "8", *common)
+    out = runs("ddp_disk", "ddp.yaml", *common)
+    assert_world(out, "MULTI_CPU")
+    assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
+
+
+def test_optimizers_that_need_bookkeeping_are_refused_under_deepspeed(runs):
+    stderr = runs("zero2_disk", "torchrun", "--zero", "2", "--optimizer", "disk", fails=True)
+    assert "dp_optimizer='disk'" in stderr and "not supported under DeepSpeed" in stderr
 
 
 def noise_of_first_step(runs: Runs, noisy: Path, clean_name: str, launcher: str, *extra: str) -> torch.Tensor:
