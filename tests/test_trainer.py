@@ -10,7 +10,7 @@ import dp_accounting
 import pytest
 import torch
 
-from hf_dp import DPTrainer, DPTrainingArguments
+from hf_dp import DPTrainer
 from hf_dp.losses import per_example_loss
 from tests import models
 from tests.trainer_utils import (
