@@ -336,7 +336,9 @@ class ClippingEngine:
         total = torch.zeros(batch_size, dtype=dtype, device=device)
         for pid, (param, weighted) in terms.items():
             if weighted:
-                squared = combined_squared_norm(weighted, scales.get(pid), param.shape, self.materialise)
+                # under DeepSpeed ZeRO-3 a parameter is partitioned to shape (0,); ds_shape is its real shape
+                shape = getattr(param, "ds_shape", param.shape)
+                squared = combined_squared_norm(weighted, scales.get(pid), shape, self.materialise)
                 total += squared.to(total)
         return total.clamp(min=0).sqrt()
 
