@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.5)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
+    parser.add_argument("--clipping_mode", choices=["ghost", "per_sample"], default="ghost")
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume_from", default=None)
     parser.add_argument("--record_noise", action="store_true")
@@ -106,6 +107,7 @@ def main() -> None:
         lr_scheduler_type="constant",
         dp_optimizer=cli.optimizer,
         per_sample_max_grad_norm=cli.clip,
+        clipping_mode=cli.clipping_mode,
         max_steps=cli.steps,
         seed=7,
         deepspeed=deepspeed_config(cli.zero) if cli.zero is not None else None,

@@ -115,6 +115,7 @@ def test_reference_clips(runs):
         ("zero1", "torchrun", ("--zero", "1"), "DEEPSPEED", 1),
         ("zero2_accelerate", "deepspeed_zero2.yaml", ("--snapshot_step", "1"), "DEEPSPEED", 2),
         ("zero3", "torchrun", ("--zero", "3"), "DEEPSPEED", 3),
+        ("zero3_per_sample", "torchrun", ("--zero", "3", "--clipping_mode", "per_sample"), "DEEPSPEED", 3),
     ],
 )
 def test_two_processes_match_one_process_without_noise(runs, name, launcher, extra, distributed_type, stage):
