@@ -155,6 +155,7 @@ def main() -> None:
     cli = parser.parse_args()
     if cli.worker:
         return worker(cli)
+    load_at_start = os.getloadavg()
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     port = 29900
     for round_ in range(cli.rounds):  # interleaved: every configuration once per round
@@ -170,6 +171,7 @@ def main() -> None:
             "logical_batch": cli.batch,
             "steps_timed": cli.steps,
             "rounds": cli.rounds,
+            "load_average_start_end": [load_at_start, os.getloadavg()],
             "optimizer": "adamw",
             "cores": os.cpu_count(),
         },
