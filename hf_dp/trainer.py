@@ -278,7 +278,7 @@ class DPTrainerMixin:
             "sampling": "poisson" if self.args.poisson_sampling else "shuffled fixed-size batches",
             "expected_batch_size": self.expected_batch_size,
             "num_train_examples": self.num_train_examples,
-            "steps": self.accountant.steps,
+            "steps": self.state.global_step if self.args.disable_dp else self.accountant.steps,
             "optimizer": self.args.dp_optimizer,
             "optimizer_kwargs": dict(self.args.dp_optimizer_kwargs),
             "clipping_mode": self.args.clipping_mode,

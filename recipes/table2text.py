@@ -1,0 +1,533 @@
+"""Differentially private table-to-text generation (E2E, DART) with a GPT-2-shaped causal LM and hf_dp.
+
+    python recipes/table2text.py --dataset e2e                       # ε = 8, tiny GPT-2 from scratch
+    python recipes/table2text.py --dataset e2e --disable_dp          # the non-private baseline
+    python recipes/table2text.py --dataset dart --target_epsilon 3
+    python recipes/table2text.py --dataset e2e --model_name_or_path gpt2 --use_lora   # with Hub access
+
+Format (Li et al. 2021, "Large language models can be strong differentially private learners", as in
+their private-transformers code): each example is `` {table} <|endoftext|> {text} <|endoftext|>``; the loss
+covers the text and its closing token only (labels -100 on the table, its separator and the padding), and
+the per-example loss is the mean over that example's own text tokens. Tables are linearised like the
+prefix-tuning data: E2E ``name : Blue Spice | Type : coffee shop | ...``, DART ``s : p : o | s : p : o``.
+
+Model: without ``--model_name_or_path`` a GPT-2-shaped model is trained FROM SCRATCH (no causal-LM
+weights are available offline), by default 4 layers x 256 (``--model_config`` takes a JSON file or inline
+JSON of ``GPT2Config`` fields), with the real GPT-2 tokenizer from ``../shared/data/tokenizers/gpt2``.
+
+Data (``../shared/data``): E2E trains on ``trainset.csv`` and evaluates on ``testset_w_refs.csv`` (or
+``--eval_split dev``: ``devset.csv``), references grouped by meaning representation (630 test MRs). DART has
+no train split offline: it trains on the dev JSON and evaluates on the test XML, one hypothesis per entry
+with its references (5,097 entries), as the official DART evaluation does.
+
+Evaluation: beam search (``--num_beams``, ``--max_new_tokens``, ``--no_repeat_ngram_size``), then
+multi-reference BLEU (sacrebleu, 0-100), NIST (nltk, 13a tokens), METEOR 1.5 and CIDEr-D (pycocoevalcap on
+PTB-tokenised lower-cased text, as the E2E and COCO scripts do; needs Java) and ROUGE-L F (rouge-score,
+best reference, 0-1); ``--metrics bleu,nist,rouge_l`` skips the two that need Java. Loss and ε are printed
+while training; one metrics line at the end; ``--results_json`` and ``--predictions_file`` keep them.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python recipes/table2text.py` from anywhere
+
+from recipes.common import set_offline_defaults  # noqa: E402
+
+set_offline_defaults()
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPT2TokenizerFast,
+    HfArgumentParser,
+    PreTrainedTokenizerBase,
+    set_seed,
+)
+
+from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+from hf_dp.losses import IGNORE_INDEX  # noqa: E402
+from recipes.common import parse_recipe_args, shared_data_dir, write_results_json  # noqa: E402
+
+RECIPE_DEFAULTS: dict[str, Any] = {
+    "output_dir": "out/table2text",
+    "per_device_train_batch_size": 32,
+    "gradient_accumulation_steps": 8,
+    "max_steps": 100,
+    "learning_rate": 2e-3,
+    "lr_scheduler_type": "constant",
+    "warmup_steps": 0,
+    "weight_decay": 0.0,
+    "per_sample_max_grad_norm": 0.1,
+    "dp_optimizer": "adamw",
+    "logging_steps": 10,
+    "eval_strategy": "no",
+    "save_strategy": "no",
+    "report_to": "none",
+    "disable_tqdm": True,
+    "remove_unused_columns": False,
+}
+DEFAULT_EPSILON = 8.0
+PRIVACY_KEYS = (
+    "target_epsilon",
+    "noise_multiplier",
+    "target_delta",
+    "disable_dp",
+    "clipping_mode",
+    "clipping_fn",
+    "accountant",
+    "poisson_sampling",
+    "dp_optimizer_kwargs",
+    "seed",
+)
+TINY_GPT2 = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256}
+E2E_KEYS = {"eatType": "Type", "priceRange": "price", "familyFriendly": "family friendly"}
+E2E_EVAL_FILES = {"test": "testset_w_refs.csv", "dev": "devset.csv"}
+DISPLAY = {"e2e": "E2E", "dart": "DART"}
+METRICS = ("bleu", "nist", "meteor", "rouge_l", "cider")
+METRIC_LABELS = {"bleu": "BLEU", "nist": "NIST", "meteor": "METEOR", "rouge_l": "ROUGE-L", "cider": "CIDEr"}
+METRIC_FORMATS = {"bleu": ".2f", "nist": ".3f", "meteor": ".4f", "rouge_l": ".4f", "cider": ".4f"}
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "A pretrained causal LM (Hub name or folder). Default: a GPT-2-shaped model from scratch."
+        },
+    )
+    model_config: str | None = field(
+        default=None,
+        metadata={
+            "help": f"From scratch: GPT2Config fields as a JSON file or inline JSON (default {TINY_GPT2})."
+        },
+    )
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Default: the model's, or ../shared/data/tokenizers/gpt2 for a model from scratch."
+        },
+    )
+    use_lora: bool = field(default=False, metadata={"help": "Train peft LoRA adapters only."})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (scale alpha / r)."})
+    lora_target_modules: str = field(
+        default="c_attn,c_proj", metadata={"help": "Comma-separated module names."}
+    )
+    save_model: bool = field(default=False, metadata={"help": "Save the final model in output_dir."})
+
+
+@dataclass
+class DataArguments:
+    dataset: str = field(default="e2e", metadata={"help": "'e2e' or 'dart'."})
+    data_dir: str | None = field(default=None, metadata={"help": "Default: ../shared/data/<dataset>."})
+    eval_split: str = field(default="test", metadata={"help": "E2E: 'test' or 'dev'; DART: 'test'."})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Train on the first N (table, text) rows."}
+    )
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Generate for the first N tables."})
+    max_seq_length: int = field(default=128, metadata={"help": "Truncate table + text to this many tokens."})
+    num_beams: int = field(default=5, metadata={"help": "Beam search width."})
+    max_new_tokens: int = field(default=64, metadata={"help": "Longest generated text."})
+    no_repeat_ngram_size: int = field(default=0, metadata={"help": "Forbid repeated n-grams (0: off)."})
+    generation_batch_size: int = field(default=16, metadata={"help": "Tables per generate() call."})
+    metrics: str = field(
+        default=",".join(METRICS),
+        metadata={
+            "help": "Comma-separated subset of bleu,nist,meteor,rouge_l,cider (meteor and cider need Java)."
+        },
+    )
+    predictions_file: str | None = field(default=None, metadata={"help": "Write the generated texts here."})
+    results_json: str | None = field(default=None, metadata={"help": "Write settings and results here."})
+
+
+@dataclass
+class TableGroup:
+    """One table to verbalise and all its reference texts."""
+
+    table: str
+    references: list[str]
+
+
+# ---- data -------------------------------------------------------------------------------------------
+
+
+def linearize_e2e(mr: str) -> str:
+    """``name[Blue Spice], eatType[coffee shop]`` -> ``name : Blue Spice | Type : coffee shop``."""
+    pairs = re.findall(r"\s*([^\[\],]+?)\s*\[([^\]]*)\]", mr)
+    if not pairs:
+        raise ValueError(f"not an E2E meaning representation: {mr!r}")
+    return " | ".join(f"{E2E_KEYS.get(key, key)} : {value}" for key, value in pairs)
+
+
+def linearize_triples(triples: Sequence[Sequence[str]]) -> str:
+    """DART triples -> ``s : p : o | s : p : o``."""
+    return " | ".join(" : ".join(part.strip() for part in triple) for triple in triples)
+
+
+def read_e2e(path: Path) -> list[TableGroup]:
+    """An official E2E CSV (``mr``, ``ref``) with the references of each MR grouped, in file order."""
+    groups: dict[str, list[str]] = {}
+    with open(path, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            groups.setdefault(linearize_e2e(row["mr"]), []).append(row["ref"].strip())
+    return [TableGroup(table, refs) for table, refs in groups.items()]
+
+
+def read_dart_json(path: Path) -> list[TableGroup]:
+    """DART JSON: one group per tripleset, its annotations' texts as references."""
+    records = json.loads(path.read_text(encoding="utf-8"))
+    return [
+        TableGroup(linearize_triples(r["tripleset"]), [a["text"].strip() for a in r["annotations"]])
+        for r in records
+    ]
+
+
+def read_dart_xml(path: Path) -> list[TableGroup]:
+    """DART test XML: one group per ``<entry>`` (``<mtriple>s | p | o``, ``<lex>`` references)."""
+    groups = []
+    for entry in ET.parse(path).getroot().iter("entry"):
+        triples = [t.text.split(" | ") for t in entry.iter("mtriple")]
+        references = [lex.text.strip() for lex in entry.iter("lex") if lex.text and lex.text.strip()]
+        groups.append(TableGroup(linearize_triples(triples), references))
+    return groups
+
+
+def load_data(data: DataArguments) -> tuple[list[TableGroup], list[TableGroup], str]:
+    """(train groups, evaluation groups, name of the evaluation split)."""
+    name = data.dataset.lower()
+    if name not in DISPLAY:
+        raise ValueError(f"unknown --dataset {data.dataset!r}; use 'e2e' or 'dart'")
+    folder = Path(data.data_dir) if data.data_dir else shared_data_dir() / name
+    if name == "e2e":
+        if data.eval_split not in E2E_EVAL_FILES:
+            raise ValueError(f"E2E --eval_split is 'test' or 'dev', got {data.eval_split!r}")
+        train = read_e2e(folder / "trainset.csv")
+        evaluation = read_e2e(folder / E2E_EVAL_FILES[data.eval_split])
+    else:
+        if data.eval_split != "test":
+            raise ValueError(
+                "DART offline has the dev JSON (used to train) and the test XML: --eval_split test"
+            )
+        train = read_dart_json(folder / "dart-v1.1.1-full-dev.json")
+        evaluation = read_dart_xml(folder / "dart-v1.1.1-full-test.xml")
+    if data.max_eval_samples:
+        evaluation = evaluation[: data.max_eval_samples]
+    return train, evaluation, data.eval_split
+
+
+def training_pairs(groups: list[TableGroup], limit: int | None = None) -> list[tuple[str, str]]:
+    """One (table, text) training row per reference, the first ``limit`` of them."""
+    pairs = [(g.table, ref) for g in groups for ref in g.references]
+    return pairs[:limit] if limit else pairs
+
+
+def prompt_text(table: str, tokenizer: PreTrainedTokenizerBase) -> str:
+    return f" {table} {tokenizer.bos_token}"
+
+
+def encode_pair(
+    table: str, text: str, tokenizer: PreTrainedTokenizerBase, max_length: int
+) -> dict[str, list]:
+    """`` {table} <bos>`` + `` {text} <eos>``, labels -100 on the prompt; truncated to ``max_length``."""
+    prompt = tokenizer(prompt_text(table, tokenizer))["input_ids"]
+    target = tokenizer(f" {text} {tokenizer.eos_token}")["input_ids"]
+    ids = (prompt + target)[:max_length]
+    labels = ([IGNORE_INDEX] * len(prompt) + target)[:max_length]
+    return {"input_ids": ids, "labels": labels}
+
+
+class PadCollator:
+    """Right-pads ``input_ids`` (with ``pad_id``, attention 0) and ``labels`` (with -100)."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, examples: list[dict[str, list]]) -> dict[str, torch.Tensor]:
+        length = max(len(e["input_ids"]) for e in examples)
+        ids = torch.full((len(examples), length), self.pad_id)
+        labels = torch.full((len(examples), length), IGNORE_INDEX)
+        mask = torch.zeros((len(examples), length), dtype=torch.long)
+        for i, e in enumerate(examples):
+            n = len(e["input_ids"])
+            ids[i, :n], labels[i, :n], mask[i, :n] = (
+                torch.tensor(e["input_ids"]),
+                torch.tensor(e["labels"]),
+                1,
+            )
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+# ---- model ------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
+    """The GPT-2 BPE tokenizer (fast, from a folder: ``GPT2Tokenizer(vocab_file=...)`` would be EMPTY)."""
+    name = model_args.tokenizer_name or model_args.model_name_or_path
+    if name is None:
+        folder = shared_data_dir() / "tokenizers" / "gpt2"
+        name = str(folder) if folder.is_dir() else "gpt2"
+    # a bare tokenizer.json folder loads through AutoTokenizer WITHOUT special tokens: name the class
+    tokenizer = (GPT2TokenizerFast if Path(name).is_dir() else AutoTokenizer).from_pretrained(name)
+    if tokenizer.eos_token is None:
+        raise ValueError(f"the tokenizer from {name} has no end-of-text token")
+    if len(tokenizer) < 1000:
+        raise ValueError(f"the tokenizer from {name} has only {len(tokenizer)} tokens: is it empty?")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def model_config_overrides(spec: str | None) -> dict[str, Any]:
+    if spec is None:
+        return dict(TINY_GPT2)
+    text = Path(spec).read_text() if Path(spec).is_file() else spec
+    return {**TINY_GPT2, **json.loads(text)}
+
+
+def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
+    """A pretrained causal LM, or a GPT-2-shaped one from scratch; wrapped in LoRA on request."""
+    if model_args.model_name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+    else:
+        special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            **special,
+            **model_config_overrides(model_args.model_config),
+        )
+        model = GPT2LMHeadModel(config)
+    if model_args.use_lora:
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        config = LoraConfig(
+            task_type=TaskType.CAUSAL_LM,
+            r=model_args.lora_r,
+            lora_alpha=model_args.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=[t.strip() for t in model_args.lora_target_modules.split(",")],
+            fan_in_fan_out=model.config.model_type == "gpt2",  # GPT-2's Conv1D stores weights transposed
+        )
+        model = get_peft_model(model, config)
+    return model
+
+
+# ---- generation and metrics -------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, tables: list[str], data: DataArguments
+) -> list[str]:
+    """Beam-search texts for ``tables`` (prompts left-padded, batched by length), in the order given."""
+    model.eval()
+    tokenizer.padding_side = "left"
+    order = sorted(range(len(tables)), key=lambda i: len(tables[i]))
+    texts: list[str] = [""] * len(tables)
+    for start in range(0, len(order), data.generation_batch_size):
+        chunk = order[start : start + data.generation_batch_size]
+        batch = tokenizer(
+            [prompt_text(tables[i], tokenizer) for i in chunk], return_tensors="pt", padding=True
+        )
+        batch = batch.to(model.device)
+        output = model.generate(
+            **batch,
+            num_beams=data.num_beams,
+            max_new_tokens=data.max_new_tokens,
+            no_repeat_ngram_size=data.no_repeat_ngram_size,
+            do_sample=False,
+            early_stopping=True,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        new = output[:, batch["input_ids"].shape[1] :]
+        for i, text in zip(chunk, tokenizer.batch_decode(new, skip_special_tokens=True), strict=True):
+            texts[i] = " ".join(text.split())
+    return texts
+
+
+def bleu(hypotheses: list[str], references: list[list[str]]) -> float:
+    """Corpus BLEU (sacrebleu, 13a, cased, 0-100) with a variable number of references per hypothesis."""
+    import sacrebleu
+
+    width = max(len(r) for r in references)
+    streams = [[r[k] if k < len(r) else None for r in references] for k in range(width)]
+    return float(sacrebleu.corpus_bleu(hypotheses, streams).score)
+
+
+def nist(hypotheses: list[str], references: list[list[str]], n: int = 5) -> float:
+    """Corpus NIST-5 (nltk) on sacrebleu's 13a tokens; orders longer than every hypothesis add 0
+    (nltk would divide by zero, e.g. when an untrained model generates empty texts)."""
+    from nltk.translate.nist_score import corpus_nist
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+    tokenize = Tokenizer13a()
+    hyps = [tokenize(h).split() for h in hypotheses]
+    refs = [[tokenize(r).split() for r in group] for group in references]
+    orders = min(n, max(len(h) for h in hyps))
+    return float(corpus_nist(refs, hyps, n=orders)) if orders else 0.0
+
+
+def rouge_l(hypotheses: list[str], references: list[list[str]]) -> float:
+    """Mean over hypotheses of the best ROUGE-L F1 against their references (rouge-score, 0-1)."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    scores = [
+        scorer.score_multi(refs, hyp)["rougeL"].fmeasure
+        for hyp, refs in zip(hypotheses, references, strict=True)
+    ]
+    return sum(scores) / len(scores)
+
+
+def meteor_and_cider(hypotheses: list[str], references: list[list[str]]) -> dict[str, float]:
+    """METEOR 1.5 and CIDEr-D from pycocoevalcap after its PTB tokenizer (lower-cases, drops punctuation)."""
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.meteor.meteor import Meteor
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    tokenizer = PTBTokenizer()
+    gts = tokenizer.tokenize({i: [{"caption": r} for r in refs] for i, refs in enumerate(references)})
+    res = tokenizer.tokenize({i: [{"caption": h}] for i, h in enumerate(hypotheses)})
+    cider, _ = Cider().compute_score(gts, res)
+    meteor = Meteor()
+    try:
+        score, _ = meteor.compute_score(gts, res)
+    finally:
+        meteor.meteor_p.stdin.close()
+        meteor.meteor_p.wait(timeout=60)
+    return {"meteor": float(score), "cider": float(cider)}
+
+
+def text_metrics(
+    hypotheses: list[str], references: list[list[str]], names: Sequence[str] = METRICS
+) -> dict[str, float]:
+    """The metrics ``names`` (default all: BLEU, NIST, METEOR, ROUGE-L, CIDEr) of ``hypotheses`` against their
+    (multiple) ``references``."""
+    if len(hypotheses) != len(references) or not hypotheses:
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} reference groups")
+    unknown = set(names) - set(METRICS)
+    if unknown:
+        raise ValueError(f"unknown metrics {sorted(unknown)}; choose from {METRICS}")
+    scores = {}
+    if "meteor" in names or "cider" in names:  # one Java tokenisation serves both
+        scores.update(meteor_and_cider(hypotheses, references))
+    for name, metric in (("bleu", bleu), ("nist", nist), ("rouge_l", rouge_l)):
+        if name in names:
+            scores[name] = metric(hypotheses, references)
+    return {name: scores[name] for name in METRICS if name in names}
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """``BLEU 63.10  NIST 7.912  ...`` in the papers' order and units."""
+    return "  ".join(
+        f"{METRIC_LABELS[name]} {value:{METRIC_FORMATS[name]}}" for name, value in metrics.items()
+    )
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+
+def training_settings(args: DPTrainingArguments) -> dict[str, Any]:
+    """The training arguments worth recording: the recipe's defaults and the privacy knobs."""
+    keys = (*RECIPE_DEFAULTS, *PRIVACY_KEYS)
+    return {key: getattr(args, key) for key in keys}
+
+
+def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
+    """Parse ``argv`` (default: the command line), train, generate, score; return the trainer and record."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, DPTrainingArguments))
+    model_args, data_args, training_args = parse_recipe_args(parser, RECIPE_DEFAULTS, DEFAULT_EPSILON, argv)
+    train_groups, eval_groups, split = load_data(data_args)
+    tokenizer = load_tokenizer(model_args)
+    set_seed(training_args.seed)  # the same seed gives the same initial weights (new heads included)
+    model = build_model(model_args, tokenizer)
+    model.train()
+    pairs = training_pairs(train_groups, data_args.max_train_samples)
+    train = Dataset.from_dict({"table": [p[0] for p in pairs], "text": [p[1] for p in pairs]}).map(
+        lambda row: encode_pair(row["table"], row["text"], tokenizer, data_args.max_seq_length),
+        remove_columns=["table", "text"],
+    )
+    trainer = DPTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        data_collator=PadCollator(tokenizer.pad_token_id),
+    )
+    name = DISPLAY[data_args.dataset.lower()]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(
+        f"{name}: N={trainer.num_train_examples} (table, text) rows  "
+        f"expected batch={trainer.expected_batch_size}  "
+        f"q={trainer.sample_rate:.5f}  steps={trainer.planned_steps}  sigma={trainer.noise_multiplier:.4f}  "
+        f"C={training_args.per_sample_max_grad_norm:g}  delta={trainer.target_delta:.3g}  "
+        f"trainable params={trainable:,}  eval: {split} ({len(eval_groups)} tables)",
+        flush=True,
+    )
+    started = time.time()
+    train_output = trainer.train()
+    train_seconds = time.time() - started
+    hypotheses = generate(trainer.model, tokenizer, [g.table for g in eval_groups], data_args)
+    names = [m.strip() for m in data_args.metrics.split(",") if m.strip()]
+    metrics = text_metrics(hypotheses, [g.references for g in eval_groups], names)
+    epsilon, steps = trainer.get_epsilon(), trainer.state.global_step
+    if model_args.save_model:
+        trainer.save_model()
+    if data_args.predictions_file:
+        Path(data_args.predictions_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(data_args.predictions_file).write_text("".join(f"{h}\n" for h in hypotheses))
+    record = {
+        "dataset": name,
+        "split": split,
+        **metrics,
+        "eval_tables": len(eval_groups),
+        "epsilon": epsilon,
+        "delta": trainer.target_delta,
+        "noise_multiplier": trainer.noise_multiplier,
+        "sample_rate": trainer.sample_rate,
+        "expected_batch_size": trainer.expected_batch_size,
+        "num_train_examples": trainer.num_train_examples,
+        "steps": steps,
+        "train_loss": train_output.training_loss,
+        "train_seconds": round(train_seconds, 1),
+        "total_seconds": round(time.time() - started, 1),
+        "trainable_parameters": trainable,
+        "examples": [
+            {"table": g.table, "generated": h} for g, h in zip(eval_groups[:3], hypotheses, strict=False)
+        ],
+        "settings": {"model": model_args, "data": data_args, "training": training_settings(training_args)},
+    }
+    if data_args.results_json:
+        write_results_json(data_args.results_json, record)
+    privacy = f"epsilon {epsilon:.3f}" if math.isfinite(epsilon) else "epsilon inf (not private)"
+    print(
+        f"{name} {split}: {format_metrics(metrics)}  at {privacy} "
+        f"(delta {trainer.target_delta:.3g}, {steps} steps)",
+        flush=True,
+    )
+    return trainer, record
+
+
+def main() -> None:
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""recipes/table2text.py: data format, metrics on known cases, and E2E / DART end to end at toy size on
+real data."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+
+import pytest
+
+from recipes import table2text as t2t
+
+TINY_GPT2 = '{"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 96}'
+TOY = [
+    "--model_config", TINY_GPT2,
+    "--max_train_samples", "32",
+    "--max_eval_samples", "2",
+    "--max_seq_length", "64",
+    "--max_steps", "2",
+    "--per_device_train_batch_size", "4",
+    "--gradient_accumulation_steps", "2",
+    "--logging_steps", "1",
+    "--num_beams", "2",
+    "--max_new_tokens", "8",
+]  # fmt: skip
+FINAL_LINE = re.compile(r"(E2E|DART) test: (.*)  at epsilon (\S+) \(delta \S+, 2 steps\)")
+
+
+def test_e2e_tables_are_linearised_like_the_prefix_tuning_data(shared_data):
+    """Every test MR equals the table of the same row of the prefix-tuning file (which is word-tokenised)."""
+    with open(shared_data / "e2e" / "testset_w_refs.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    lines = (
+        (shared_data / "e2e" / "prefix_tuning_format" / "src1_test.txt")
+        .read_text(encoding="utf-8")
+        .splitlines()
+    )
+    assert len(rows) == len(lines) == 4693
+
+    def squeeze(text: str) -> str:
+        return "".join(text.split())
+
+    for row, line in zip(rows, lines, strict=True):
+        assert squeeze(t2t.linearize_e2e(row["mr"])) == squeeze(line.split("||")[0])
+    assert t2t.linearize_e2e("name[The Eagle], eatType[coffee shop], familyFriendly[yes]") == (
+        "name : The Eagle | Type : coffee shop | family friendly : yes"
+    )
+
+
+def test_references_are_grouped_per_table(shared_data):
+    e2e = t2t.read_e2e(shared_data / "e2e" / "testset_w_refs.csv")
+    assert len(e2e) == 630 and sum(len(g.references) for g in e2e) == 4693
+    dart_train = t2t.read_dart_json(shared_data / "dart" / "dart-v1.1.1-full-dev.json")
+    assert len(dart_train) == 2768 and sum(len(g.references) for g in dart_train) == 6980
+    dart_test = t2t.read_dart_xml(shared_data / "dart" / "dart-v1.1.1-full-test.xml")
+    assert len(dart_test) == 5097 and all(g.references for g in dart_test)
+    assert dart_test[0].table.startswith("Hawaii Five-O : NOTES : Episode: The Flight of the Jewels | ")
+
+
+def test_loss_covers_only_the_text_and_its_end_token(shared_data):
+    tokenizer = t2t.load_tokenizer(t2t.ModelArguments())
+    assert len(tokenizer) == 50257 and tokenizer.eos_token == "<|endoftext|>"
+    table, text = "name : Blue Spice | Type : coffee shop", "Blue Spice is a coffee shop."
+    row = t2t.encode_pair(table, text, tokenizer, max_length=128)
+    ids, labels = row["input_ids"], row["labels"]
+    separator = ids.index(tokenizer.eos_token_id)
+    assert all(label == -100 for label in labels[: separator + 1])
+    assert labels[separator + 1 :] == ids[separator + 1 :] and ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(ids[: separator + 1]) == f" {table} <|endoftext|>"
+    assert tokenizer.decode(labels[separator + 1 :]) == f" {text} <|endoftext|>"
+    batch = t2t.PadCollator(tokenizer.pad_token_id)([row, t2t.encode_pair(table, "Short.", tokenizer, 128)])
+    assert (batch["labels"][1][batch["attention_mask"][1] == 0] == -100).all()
+    assert t2t.encode_pair(table, text, tokenizer, max_length=12)["input_ids"] == ids[:12]
+
+
+def test_metrics_on_known_cases():
+    references = [
+        ["The Vaults is a pub near Café Adriatic.", "Near Café Adriatic is The Vaults, a pub."],
+        ["Blue Spice is a coffee shop in the city centre."],
+        ["Alimentum serves cheap Chinese food by the river."],
+    ]
+    perfect = t2t.text_metrics([refs[0] for refs in references], references)
+    assert perfect["bleu"] == pytest.approx(100.0) and perfect["rouge_l"] == pytest.approx(1.0)
+    assert perfect["meteor"] == pytest.approx(1.0, abs=1e-3)
+    assert perfect["nist"] > 3 and perfect["cider"] > 1
+    empty = ["", "", ""]
+    assert t2t.bleu(empty, references) == 0 and t2t.nist(empty, references) == 0
+    assert t2t.rouge_l(empty, references) == 0
+
+
+def _check_run(record: dict, out: str, results_path, metrics: tuple[str, ...], epsilon_bound: float) -> None:
+    """Loss and ε in the training logs; the final line and the JSON carry the same finite metrics and ε."""
+    assert "'loss'" in out and "'epsilon'" in out
+    final = FINAL_LINE.search(out)
+    assert final, out[-3000:]
+    assert final.group(2) == t2t.format_metrics({name: record[name] for name in metrics})
+    written = json.loads(results_path.read_text())
+    for name in t2t.METRICS:
+        assert (name in written) == (name in metrics)
+    for name in metrics:
+        assert (
+            math.isfinite(written[name])
+            and written[name] >= 0
+            and written[name] == pytest.approx(record[name])
+        )
+    assert 0 < written["epsilon"] <= epsilon_bound
+    assert float(final.group(3)) == pytest.approx(written["epsilon"], abs=1e-3)
+    assert written["steps"] == 2 and written["eval_tables"] == 2 and len(written["examples"]) == 2
+
+
+def test_e2e_end_to_end_prints_and_writes_metrics_and_epsilon(shared_data, tmp_path, capsys):
+    results = tmp_path / "e2e.json"
+    trainer, record = t2t.run(
+        [*TOY, "--dataset", "e2e", "--target_epsilon", "3", "--output_dir", str(tmp_path),
+         "--results_json", str(results)]
+    )  # fmt: skip
+    _check_run(record, capsys.readouterr().out, results, t2t.METRICS, epsilon_bound=3.0)
+    assert record["num_train_examples"] == 32
+    assert record["examples"][0]["table"].startswith("name : Blue Spice")
+
+
+def test_dart_with_lora_dp_sgd_and_rdp(shared_data, tmp_path, capsys):
+    """DART, LoRA adapters only, DP-SGD, the RDP accountant and the metrics that need no Java."""
+    results = tmp_path / "dart.json"
+    trainer, record = t2t.run(
+        [*TOY, "--dataset", "dart", "--use_lora", "--dp_optimizer", "sgd", "--learning_rate", "0.5",
+         "--accountant", "rdp", "--metrics", "bleu,nist,rouge_l", "--output_dir", str(tmp_path),
+         "--results_json", str(results)]
+    )  # fmt: skip
+    _check_run(record, capsys.readouterr().out, results, ("bleu", "nist", "rouge_l"), epsilon_bound=8.0)
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert trainer.args.dp_optimizer == "sgd" and "betas" not in trainer.optimizer.param_groups[0]
+    assert record["examples"][0]["table"].startswith("Hawaii Five-O : NOTES")
