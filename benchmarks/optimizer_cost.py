@@ -1,0 +1,328 @@
+"""Per-step cost of each DP optimizer against its base, through ``DPTrainer``, in interleaved rounds.
+
+One step = ``DPTrainer.training_step`` (per-example clipping as the optimizer's plan asks: one or two
+gradient evaluations, ℓ2 or scaled geometry) + ``optimizer.step()`` (noise, then the update rule) +
+``zero_grad``, on a tied GPT-2-shaped model (random weights, a fixed random token batch, fp32, σ = 1,
+C = 1, ghost clipping). The pairs and the bars they are held to:
+
+- ``disk_single`` vs ``adamw``: DiSK with γ = (1−κ)/κ (κ = 0.7), so c = 1 and each step evaluates the
+  gradient once, at θ + γd; bar ≤ 1.1×.
+- ``disk`` vs ``adamw``: DiSK at its default κ = 0.7, γ = 0.5, two evaluations per step; bar ≤ 2.1×.
+- ``doppler`` vs ``sgd`` (first-order filter ver.1), ``stp`` (dense scale) and ``stp_factored`` (rank-1
+  scale, ghost-compatible: our extension) vs ``adam``, ``dp2_adaptive`` vs ``sgd`` (DP²'s adaptive phase,
+  clipping in the scaled geometry; its SGD phase is plain DP-SGD), ``adam_bc`` vs ``adam``: no bar.
+
+Every round runs every variant once, in an order that rotates every round; the machine is shared, so the
+ratios reported are the median of per-round PAIRED ratios and the ratio of minimum times. The first
+``WARMUP_STEPS`` steps are not timed (DPTrainer checks its engine against autograd on the first; DiSK's
+first step has d = 0 and evaluates once; DP² is in its adaptive phase from step 2 on).
+
+    python benchmarks/optimizer_cost.py [--layers 4 --width 256 --heads 4 --vocab 16384 --seq 128 --batch 16
+                                         --rounds 8 --threads 1 --out benchmarks/results/optimizer_cost.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(_REPO_ROOT) not in sys.path:  # measure this checkout's hf_dp, whatever is installed
+    sys.path.insert(0, str(_REPO_ROOT))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "optimizer_cost.json"
+EXAMPLE_MASK_KEY = "hf_dp_example_mask"
+WARMUP_STEPS = 3
+KAPPA = 0.7
+
+# name -> (dp_optimizer, dp_optimizer_kwargs)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "sgd": ("sgd", {}),
+    "adam": ("adam", {}),
+    "adamw": ("adamw", {}),
+    "disk_single": ("disk", {"kappa": KAPPA, "gamma": (1 - KAPPA) / KAPPA, "base": "adamw"}),
+    "disk": ("disk", {"kappa": KAPPA, "gamma": 0.5, "base": "adamw"}),
+    "doppler": ("doppler", {"base": "sgd", "filter": "first_order_v1"}),
+    "stp": ("stp", {"factored": False}),
+    "stp_factored": ("stp", {"factored": True}),
+    "dp2_adaptive": ("dp2", {"sgd_steps": 1, "adaptive_steps": 10**9, "adaptive_clip_norm": 1.0}),
+    "adam_bc": ("adam_bc", {}),
+}
+# (variant, base, bar on the step-time ratio or None)
+PAIRS: tuple[tuple[str, str, float | None], ...] = (
+    ("disk_single", "adamw", 1.1),
+    ("disk", "adamw", 2.1),
+    ("doppler", "sgd", None),
+    ("stp", "adam", None),
+    ("stp_factored", "adam", None),
+    ("dp2_adaptive", "sgd", None),
+    ("adam_bc", "adam", None),
+)
+
+
+@dataclass
+class Config:
+    layers: int = 4
+    width: int = 256
+    heads: int = 4
+    vocab: int = 16384
+    seq: int = 128
+    batch: int = 16
+    rounds: int = 8
+    threads: int = 1
+    seed: int = 0
+
+
+@dataclass
+class Variant:
+    """A built variant: its step function, the times of its rounds, what its plan asked for."""
+
+    name: str
+    step: Callable[[], float] | None = None
+    error: str | None = None
+    times: list[float | None] = field(default_factory=list)
+    evaluations: int | None = None
+    scaled_clipping: bool | None = None
+    keep: list[Any] = field(default_factory=list)  # objects that must outlive the timing
+
+
+def build_model(cfg: Config) -> GPT2LMHeadModel:
+    torch.manual_seed(cfg.seed)
+    config = GPT2Config(
+        n_layer=cfg.layers,
+        n_embd=cfg.width,
+        n_head=cfg.heads,
+        vocab_size=cfg.vocab,
+        n_positions=cfg.seq,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    return GPT2LMHeadModel(config).float().train()
+
+
+def make_batch(cfg: Config) -> dict[str, torch.Tensor]:
+    ids = torch.randint(
+        0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(cfg.seed + 1)
+    )
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": ids.clone(),
+        EXAMPLE_MASK_KEY: torch.ones(cfg.batch),
+    }
+
+
+def build_variant(name: str, cfg: Config, base: GPT2LMHeadModel, batch: dict[str, torch.Tensor]) -> Variant:
+    """A DPTrainer with ``name``'s optimizer on a copy of ``base``; errors are recorded, not raised."""
+    dp_optimizer, kwargs = VARIANTS[name]
+    try:
+        tmp = tempfile.TemporaryDirectory(prefix="hf_dp_optimizer_cost_")
+        model = copy.deepcopy(base)
+        args = DPTrainingArguments(
+            output_dir=tmp.name,
+            noise_multiplier=1.0,
+            per_sample_max_grad_norm=1.0,
+            per_device_train_batch_size=cfg.batch,
+            learning_rate=1e-4,
+            weight_decay=0.0,
+            dp_optimizer=dp_optimizer,
+            dp_optimizer_kwargs=kwargs,
+            seed=cfg.seed,
+            report_to="none",
+            use_cpu=True,
+            save_strategy="no",
+            logging_strategy="no",
+        )
+        row = {"input_ids": batch["input_ids"][0], "labels": batch["labels"][0]}
+        trainer = DPTrainer(model=model, args=args, train_dataset=[row] * (100 * cfg.batch))
+        trainer.create_optimizer()
+    except Exception as exc:  # recorded in the JSON; the other variants still run
+        return Variant(name, error=f"build failed: {type(exc).__name__}: {exc}")
+
+    def step() -> float:
+        loss = trainer.training_step(model, batch)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.state.global_step += 1  # the trainer plans once per logical batch, keyed by this step
+        return float(loss)
+
+    return Variant(name, step=step, keep=[tmp, trainer])
+
+
+def run_step(variant: Variant, timed: bool = True) -> None:
+    """One step; its time goes to ``variant.times`` (None after a failure, which retires the variant)."""
+    elapsed = None
+    if variant.error is None:
+        try:
+            start = time.perf_counter()
+            loss = variant.step()
+            elapsed = time.perf_counter() - start
+            if not math.isfinite(loss):
+                raise ValueError(f"non-finite loss {loss}")
+            plan = variant.keep[1].privatizer.plan
+            variant.evaluations, variant.scaled_clipping = len(plan.evaluations), bool(plan.clip_scale)
+        except Exception as exc:
+            variant.error, elapsed = f"step failed: {type(exc).__name__}: {exc}", None
+    if timed:
+        variant.times.append(elapsed)
+
+
+def ratios(a: Variant, b: Variant) -> dict[str, Any] | None:
+    """Paired median (over rounds where both ran) and min-time ratio of step times a / b."""
+    pairs = [x / y for x, y in zip(a.times, b.times, strict=True) if x and y]
+    if not pairs:
+        return None
+    return {
+        "paired_median": statistics.median(pairs),
+        "min_time": min(t for t in a.times if t) / min(t for t in b.times if t),
+        "per_round": pairs,
+    }
+
+
+def summarise(variants: dict[str, Variant]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    per_variant = {}
+    for name, v in variants.items():
+        times = [t for t in v.times if t]
+        per_variant[name] = {
+            "dp_optimizer": VARIANTS[name][0],
+            "dp_optimizer_kwargs": VARIANTS[name][1],
+            "median_s": statistics.median(times) if times else None,
+            "min_s": min(times) if times else None,
+            "times_s": v.times,
+            "evaluations_per_step": v.evaluations,
+            "scaled_clipping": v.scaled_clipping,
+            "error": v.error,
+        }
+    pairs = []
+    for variant, base, bar in PAIRS:
+        if variant not in variants or base not in variants:
+            continue
+        r = ratios(variants[variant], variants[base])
+        entry: dict[str, Any] = {"variant": variant, "base": base, "bar": bar, "ratio": r}
+        if r is not None and bar is not None:
+            entry["meets_bar_paired_median"] = r["paired_median"] <= bar
+            entry["meets_bar_min_time"] = r["min_time"] <= bar
+        pairs.append(entry)
+    return per_variant, pairs
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\nstep time, {result['config']}")
+    print(f"{'variant':<14}{'median s':>10}{'min s':>9}{'evals':>6}{'scaled':>7}  error")
+    for name, t in result["times"].items():
+        print(
+            f"{name:<14}{_fmt(t['median_s']):>10}{_fmt(t['min_s']):>9}"
+            f"{_fmt(t['evaluations_per_step'], 'd'):>6}"
+            f"{str(t['scaled_clipping']):>7}  {t['error'] or ''}"
+        )
+    print(f"\n{'variant / base':<28}{'paired median':>14}{'min-time':>10}{'bar':>6}")
+    for p in result["pairs"]:
+        r = p["ratio"] or {}
+        print(
+            f"{p['variant'] + ' / ' + p['base']:<28}{_fmt(r.get('paired_median'), '.2f'):>14}"
+            f"{_fmt(r.get('min_time'), '.2f'):>10}{_fmt(p['bar'], '.1f'):>6}"
+        )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in asdict(Config()).items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--quick", action="store_true", help="toy model, 1 round (the smoke test)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    cfg = Config(**{name: getattr(args, name) for name in asdict(Config())})
+    if args.quick:
+        cfg = Config(layers=1, width=32, heads=2, vocab=128, seq=16, batch=4, rounds=1, threads=1)
+    torch.set_num_threads(cfg.threads)
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*bos_token_id.*")
+    load_before = list(os.getloadavg())
+    base, batch = build_model(cfg), make_batch(cfg)
+    variants = {name: build_variant(name, cfg, base, batch) for name in args.variants}
+    for v in variants.values():
+        for _ in range(WARMUP_STEPS):
+            run_step(v, timed=False)
+    names, orders = list(variants), []
+    for r in range(cfg.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        orders.append(order)
+        for name in order:
+            run_step(variants[name])
+        print(
+            f"round {r + 1}/{cfg.rounds}: " + ", ".join(f"{n} {_fmt(variants[n].times[-1])}" for n in order),
+            flush=True,
+        )
+    per_variant, pairs = summarise(variants)
+    result = {
+        "benchmark": "optimizer_cost",
+        "date": _dt.date.today().isoformat(),
+        "config": {
+            **asdict(cfg),
+            "dtype": "float32",
+            "clipping_mode": "ghost",
+            "noise_multiplier": 1.0,
+            "per_sample_max_grad_norm": 1.0,
+            "warmup_steps": WARMUP_STEPS,
+            "tied_embeddings": True,
+        },
+        "environment": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "load_average_at_start": load_before,
+            "load_average_at_end": list(os.getloadavg()),
+        },
+        "round_orders": orders,
+        "times": per_variant,
+        "pairs": pairs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    print(f"\nwrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
