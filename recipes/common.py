@@ -117,3 +117,15 @@ def write_results_json(path: str | os.PathLike, record: dict[str, Any]) -> None:
     record = {**record, "date": time.strftime("%Y-%m-%d %H:%M")}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(jsonable(record), indent=2) + "\n")
+
+
+def report_run(trainer: Any, record: dict[str, Any], results_json: str | None, headline: str) -> None:
+    """On the main process: write ``record`` to ``results_json`` (if given) and print
+    ``"<headline> at epsilon … (delta …, N steps)"``, the last line every recipe prints."""
+    if not trainer.is_world_process_zero():
+        return
+    if results_json:
+        write_results_json(results_json, record)
+    epsilon = record["epsilon"]
+    privacy = f"epsilon {epsilon:.3f}" if math.isfinite(epsilon) else "epsilon inf (not private)"
+    print(f"{headline} at {privacy} (delta {trainer.target_delta:.3g}, {record['steps']} steps)", flush=True)

@@ -48,8 +48,8 @@ from recipes.common import (  # noqa: E402
     parse_recipe_args,
     read_glue_tsv,
     read_json_records,
+    report_run,
     shared_data_dir,
-    write_results_json,
 )
 
 # Compared on held-out SST-2 train rows (--holdout 1000), never on dev; benchmarks/results/glue_sst2_tuning.json.
@@ -489,15 +489,12 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
             },
         },
     }
-    if trainer.is_world_process_zero():
-        if data_args.results_json:
-            write_results_json(data_args.results_json, record)
-        privacy = f"epsilon {epsilon:.3f}" if math.isfinite(epsilon) else "epsilon inf (not private)"
-        print(
-            f"{task.display} {split} accuracy {metrics['eval_accuracy']:.4f} at {privacy} "
-            f"(delta {trainer.target_delta:.3g}, {steps} steps)",
-            flush=True,
-        )
+    report_run(
+        trainer,
+        record,
+        data_args.results_json,
+        f"{task.display} {split} accuracy {metrics['eval_accuracy']:.4f}",
+    )
     return trainer, record
 
 

@@ -57,8 +57,8 @@ from recipes.common import (  # noqa: E402
     MINILM_HUB_NAME,
     default_minilm_path,
     parse_recipe_args,
+    report_run,
     shared_data_dir,
-    write_results_json,
 )
 
 RECIPE_DEFAULTS: dict[str, Any] = {
@@ -286,15 +286,8 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
         "trainable_parameters": trainable,
         "settings": {"model": model_args, "data": data_args, "training": training_settings(training_args)},
     }
-    if data_args.results_json:
-        write_results_json(data_args.results_json, record)
-    privacy = f"epsilon {epsilon:.3f}" if math.isfinite(epsilon) else "epsilon inf (not private)"
-    print(
-        f"arXiv MLM held-out loss {loss:.4f} (perplexity {math.exp(loss):.2f}; "
-        f"before training {loss_before:.4f}) "
-        f"at {privacy} (delta {trainer.target_delta:.3g}, {steps} steps)",
-        flush=True,
-    )
+    headline = f"arXiv MLM held-out loss {loss:.4f} (perplexity {math.exp(loss):.2f}; before training {loss_before:.4f})"
+    report_run(trainer, record, data_args.results_json, headline)
     return trainer, record
 
 

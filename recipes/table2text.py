@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import re
 import sys
 import time
@@ -62,7 +61,7 @@ from transformers import (  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 from hf_dp.losses import IGNORE_INDEX  # noqa: E402
-from recipes.common import parse_recipe_args, shared_data_dir, write_results_json  # noqa: E402
+from recipes.common import parse_recipe_args, report_run, shared_data_dir  # noqa: E402
 
 RECIPE_DEFAULTS: dict[str, Any] = {
     "output_dir": "out/table2text",
@@ -514,14 +513,7 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
         ],
         "settings": {"model": model_args, "data": data_args, "training": training_settings(training_args)},
     }
-    if data_args.results_json:
-        write_results_json(data_args.results_json, record)
-    privacy = f"epsilon {epsilon:.3f}" if math.isfinite(epsilon) else "epsilon inf (not private)"
-    print(
-        f"{name} {split}: {format_metrics(metrics)}  at {privacy} "
-        f"(delta {trainer.target_delta:.3g}, {steps} steps)",
-        flush=True,
-    )
+    report_run(trainer, record, data_args.results_json, f"{name} {split}: {format_metrics(metrics)} ")
     return trainer, record
 
 
