@@ -435,11 +435,6 @@ class DPTrainerMixin:
         self._require_per_example(losses, batch_size)
         return losses
 
-    def _clip_kwargs(self, plan: StepPlan) -> dict[str, Any]:
-        if plan.clip_norm == self.privatizer.max_grad_norm and not plan.clip_scale:
-            return {}
-        return {"clip_norm": plan.clip_norm, "clip_scale": plan.clip_scale}
-
     def _bookkeeping_backward(
         self, inputs: dict[str, Any], mask: torch.Tensor, plan: StepPlan
     ) -> torch.Tensor:
@@ -450,7 +445,9 @@ class DPTrainerMixin:
         if len(plan.evaluations) == 1 and plan.evaluations[0].shift is None:
             with engine.record(batch_size):
                 losses = self._losses(module, inputs, batch_size)
-            engine.clipped_backward(losses, mask, verify=verify, **self._clip_kwargs(plan))
+            engine.clipped_backward(
+                losses, mask, verify=verify, clip_norm=plan.clip_norm, clip_scale=plan.clip_scale
+            )
             self._verified_engine = True
             return losses
         rng = _rng_state()
