@@ -11,7 +11,7 @@ Every argument of ``DPTrainingArguments`` (and so of ``TrainingArguments``) is a
 changes some defaults (RECIPE_DEFAULTS and the dataclasses below; compared on held-out SST-2 TRAIN rows, never
 on dev) and sets ε = 8 unless ``--target_epsilon``, ``--noise_multiplier`` or ``--disable_dp`` is given.
 Loss and ε are printed as training goes; at the end a line such as
-``SST-2 dev accuracy 0.86 at epsilon 7.99 (delta 4.88e-06, 250 steps)``.
+``SST-2 dev accuracy 0.86 at epsilon 7.99 (delta 4.88e-06, 330 steps)``.
 
 Data: without ``--train_file``/``--data_dir`` the recipe reads ``../shared/data/glue/<TASK>`` when it
 exists (SST-2: the GLUE TSVs; QNLI: a 9k-row GLUE-train subset and the GLUE dev TSV; MNLI, QQP: 9k-row
@@ -57,13 +57,14 @@ from recipes.common import (  # noqa: E402
 # MiniLM reached 0.845 (AdamW 1e-2 constant), 0.860 (linear decay), 0.859 (head 2e-2, body 5e-3), while full
 # fine-tuning, LoRA and [CLS] pooling stayed near the majority class (0.563) and DP-SGD lr 2 lagged: hence
 # BiTFiT, mean pooling for sentence-transformers models (pooling "auto"), head 2e-2 / body 5e-3, linear decay.
-# The logical (expected) batch is 64 x 8 = 512; 250 steps (about 1.9 epochs) fit in 30 minutes on 2 cores.
+# The logical (expected) batch is 64 x 8 = 512. With both changes, 330 steps (2.5 epochs, the most that fit in
+# 30 minutes on 2 cores: 4.3 s per step) reached 0.867 held-out (σ 0.50 against 0.49 for 250 steps).
 RECIPE_DEFAULTS: dict[str, Any] = {
     "output_dir": "out/glue",
     "per_device_train_batch_size": 64,
     "gradient_accumulation_steps": 8,
     "per_device_eval_batch_size": 128,
-    "max_steps": 250,
+    "max_steps": 330,
     "learning_rate": 5e-3,
     "lr_scheduler_type": "linear",
     "warmup_steps": 0,
