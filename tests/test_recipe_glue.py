@@ -47,6 +47,15 @@ def test_sst2_prints_loss_epsilon_and_accuracy(shared_data, tmp_path, capsys):
     assert 0 < written["epsilon"] <= 3.0 and written["epsilon"] == pytest.approx(trainer.get_epsilon())
     assert written["delta"] < 1 / 48 and written["settings"]["training"]["target_epsilon"] == 3.0
     assert all("epsilon" in entry for entry in trainer.state.log_history)
+    # the defaults: mean pooling for MiniLM, DP-BiTFiT, the classifier at its own (higher) learning rate
+    assert written["pooling"] == "mean" and written["trainable_parameters"] < 40_000
+    head = {id(p) for p in trainer.model.classifier.parameters()}
+    rates = {
+        ("head" if id(p) in head else "body", group["initial_lr"])
+        for group in trainer.optimizer.param_groups
+        for p in group["params"]
+    }
+    assert rates == {("head", 2e-2), ("body", 5e-3)}
 
 
 def test_lora_changes_only_adapters_and_classifier(shared_data, tmp_path, capsys):
