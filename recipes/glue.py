@@ -44,6 +44,7 @@ from transformers import (  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments, make_dp_optimizer  # noqa: E402
 from recipes.common import (  # noqa: E402
+    PRIVACY_KEYS,
     default_minilm_path,
     parse_recipe_args,
     read_glue_tsv,
@@ -472,22 +473,7 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
         "settings": {
             "model": model_args,
             "data": data_args,
-            "training": {
-                key: getattr(training_args, key)
-                for key in (
-                    *RECIPE_DEFAULTS,
-                    "target_epsilon",
-                    "noise_multiplier",
-                    "target_delta",
-                    "disable_dp",
-                    "clipping_mode",
-                    "clipping_fn",
-                    "accountant",
-                    "poisson_sampling",
-                    "dp_optimizer_kwargs",
-                    "seed",
-                )
-            },
+            "training": {key: getattr(training_args, key) for key in (*RECIPE_DEFAULTS, *PRIVACY_KEYS)},
         },
     }
     report_run(

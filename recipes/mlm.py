@@ -55,6 +55,7 @@ from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 from hf_dp.losses import IGNORE_INDEX  # noqa: E402
 from recipes.common import (  # noqa: E402
     MINILM_HUB_NAME,
+    PRIVACY_KEYS,
     default_minilm_path,
     parse_recipe_args,
     report_run,
@@ -80,18 +81,6 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "remove_unused_columns": False,
 }
 DEFAULT_EPSILON = 8.0
-PRIVACY_KEYS = (
-    "target_epsilon",
-    "noise_multiplier",
-    "target_delta",
-    "disable_dp",
-    "clipping_mode",
-    "clipping_fn",
-    "accountant",
-    "poisson_sampling",
-    "dp_optimizer_kwargs",
-    "seed",
-)
 SMALL_BERT = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024}
 
 

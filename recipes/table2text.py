@@ -61,7 +61,7 @@ from transformers import (  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 from hf_dp.losses import IGNORE_INDEX  # noqa: E402
-from recipes.common import parse_recipe_args, report_run, shared_data_dir  # noqa: E402
+from recipes.common import PRIVACY_KEYS, parse_recipe_args, report_run, shared_data_dir  # noqa: E402
 
 RECIPE_DEFAULTS: dict[str, Any] = {
     "output_dir": "out/table2text",
@@ -82,18 +82,6 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "remove_unused_columns": False,
 }
 DEFAULT_EPSILON = 8.0
-PRIVACY_KEYS = (
-    "target_epsilon",
-    "noise_multiplier",
-    "target_delta",
-    "disable_dp",
-    "clipping_mode",
-    "clipping_fn",
-    "accountant",
-    "poisson_sampling",
-    "dp_optimizer_kwargs",
-    "seed",
-)
 TINY_GPT2 = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256}
 E2E_KEYS = {"eatType": "Type", "priceRange": "price", "familyFriendly": "family friendly"}
 E2E_EVAL_FILES = {"test": "testset_w_refs.csv", "dev": "devset.csv"}
