@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from hf_dp.losses import per_example_loss
 from hf_dp.noise import GaussianNoise
 from hf_dp.optim.base import GradientPrivatizer
 from hf_dp.optim.factory import make_dp_optimizer
-from hf_dp.optim.plan import StepPlan, plan_for
+from hf_dp.optim.plan import Shift, StepPlan, plan_for
 from hf_dp.sampling import PoissonBatchSampler, ShuffledBatchSampler
 
 logger = logging.getLogger(__name__)
@@ -59,22 +59,29 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
-@contextlib.contextmanager
-def _shifted(shift: Mapping[nn.Parameter, torch.Tensor] | None) -> Iterator[None]:
-    """Parameters at θ + shift inside the block; θ restored exactly (from a copy, not by subtraction)."""
-    if not shift:
-        yield
-        return
-    saved = {p: p.detach().clone() for p in shift}
-    with torch.no_grad():
-        for p, delta in shift.items():
-            p.add_(delta.to(p.dtype))
-    try:
-        yield
-    finally:
+class _ParameterShifter:
+    """Parameters at θ + shift inside ``with shifter(shift):``; θ restored EXACTLY from a copy (θ + δ − δ ≠ θ
+    in floating point). Fused over all parameters, into buffers kept across micro-batches: at GPT-2 width
+    a fresh copy per micro-batch cost DiSK ≈ 8% of a step (page faults and extra passes)."""
+
+    def __init__(self) -> None:
+        self._saved: dict[nn.Parameter, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, shift: Shift | None) -> Iterator[None]:
+        if not shift:
+            yield
+            return
+        params = list(shift.directions)
+        saved = [self._saved.setdefault(p, torch.empty_like(p, requires_grad=False)) for p in params]
         with torch.no_grad():
-            for p, value in saved.items():
-                p.copy_(value)
+            torch._foreach_copy_(saved, params)
+            torch._foreach_add_(params, [shift.directions[p] for p in params], alpha=shift.scale)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, saved)
 
 
 class _EpochDataLoader(DataLoader):
@@ -195,6 +202,7 @@ class DPTrainerMixin:
                 mode=self.args.clipping_mode,
             )
         self._verified_engine = False
+        self._shifted = _ParameterShifter()
         self._uses_custom_compute_loss = type(self).compute_loss is not Trainer.compute_loss
         # replicated gradients (one process, DDP, ZeRO-0) get the same noise on every process after the sum;
         # partitioned ones (ZeRO-1/2/3) independent noise per process on the partition it owns
@@ -455,7 +463,7 @@ class DPTrainerMixin:
         for k, evaluation in enumerate(plan.evaluations):
             if k:
                 _set_rng_state(rng)
-            with _shifted(evaluation.shift), engine.record(batch_size):
+            with self._shifted(evaluation.shift), engine.record(batch_size):
                 losses = self._losses(module, inputs, batch_size)
                 evaluated.append((engine.per_example_gradients(losses, verify=verify), evaluation.weight))
         engine.clip_and_accumulate(evaluated, mask, clip_norm=plan.clip_norm, clip_scale=plan.clip_scale)

@@ -10,7 +10,7 @@ un-scaled sum, so the optimizer's step always receives ĝ = (Σ_i c_i g_i + σC 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -20,12 +20,29 @@ from torch import nn
 from hf_dp.clipping.scale import ClipScales
 
 
+class Shift(Mapping):
+    """{p: scale·direction_p}, computed on access so that a plan pins no copy of the model. The trainer
+    applies it in place with one fused ``θ += scale·direction`` over all parameters (``_foreach_add_``)."""
+
+    def __init__(self, scale: float, directions: dict[nn.Parameter, torch.Tensor]) -> None:
+        self.scale, self.directions = scale, directions
+
+    def __getitem__(self, p: nn.Parameter) -> torch.Tensor:
+        return (self.scale * self.directions[p]).to(p.dtype)
+
+    def __iter__(self) -> Iterator[nn.Parameter]:
+        return iter(self.directions)
+
+    def __len__(self) -> int:
+        return len(self.directions)
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """One gradient evaluation: per-example losses at θ + shift, weighted in the per-example combination."""
 
     weight: float = 1.0
-    shift: Mapping[nn.Parameter, torch.Tensor] | None = None
+    shift: Shift | None = None
 
 
 @dataclass(frozen=True)
