@@ -21,7 +21,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 MINILM_HUB_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 REPO = Path(__file__).resolve().parents[1]
@@ -90,6 +95,20 @@ def inject_default_budget(argv: list[str], target_epsilon: float) -> list[str]:
     if any(arg.split("=")[0] in BUDGET_FLAGS for arg in argv):
         return argv
     return [*argv, "--target_epsilon", str(target_epsilon)]
+
+
+SORT_BY_LENGTH_HELP = (
+    "Store the training rows sorted by token length. Poisson sampling returns each logical batch in index "
+    "order and splits it into contiguous micro-batches, so micro-batches then hold similar lengths and little "
+    "padding. Which rows are sampled, and so the privacy guarantee, does not depend on the order; "
+    "--no_sort_by_length keeps the file order."
+)
+
+
+def sort_by_length(dataset: Dataset) -> Dataset:
+    """The rows ordered by ``len(input_ids)`` (stable: equal lengths keep their file order)."""
+    lengths = np.array([len(ids) for ids in dataset["input_ids"]])
+    return dataset.select(np.argsort(lengths, kind="stable"))
 
 
 def parse_recipe_args(

@@ -45,12 +45,14 @@ from transformers import (  # noqa: E402
 from hf_dp import DPTrainer, DPTrainingArguments, make_dp_optimizer  # noqa: E402
 from recipes.common import (  # noqa: E402
     PRIVACY_KEYS,
+    SORT_BY_LENGTH_HELP,
     default_minilm_path,
     parse_recipe_args,
     read_glue_tsv,
     read_json_records,
     report_run,
     shared_data_dir,
+    sort_by_length,
 )
 
 # Compared on held-out SST-2 train rows (--holdout 1000), never on dev; benchmarks/results/glue_sst2_tuning.json.
@@ -181,12 +183,7 @@ class DataArguments:
     max_seq_length: int = field(default=64, metadata={"help": "Truncate (pairs: longest first) to this."})
     sort_by_length: bool = field(
         default=True,
-        metadata={
-            "help": "Store the training rows sorted by token length. Poisson sampling returns each logical batch "
-            "in index order and splits it into contiguous micro-batches, so micro-batches then hold similar "
-            "lengths and little padding (SST-2: about 2x faster). Which rows are sampled, and so the privacy "
-            "guarantee, does not depend on the order; --no_sort_by_length keeps the file order."
-        },
+        metadata={"help": SORT_BY_LENGTH_HELP + " SST-2: about 2x faster."},
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use the first N training rows."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluate on the first N rows."})
@@ -355,11 +352,6 @@ def select_trainable(model: torch.nn.Module, model_args: ModelArguments, num_lab
         else:
             raise ValueError(f"unknown --trainable {mode!r}; use all, bitfit, lora or head")
     return model
-
-
-def sort_by_length(dataset: Dataset) -> Dataset:
-    lengths = np.array([len(ids) for ids in dataset["input_ids"]])
-    return dataset.select(np.argsort(lengths, kind="stable"))
 
 
 def parameter_groups(model: torch.nn.Module, args: DPTrainingArguments, head_lr: float) -> list[dict]:

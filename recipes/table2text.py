@@ -61,7 +61,14 @@ from transformers import (  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 from hf_dp.losses import IGNORE_INDEX  # noqa: E402
-from recipes.common import PRIVACY_KEYS, parse_recipe_args, report_run, shared_data_dir  # noqa: E402
+from recipes.common import (  # noqa: E402
+    PRIVACY_KEYS,
+    SORT_BY_LENGTH_HELP,
+    parse_recipe_args,
+    report_run,
+    shared_data_dir,
+    sort_by_length,
+)
 
 RECIPE_DEFAULTS: dict[str, Any] = {
     "output_dir": "out/table2text",
@@ -130,6 +137,7 @@ class DataArguments:
     )
     max_eval_samples: int | None = field(default=None, metadata={"help": "Generate for the first N tables."})
     max_seq_length: int = field(default=128, metadata={"help": "Truncate table + text to this many tokens."})
+    sort_by_length: bool = field(default=True, metadata={"help": SORT_BY_LENGTH_HELP})
     num_beams: int = field(default=5, metadata={"help": "Beam search width."})
     max_new_tokens: int = field(default=64, metadata={"help": "Longest generated text."})
     no_repeat_ngram_size: int = field(default=0, metadata={"help": "Forbid repeated n-grams (0: off)."})
@@ -452,6 +460,8 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
         lambda row: encode_pair(row["table"], row["text"], tokenizer, data_args.max_seq_length),
         remove_columns=["table", "text"],
     )
+    if data_args.sort_by_length:
+        train = sort_by_length(train)
     trainer = DPTrainer(
         model=model,
         args=training_args,
