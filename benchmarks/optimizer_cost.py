@@ -19,6 +19,10 @@ first step has d = 0 and evaluates once; DP² is in its adaptive phase from step
 
     python benchmarks/optimizer_cost.py [--layers 4 --width 256 --heads 4 --vocab 16384 --seq 128 --batch 16
                                          --rounds 8 --threads 1 --out benchmarks/results/optimizer_cost.json]
+
+    # the DiSK bars at GPT-2-small width (benchmarks/results/optimizer_cost_disk_gpt2_width.json)
+    python benchmarks/optimizer_cost.py --variants adamw disk_single disk --width 768 --heads 12 --layers 2 \
+        --vocab 50257 --batch 8 --rounds 8 --out benchmarks/results/optimizer_cost_disk_gpt2_width.json
 """
 
 from __future__ import annotations
