@@ -48,14 +48,13 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:  # measure this checkout's hf_dp, whatever is installed
     sys.path.insert(0, str(_REPO_ROOT))
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+from benchmarks._common import gpt2_config, paired_ratios  # noqa: E402  (sets the offline environment first)
+
+# isort: split
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import GPT2LMHeadModel  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
@@ -118,20 +117,7 @@ class Variant:
 
 def build_model(cfg: Config) -> GPT2LMHeadModel:
     torch.manual_seed(cfg.seed)
-    config = GPT2Config(
-        n_layer=cfg.layers,
-        n_embd=cfg.width,
-        n_head=cfg.heads,
-        vocab_size=cfg.vocab,
-        n_positions=cfg.seq,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-    )
+    config = gpt2_config(cfg.layers, cfg.width, cfg.heads, cfg.vocab, cfg.seq)
     return GPT2LMHeadModel(config).float().train()
 
 
@@ -202,18 +188,6 @@ def run_step(variant: Variant, timed: bool = True) -> None:
         variant.times.append(elapsed)
 
 
-def ratios(a: Variant, b: Variant) -> dict[str, Any] | None:
-    """Paired median (over rounds where both ran) and min-time ratio of step times a / b."""
-    pairs = [x / y for x, y in zip(a.times, b.times, strict=True) if x and y]
-    if not pairs:
-        return None
-    return {
-        "paired_median": statistics.median(pairs),
-        "min_time": min(t for t in a.times if t) / min(t for t in b.times if t),
-        "per_round": pairs,
-    }
-
-
 def summarise(variants: dict[str, Variant]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     per_variant = {}
     for name, v in variants.items():
@@ -232,7 +206,7 @@ def summarise(variants: dict[str, Variant]) -> tuple[dict[str, Any], list[dict[s
     for variant, base, bar in PAIRS:
         if variant not in variants or base not in variants:
             continue
-        r = ratios(variants[variant], variants[base])
+        r = paired_ratios(variants[variant].times, variants[base].times)
         entry: dict[str, Any] = {"variant": variant, "base": base, "bar": bar, "ratio": r}
         if r is not None and bar is not None:
             entry["meets_bar_paired_median"] = r["paired_median"] <= bar

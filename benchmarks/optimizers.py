@@ -73,10 +73,9 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:  # measure this checkout's hf_dp, whatever is installed
     sys.path.insert(0, str(_REPO_ROOT))
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+import benchmarks._common  # noqa: E402, F401  (sets the offline environment first)
+
+# isort: split
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -44,16 +44,15 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+from benchmarks._common import gpt2_config, paired_ratios  # noqa: E402  (sets the offline environment first)
+
+# isort: split
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer  # noqa: E402
+from transformers import GPT2LMHeadModel, Trainer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
@@ -126,26 +125,9 @@ class Variant:
 # ---- model, batch, variants ----------------------------------------------------------------------------
 
 
-def gpt2_config(cfg: Config, tied: bool = True) -> GPT2Config:
-    return GPT2Config(
-        n_layer=cfg.layers,
-        n_embd=cfg.width,
-        n_head=cfg.heads,
-        vocab_size=cfg.vocab,
-        n_positions=cfg.seq,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        tie_word_embeddings=tied,
-    )
-
-
 def build_model(cfg: Config) -> GPT2LMHeadModel:
     torch.manual_seed(cfg.seed)
-    model = GPT2LMHeadModel(gpt2_config(cfg, tied=True)).float()
+    model = GPT2LMHeadModel(gpt2_config(cfg.layers, cfg.width, cfg.heads, cfg.vocab, cfg.seq)).float()
     if model.lm_head.weight is not model.transformer.wte.weight:
         raise RuntimeError("expected a tied GPT-2 (lm_head.weight is wte.weight)")
     return model.train()
@@ -231,7 +213,11 @@ def build_opacus(cfg: Config, base: GPT2LMHeadModel, batch: dict) -> Variant:
     from opacus import PrivacyEngine
 
     torch.manual_seed(cfg.seed)
-    model = GPT2LMHeadModel(gpt2_config(cfg, tied=False)).float().train()
+    model = (
+        GPT2LMHeadModel(gpt2_config(cfg.layers, cfg.width, cfg.heads, cfg.vocab, cfg.seq, tied=False))
+        .float()
+        .train()
+    )
     if model.lm_head.weight is model.transformer.wte.weight:
         raise RuntimeError("tie_word_embeddings=False did not untie lm_head from wte")
     state = {k: v for k, v in base.state_dict().items() if k != "lm_head.weight"}
@@ -339,18 +325,13 @@ def run_step(variant: Variant) -> float | None:
 
 
 def _ratios(times: dict[str, list[float | None]], num: str, den: str) -> dict | None:
-    pairs = [a / b for a, b in zip(times.get(num, []), times.get(den, []), strict=False) if a and b]
-    a = [t for t in times.get(num, []) if t]
-    b = [t for t in times.get(den, []) if t]
-    if not pairs or not a or not b:
+    ratios = paired_ratios(times.get(num, []), times.get(den, []))
+    if ratios is None:
         return None
-    paired, by_min = statistics.median(pairs), min(a) / min(b)
     return {
-        "paired_median": paired,
-        "min_time": by_min,
-        "throughput_paired": 1.0 / paired,
-        "throughput_min_time": 1.0 / by_min,
-        "per_round": pairs,
+        **ratios,
+        "throughput_paired": 1.0 / ratios["paired_median"],
+        "throughput_min_time": 1.0 / ratios["min_time"],
     }
 
 

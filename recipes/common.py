@@ -33,6 +33,18 @@ REPO = Path(__file__).resolve().parents[1]
 BUDGET_FLAGS = ("--target_epsilon", "--noise_multiplier", "--disable_dp")
 
 
+# Trainer settings every recipe shares; each recipe's RECIPE_DEFAULTS adds its own batch, steps and rates.
+COMMON_DEFAULTS: dict[str, Any] = {
+    "warmup_steps": 0,
+    "weight_decay": 0.0,
+    "dp_optimizer": "adamw",
+    "eval_strategy": "no",
+    "save_strategy": "no",
+    "report_to": "none",
+    "disable_tqdm": True,
+    "remove_unused_columns": False,
+}
+
 # The privacy settings every recipe records in its results file.
 PRIVACY_KEYS = (
     "target_epsilon",

@@ -54,6 +54,7 @@ from transformers import (  # noqa: E402
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 from hf_dp.losses import IGNORE_INDEX  # noqa: E402
 from recipes.common import (  # noqa: E402
+    COMMON_DEFAULTS,
     MINILM_HUB_NAME,
     PRIVACY_KEYS,
     default_minilm_path,
@@ -63,22 +64,15 @@ from recipes.common import (  # noqa: E402
 )
 
 RECIPE_DEFAULTS: dict[str, Any] = {
+    **COMMON_DEFAULTS,
     "output_dir": "out/mlm",
     "per_device_train_batch_size": 16,
     "gradient_accumulation_steps": 8,
     "max_steps": 40,
     "learning_rate": 1e-3,
     "lr_scheduler_type": "constant",
-    "warmup_steps": 0,
-    "weight_decay": 0.0,
     "per_sample_max_grad_norm": 1.0,
-    "dp_optimizer": "adamw",
     "logging_steps": 5,
-    "eval_strategy": "no",
-    "save_strategy": "no",
-    "report_to": "none",
-    "disable_tqdm": True,
-    "remove_unused_columns": False,
 }
 DEFAULT_EPSILON = 8.0
 SMALL_BERT = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024}

@@ -62,6 +62,7 @@ from transformers import (  # noqa: E402
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 from hf_dp.losses import IGNORE_INDEX  # noqa: E402
 from recipes.common import (  # noqa: E402
+    COMMON_DEFAULTS,
     PRIVACY_KEYS,
     SORT_BY_LENGTH_HELP,
     parse_recipe_args,
@@ -71,22 +72,15 @@ from recipes.common import (  # noqa: E402
 )
 
 RECIPE_DEFAULTS: dict[str, Any] = {
+    **COMMON_DEFAULTS,
     "output_dir": "out/table2text",
     "per_device_train_batch_size": 32,
     "gradient_accumulation_steps": 8,
     "max_steps": 100,
     "learning_rate": 2e-3,
     "lr_scheduler_type": "constant",
-    "warmup_steps": 0,
-    "weight_decay": 0.0,
     "per_sample_max_grad_norm": 0.1,
-    "dp_optimizer": "adamw",
     "logging_steps": 10,
-    "eval_strategy": "no",
-    "save_strategy": "no",
-    "report_to": "none",
-    "disable_tqdm": True,
-    "remove_unused_columns": False,
 }
 DEFAULT_EPSILON = 8.0
 TINY_GPT2 = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256}
