@@ -62,7 +62,9 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
 class _ParameterShifter:
     """Parameters at θ + shift inside ``with shifter(shift):``; θ restored EXACTLY from a copy (θ + δ − δ ≠ θ
     in floating point). Fused over all parameters, into buffers kept across micro-batches: with a fresh copy
-    per micro-batch DiSK's one-evaluation step cost 1.08× its base at GPT-2-small width, 1.02× now."""
+    per micro-batch DiSK's one-evaluation step cost 1.08× its base at GPT-2-small width, 1.02× now. The
+    buffers hold one copy of the shifted parameters for the trainer's lifetime (before: the same copy,
+    allocated per micro-batch)."""
 
     def __init__(self) -> None:
         self._saved: dict[nn.Parameter, torch.Tensor] = {}
