@@ -293,6 +293,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "python": platform.python_version(),
             "load_average_at_start": load_before,
             "load_average_at_end": list(os.getloadavg()),
+            # glibc's allocator settings change the cost of every large tensor (see the README's Speed section)
+            "allocator_env": {
+                k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"
+            },
         },
         "round_orders": orders,
         "times": per_variant,

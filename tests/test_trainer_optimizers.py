@@ -119,3 +119,31 @@ def test_disk_two_steps_equal_the_algorithm_written_out(tmp_path):
     trainer.train()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), params[n].detach(), rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_parameter_shifter_evaluates_at_the_shift_and_restores_theta_exactly():
+    """Inside: every parameter is θ + scale·d. After: the very tensor θ was (same storage, same bits). A θ
+    written in place under the same plan (a loaded checkpoint) is noticed and the shifted point recomputed."""
+    from hf_dp.optim.plan import Shift
+    from hf_dp.trainer import _ParameterShifter
+
+    torch.manual_seed(6)
+    model = models.gpt2()
+    params = list(model.parameters())
+    theta = {p: p.detach().clone() for p in params}
+    pointers = {p: p.data_ptr() for p in params}
+    shift = Shift(0.3, {p: torch.randn_like(p) for p in params})
+    shifter = _ParameterShifter()
+    for _ in range(2):  # the second use of the same plan reuses the filled buffers
+        with shifter(shift):
+            for p in params:
+                torch.testing.assert_close(
+                    p.detach(), theta[p] + 0.3 * shift.directions[p], rtol=0, atol=1e-6
+                )
+        assert all(torch.equal(p.detach(), theta[p]) and p.data_ptr() == pointers[p] for p in params)
+    with torch.no_grad():
+        params[0].add_(1.0)
+    with shifter(shift):
+        torch.testing.assert_close(
+            params[0].detach(), theta[params[0]] + 1.0 + 0.3 * shift.directions[params[0]], rtol=0, atol=1e-6
+        )
