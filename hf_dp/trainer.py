@@ -25,6 +25,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from hf_dp.accounting import PrivacyAccountant, calibrate_noise_multiplier
 from hf_dp.arguments import DPTrainingArguments, default_delta
 from hf_dp.clipping.engine import ClippingEngine, clip_factors
+from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.distributed import check_deepspeed_config, sum_across_processes, zero_stage
 from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.losses import per_example_loss
@@ -468,6 +469,8 @@ class DPTrainerMixin:
             )
             self._verified_engine = True
             return losses
+        if len(plan.evaluations) > 1 and self.args.device.type == "cpu":
+            keep_freed_memory()  # two evaluations' buffers are reused, not re-mapped every step (cpu_heap.py)
         rng = _rng_state()
         evaluated = []
         for k, evaluation in enumerate(plan.evaluations):

@@ -54,8 +54,16 @@ def test_each_optimizer_trains_through_dptrainer_at_dp_sgd_epsilon(tmp_path, nam
     assert all(math.isfinite(log["epsilon"]) for log in trainer.state.log_history if "loss" in log)
 
 
-def test_disk_with_kappa_one_is_its_base_bit_for_bit(tmp_path):
-    """κ = 1: c = 0, one evaluation at θ, g̃ = ĝ: exactly AdamW, noise included (same seed)."""
+def _count_heap_requests(monkeypatch) -> list:
+    calls: list = []
+    monkeypatch.setattr("hf_dp.trainer.keep_freed_memory", lambda: calls.append(1))
+    return calls
+
+
+def test_disk_with_kappa_one_is_its_base_bit_for_bit(tmp_path, monkeypatch):
+    """κ = 1: c = 0, one evaluation at θ, g̃ = ĝ: exactly AdamW, noise included (same seed), and the CPU
+    heap is left alone (only two evaluations per step ask glibc to keep freed memory)."""
+    heap_requests = _count_heap_requests(monkeypatch)
     final = {}
     for name, kwargs in (("adamw", {}), ("disk", {"kappa": 1.0, "base": "adamw"})):
         torch.manual_seed(4)
@@ -71,14 +79,16 @@ def test_disk_with_kappa_one_is_its_base_bit_for_bit(tmp_path):
         ).train()
         final[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert torch.equal(final["adamw"], final["disk"])
+    assert not heap_requests
 
 
-def test_disk_two_steps_equal_the_algorithm_written_out(tmp_path):
+def test_disk_two_steps_equal_the_algorithm_written_out(tmp_path, monkeypatch):
     """σ = 0, base SGD, 2 micro-batches per step. Step 1: d = 0, one evaluation. Step 2: per example
     u_i = c∇L_i(θ₁ + γd₀) + (1−c)∇L_i(θ₁) clipped ONCE (brute force: one backward per example and point),
     g̃₁ = (1−κ)g̃₀ + κ g₁, θ₂ = θ₁ − lr g̃₁ with d₀ = θ₁ − θ₀ the real displacement."""
     kappa, gamma, lr, clip = 0.7, 0.5, 0.5, 0.5
     c = (1 - kappa) / (kappa * gamma)
+    heap_requests = _count_heap_requests(monkeypatch)
     torch.manual_seed(5)
     model = models.gpt2().double()
     reference = models.gpt2().double()
@@ -119,6 +129,7 @@ def test_disk_two_steps_equal_the_algorithm_written_out(tmp_path):
     trainer.train()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), params[n].detach(), rtol=1e-9, atol=1e-12, msg=n)
+    assert heap_requests  # step 2 evaluated twice, on CPU
 
 
 def test_parameter_shifter_evaluates_at_the_shift_and_restores_theta_exactly():
