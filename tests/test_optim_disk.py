@@ -13,6 +13,7 @@ from hf_dp.losses import per_example_loss
 from hf_dp.noise import GaussianNoise
 from hf_dp.optim.base import GradientPrivatizer
 from hf_dp.optim.disk import DiSK, build
+from hf_dp.optim.factory import make_dp_optimizer
 from hf_dp.optim.plan import StepPlan
 from tests import models
 
@@ -176,6 +177,41 @@ def test_displacement_is_the_actual_step_with_weight_decay_and_schedule() -> Non
             state["displacement"], -optimizer.base.param_groups[0]["lr"] * state["filtered"]
         )
     assert optimizer.base.param_groups[0]["lr"] == pytest.approx(0.01 / 5)
+
+
+@pytest.mark.parametrize(
+    ("base", "kwargs"),
+    [
+        ("sgd", {"momentum": 0.9, "weight_decay": 0.1, "nesterov": True}),
+        ("adam", {"weight_decay": 0.1}),
+        ("adamw", {"weight_decay": 0.1}),
+        ("adam_bc", {"weight_decay": 0.1}),
+    ],
+)
+def test_filter_is_lent_to_the_base_unharmed_and_grad_given_back(base: str, kwargs: dict) -> None:
+    """g̃ is handed to the base as .grad without a copy: after every step g̃ is still (1−κ)g̃ + κĝ computed
+    independently, the update is the base's own on g̃ (the base alone, fed g̃, moves θ the same way),
+    and .grad holds the privatised ĝ again."""
+    torch.manual_seed(8)
+    kappa = 0.6
+    param = torch.nn.Parameter(torch.randn(5, 4))
+    twin = torch.nn.Parameter(param.detach().clone())
+    noise_std = 0.01  # only adam_bc reads it; DiSK hands its base √(κ/(2−κ))·σC/B̄
+    optimizer = build([param], noise_std=noise_std, kappa=kappa, base=base, lr=0.1, **kwargs)
+    reference = make_dp_optimizer(
+        base, [twin], noise_std=noise_std * math.sqrt(kappa / (2 - kappa)), lr=0.1, **kwargs
+    )
+    filtered = None
+    for _ in range(3):
+        grad = torch.randn(5, 4)
+        param.grad = grad
+        filtered = grad.clone() if filtered is None else (1 - kappa) * filtered + kappa * grad
+        twin.grad = filtered.clone()
+        optimizer.step()
+        reference.step()
+        assert param.grad is grad and torch.equal(grad, param.grad)
+        torch.testing.assert_close(optimizer.state[param]["filtered"], filtered, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(param.detach(), twin.detach(), rtol=1e-6, atol=1e-7)
 
 
 def test_state_round_trip_carries_base_state_and_filter() -> None:

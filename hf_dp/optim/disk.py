@@ -81,11 +81,17 @@ class DiSK(torch.optim.Optimizer):
         if lerped:
             torch._foreach_lerp_([f for f, _ in lerped], [g for _, g in lerped], self.kappa)
         torch._foreach_add_([state["step"] for state in states], 1.0)
-        torch._foreach_copy_([p.grad for p in params], [state["filtered"] for state in states])
-        torch._foreach_copy_(displacements, params)  # θ_t, until the base has stepped
+        for p, displacement in zip(params, displacements, strict=True):
+            torch.neg(p, out=displacement)  # −θ_t, until the base has stepped
+        # the base reads g̃ as its gradient: lent as .grad (no copy unless the parameter is in low precision),
+        # then .grad is given back its privatised ĝ
+        privatised = [p.grad for p in params]
+        for p, state in zip(params, states, strict=True):
+            p.grad = state["filtered"].to(p.grad.dtype)
         self.base.step()
-        torch._foreach_sub_(displacements, params)
-        torch._foreach_neg_(displacements)  # d = θ_{t+1} − θ_t
+        for p, grad in zip(params, privatised, strict=True):
+            p.grad = grad
+        torch._foreach_add_(displacements, params)  # d = θ_{t+1} − θ_t
 
     def state_dict(self) -> dict:
         """g̃, d and the step count per parameter, and the base optimizer's state under ``"base"``."""
