@@ -60,7 +60,7 @@ import transformers  # noqa: E402
 from transformers import GPT2LMHeadModel  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+from hf_dp import DPTrainer, DPTrainingArguments, cpu_heap  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "optimizer_cost.json"
 EXAMPLE_MASK_KEY = "hf_dp_example_mask"
@@ -295,8 +295,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "load_average_at_end": list(os.getloadavg()),
             # glibc's allocator settings change the cost of every large tensor (see the README's Speed section)
             "allocator_env": {
-                k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"
+                k: v
+                for k, v in os.environ.items()
+                if k.startswith("MALLOC_") or k in ("LD_PRELOAD", "HF_DP_KEEP_CPU_HEAP")
             },
+            "cpu_heap_kept": cpu_heap.is_kept(),  # DPTrainer keeps it once DiSK evaluates twice (on CPU)
         },
         "round_orders": orders,
         "times": per_variant,

@@ -3,9 +3,10 @@
 glibc serves every allocation above 32 MB (logits, vocabulary-sized gradients) with a fresh ``mmap`` and
 unmaps it on free, so each such tensor pays one page fault per 4 KB page every time it is allocated, and
 trims the top of its heap whenever more than twice the mmap threshold is free there. DiSK's two evaluations
-per step hold two sets of activations and allocate twice as many of these tensors, and under glibc's
-defaults cost 2.12× (paired median) / 2.21× (min time) their base at GPT-2 small against 1.97× / 1.95×
-with the heap kept (``benchmarks/results/optimizer_cost_disk_gpt2_small*.json``). ``mallopt(M_MMAP_MAX, 0)``
+per step hold two sets of activations and allocate twice as many of these tensors: at GPT-2 small on one CPU
+thread they cost 1.94× (paired median) / 1.97× (min time) their base with the heap kept and 2.26× / 2.03×
+under glibc's defaults (``benchmarks/results/optimizer_cost_disk_gpt2_small{,_heap_not_kept}.json``).
+``mallopt(M_MMAP_MAX, 0)``
 and ``mallopt(M_TRIM_THRESHOLD, ∞)`` make glibc reuse freed blocks instead; the cost is that the process
 keeps its peak heap until it exits, which is what the caching allocators of jemalloc or PyTorch's CUDA
 backend do anyway. Set ``HF_DP_KEEP_CPU_HEAP=0`` to leave glibc's defaults alone.
@@ -54,3 +55,8 @@ def keep_freed_memory() -> bool:
         "hf_dp: glibc malloc keeps freed memory for reuse (no mmap, no trim); HF_DP_KEEP_CPU_HEAP=0 to opt out"
     )
     return True
+
+
+def is_kept() -> bool:
+    """Whether ``keep_freed_memory`` is in effect in this process."""
+    return _kept
