@@ -6,10 +6,8 @@ trims the top of its heap whenever more than twice the mmap threshold is free th
 per step hold two sets of activations and allocate twice as many of these tensors: at GPT-2 small on one CPU
 thread they cost 1.94× (paired median) / 1.97× (min time) their base with the heap kept and 2.26× / 2.03×
 under glibc's defaults (``benchmarks/results/optimizer_cost_disk_gpt2_small{,_heap_not_kept}.json``).
-``mallopt(M_MMAP_MAX, 0)``
-and ``mallopt(M_TRIM_THRESHOLD, ∞)`` make glibc reuse freed blocks instead; the cost is that the process
-keeps its peak heap until it exits, which is what the caching allocators of jemalloc or PyTorch's CUDA
-backend do anyway. Set ``HF_DP_KEEP_CPU_HEAP=0`` to leave glibc's defaults alone.
+``mallopt(M_MMAP_MAX, 0)`` and ``mallopt(M_TRIM_THRESHOLD, ∞)`` make glibc reuse freed blocks instead; the
+cost is that the process keeps its peak heap until it exits, as PyTorch's CUDA caching allocator does. Set ``HF_DP_KEEP_CPU_HEAP=0`` to leave glibc's defaults alone.
 """
 
 from __future__ import annotations
