@@ -23,9 +23,10 @@ first step has d = 0 and evaluates once; DP² is in its adaptive phase from step
     # the DiSK bars at GPT-2-small width (benchmarks/results/optimizer_cost_disk_gpt2_width.json)
     python benchmarks/optimizer_cost.py --variants adamw disk_single disk --width 768 --heads 12 --layers 2 \
         --vocab 50257 --batch 8 --rounds 8 --out benchmarks/results/optimizer_cost_disk_gpt2_width.json
-    # ... and at full GPT-2 small (benchmarks/results/optimizer_cost_disk_gpt2_small.json)
+    # ... and at full GPT-2 small (benchmarks/results/optimizer_cost_disk_gpt2_small.json; with
+    # HF_DP_KEEP_CPU_HEAP=0 in front, glibc's default allocator: ..._heap_not_kept.json)
     python benchmarks/optimizer_cost.py --variants adamw disk_single disk --width 768 --heads 12 --layers 12 \
-        --vocab 50257 --batch 4 --rounds 6 --out benchmarks/results/optimizer_cost_disk_gpt2_small.json
+        --vocab 50257 --batch 4 --rounds 5 --out benchmarks/results/optimizer_cost_disk_gpt2_small.json
 """
 
 from __future__ import annotations
