@@ -39,6 +39,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -219,6 +220,64 @@ def summarise(variants: dict[str, Variant]) -> tuple[dict[str, Any], list[dict[s
     return per_variant, pairs
 
 
+def _rotations(names: list[str], rounds: int) -> list[list[str]]:
+    """Round r starts at variant r (mod n): every variant runs first, second, ... equally often."""
+    return [names[r % len(names) :] + names[: r % len(names)] for r in range(rounds)]
+
+
+def _print_round(r: int, cfg: Config, order: list[str], variants: dict[str, Variant]) -> None:
+    line = ", ".join(f"{n} {_fmt(variants[n].times[-1])}" for n in order)
+    print(f"round {r + 1}/{cfg.rounds}: {line}", flush=True)
+
+
+def run_in_process(names: list[str], cfg: Config) -> tuple[dict[str, Variant], list[list[str]]]:
+    """All variants built in this process, warmed up, then timed one step each per round."""
+    base, batch = build_model(cfg), make_batch(cfg)
+    variants = {name: build_variant(name, cfg, base, batch) for name in names}
+    for v in variants.values():
+        for _ in range(WARMUP_STEPS):
+            run_step(v, timed=False)
+    orders = _rotations(list(variants), cfg.rounds)
+    for r, order in enumerate(orders):
+        for name in order:
+            run_step(variants[name])
+        _print_round(r, cfg, order, variants)
+    return variants, orders
+
+
+def run_isolated(names: list[str], cfg: Config) -> tuple[dict[str, Variant], list[list[str]]]:
+    """Each (round, variant) in a fresh process (build, warm up, time one step), as a user runs one optimizer:
+    no variant inherits another's allocator heap or caches. The rounds still interleave the variants, so a
+    change of machine speed hits all of them alike."""
+    variants = {name: Variant(name) for name in names}
+    orders = _rotations(list(variants), cfg.rounds)
+    flags = [f"--{k}={v}" for k, v in asdict(cfg).items() if k != "rounds"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for r, order in enumerate(orders):
+            for name in order:
+                out = Path(tmp) / f"{name}.json"
+                command = [
+                    sys.executable,
+                    __file__,
+                    *flags,
+                    "--rounds=1",
+                    "--variants",
+                    name,
+                    "--out",
+                    str(out),
+                ]
+                subprocess.run(command, check=True, capture_output=True)
+                child, variant = json.loads(out.read_text())["times"][name], variants[name]
+                variant.times.append(child["times_s"][0])
+                variant.evaluations, variant.scaled_clipping = (
+                    child["evaluations_per_step"],
+                    child["scaled_clipping"],
+                )
+                variant.error = variant.error or child["error"]
+            _print_round(r, cfg, order, variants)
+    return variants, orders
+
+
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -247,6 +306,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--quick", action="store_true", help="toy model, 1 round (the smoke test)")
+    parser.add_argument(
+        "--isolated", action="store_true", help="time each (round, variant) in a fresh process"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return parser.parse_args(argv)
 
@@ -260,21 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*bos_token_id.*")
     load_before = list(os.getloadavg())
-    base, batch = build_model(cfg), make_batch(cfg)
-    variants = {name: build_variant(name, cfg, base, batch) for name in args.variants}
-    for v in variants.values():
-        for _ in range(WARMUP_STEPS):
-            run_step(v, timed=False)
-    names, orders = list(variants), []
-    for r in range(cfg.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        orders.append(order)
-        for name in order:
-            run_step(variants[name])
-        print(
-            f"round {r + 1}/{cfg.rounds}: " + ", ".join(f"{n} {_fmt(variants[n].times[-1])}" for n in order),
-            flush=True,
-        )
+    variants, orders = (run_isolated if args.isolated else run_in_process)(args.variants, cfg)
     per_variant, pairs = summarise(variants)
     result = {
         "benchmark": "optimizer_cost",
@@ -287,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "per_sample_max_grad_norm": 1.0,
             "warmup_steps": WARMUP_STEPS,
             "tied_embeddings": True,
+            "isolated_processes": args.isolated,
         },
         "environment": {
             "torch": torch.__version__,

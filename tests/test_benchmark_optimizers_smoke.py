@@ -92,3 +92,16 @@ def test_optimizer_cost_quick(tmp_path: Path) -> None:
     assert [(p["variant"], p["base"]) for p in result["pairs"]] == [(v, b) for v, b, _ in cost.PAIRS]
     for pair in result["pairs"]:
         assert _finite(pair["ratio"]["paired_median"]) and _finite(pair["ratio"]["min_time"]), pair
+
+
+def test_optimizer_cost_isolated_times_each_variant_in_its_own_process(tmp_path: Path) -> None:
+    out = tmp_path / "optimizer_cost_isolated.json"
+    cost = _load("optimizer_cost")
+    cost.main(["--quick", "--isolated", "--variants", "adamw", "disk", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["config"]["isolated_processes"] and result["round_orders"] == [["adamw", "disk"]]
+    times = result["times"]
+    assert times["disk"]["evaluations_per_step"] == 2 and times["adamw"]["evaluations_per_step"] == 1
+    assert all(entry["error"] is None and _finite(entry["median_s"]) for entry in times.values())
+    (pair,) = result["pairs"]
+    assert pair["variant"] == "disk" and _finite(pair["ratio"]["paired_median"])
