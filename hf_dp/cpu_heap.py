@@ -7,7 +7,8 @@ per step hold two sets of activations and allocate twice as many of these tensor
 thread they cost 1.94× (paired median) / 1.97× (min time) their base with the heap kept and 2.26× / 2.03×
 under glibc's defaults (``benchmarks/results/optimizer_cost_disk_gpt2_small{,_heap_not_kept}.json``).
 ``mallopt(M_MMAP_MAX, 0)`` and ``mallopt(M_TRIM_THRESHOLD, ∞)`` make glibc reuse freed blocks instead; the
-cost is that the process keeps its peak heap until it exits, as PyTorch's CUDA caching allocator does. Set ``HF_DP_KEEP_CPU_HEAP=0`` to leave glibc's defaults alone.
+cost is that the process keeps its peak heap until it exits, as PyTorch's CUDA caching allocator does.
+Set ``HF_DP_KEEP_CPU_HEAP=0`` to leave glibc's defaults alone.
 """
 
 from __future__ import annotations
