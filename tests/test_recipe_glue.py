@@ -130,3 +130,18 @@ def test_mean_pooler_ignores_padding():
     pooler.mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
     pooled = pooler(hidden)
     assert torch.allclose(pooled[0], hidden[0, :2].mean(0)) and torch.allclose(pooled[1], hidden[1].mean(0))
+
+
+def test_qnli_has_its_own_defaults_under_the_users_values():
+    model_args, data_args, training_args = glue.parse_args(["--task_name", "qnli"])
+    assert data_args.max_seq_length == 128 and training_args.max_steps == 250
+    assert training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps == 256
+    assert model_args.head_learning_rate == 0.0 and training_args.learning_rate == 5e-3
+    model_args, data_args, training_args = glue.parse_args(
+        ["--task_name", "QNLI", "--max_steps", "7", "--head_learning_rate", "0.02"]
+    )
+    assert training_args.max_steps == 7 and model_args.head_learning_rate == 0.02
+    assert data_args.max_seq_length == 128 and training_args.target_epsilon == 8.0
+    model_args, data_args, training_args = glue.parse_args(["--task_name", "sst2"])
+    assert data_args.max_seq_length == 64 and training_args.max_steps == 330
+    assert training_args.gradient_accumulation_steps == 8 and model_args.head_learning_rate == 2e-2
