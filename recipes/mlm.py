@@ -2,6 +2,7 @@
 
     python recipes/mlm.py                          # ε = 8, MiniLM (all-MiniLM-L6-v2) if installed
     python recipes/mlm.py --disable_dp             # the non-private baseline
+    python recipes/mlm.py --use_lora               # LoRA on query/value + the MLM head
     python recipes/mlm.py --from_scratch --model_config '{"num_hidden_layers": 2}'
 
 Data: the abstracts of ``../shared/data/arxiv/arxiv_metadata_first2000.csv`` (2,000 records; the abstracts
@@ -96,7 +97,20 @@ class ModelArguments:
         },
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Default: the model's WordPiece."})
-    save_model: bool = field(default=False, metadata={"help": "Save the final model in output_dir."})
+    use_lora: bool = field(
+        default=False,
+        metadata={"help": "peft LoRA adapters + the MLM head's transform and output bias; the rest frozen."},
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale alpha / r)."})
+    lora_target_modules: str = field(
+        default="query,value",
+        metadata={"help": "Comma-separated module names for LoRA, or 'all-linear'."},
+    )
+    save_model: bool = field(
+        default=False,
+        metadata={"help": "Save the final model in output_dir (with LoRA: merged into the weights)."},
+    )
 
 
 @dataclass
@@ -194,6 +208,37 @@ def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) 
     return BertForMaskedLM(config)
 
 
+def with_lora(model: torch.nn.Module, model_args: ModelArguments) -> torch.nn.Module:
+    """peft LoRA adapters W + (α/r)·B·A on ``--lora_target_modules`` (Hu et al. 2021), all else frozen but the
+    MLM head's transform (``modules_to_save``: MiniLM ships without one, so it starts random) and its output
+    bias; the decoder weight stays tied to the frozen word embeddings."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = model_args.lora_target_modules
+    config = LoraConfig(
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        modules_to_save=["transform"],
+    )
+    model = get_peft_model(model, config)
+    model.get_output_embeddings().bias.requires_grad_(True)  # a bare parameter: not a peft module to save
+    return model
+
+
+def save_final_model(
+    trainer: DPTrainer, model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """The trained model in ``output_dir``, loadable with ``AutoModelForMaskedLM``: LoRA adapters are merged
+    in first, since peft's adapter files would leave out the trained output bias."""
+    if not model_args.use_lora:
+        trainer.save_model()
+    elif trainer.is_world_process_zero():
+        trainer.model.merge_and_unload().save_pretrained(trainer.args.output_dir)
+        tokenizer.save_pretrained(trainer.args.output_dir)
+
+
 # ---- the run ----------------------------------------------------------------------------------------
 
 
@@ -216,6 +261,8 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     tokenizer = load_tokenizer(model_args)
     set_seed(training_args.seed)  # the same seed gives the same initial weights (new heads included)
     model = build_model(model_args, tokenizer)
+    if model_args.use_lora:
+        model = with_lora(model, model_args)
     train = tokenize(train_texts, tokenizer, data_args.max_seq_length)
     held_out = mask_once(
         tokenize(eval_texts, tokenizer, data_args.max_seq_length),
@@ -248,7 +295,7 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     loss, _ = held_out_loss(trainer.model, held_out)
     epsilon, steps = trainer.get_epsilon(), trainer.state.global_step
     if model_args.save_model:
-        trainer.save_model()
+        save_final_model(trainer, model_args, tokenizer)
     record = {
         "dataset": "arXiv abstracts",
         "split": f"held-out last {len(eval_texts)} abstracts",

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModel, DataCollatorForLanguageModeling
+from transformers import AutoModel, AutoModelForMaskedLM, DataCollatorForLanguageModeling
 
 from hf_dp import ClippingEngine
 from hf_dp.losses import per_example_loss
@@ -117,3 +117,47 @@ def test_held_out_rows_are_not_trained_on_and_masked_reproducibly(shared_data, m
     first, second = (mlm.mask_once(dataset, minilm_tokenizer, 0.15, seed=5, batch_size=4) for _ in range(2))
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+
+
+def test_lora_trains_adapters_head_and_bias_only_and_saves_a_merged_model(shared_data, tmp_path):
+    args = ["--from_scratch", "--model_config", TINY_BERT, "--max_train_samples", "48",
+            "--max_eval_samples", "16", "--max_seq_length", "64", "--max_steps", "2",
+            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+            "--learning_rate", "1e-2", "--use_lora", "--lora_r", "4", "--save_model",
+            "--output_dir", str(tmp_path)]  # fmt: skip
+    trainer, record = mlm.run(args)
+    model_args, data_args, training_args = mlm.parse_recipe_args(
+        mlm.HfArgumentParser((mlm.ModelArguments, mlm.DataArguments, mlm.DPTrainingArguments)),
+        mlm.RECIPE_DEFAULTS,
+        argv=args,
+    )
+    tokenizer = mlm.load_tokenizer(model_args)
+    mlm.set_seed(training_args.seed)
+    initial = mlm.build_model(model_args, tokenizer)  # the run's initial weights (same seed)
+    hidden, layers = initial.config.hidden_size, initial.config.num_hidden_layers
+    lora = layers * 2 * 2 * 4 * hidden  # query and value: A (4 x h) and B (h x 4)
+    head = hidden * hidden + hidden + 2 * hidden  # transform: dense + LayerNorm
+    assert record["trainable_parameters"] == lora + head + initial.config.vocab_size  # + the output bias
+
+    saved = AutoModelForMaskedLM.from_pretrained(tmp_path)
+    merged = dict(saved.named_parameters())
+    for name, before in initial.named_parameters():
+        after = merged[name]
+        trained = "transform" in name or name == "cls.predictions.bias"
+        adapted = name.endswith(("query.weight", "value.weight"))
+        if trained or adapted:
+            assert not torch.equal(after, before), f"{name} should have been trained"
+        else:
+            assert torch.equal(after, before), f"{name} is frozen and must not change"
+    assert saved.cls.predictions.decoder.weight is saved.bert.embeddings.word_embeddings.weight
+
+    texts = mlm.read_texts(shared_data / "arxiv" / "arxiv_metadata_first2000.csv", "abstract")
+    _, held_out_texts = mlm.split_texts(texts, data_args)
+    held_out = mlm.mask_once(
+        mlm.tokenize(held_out_texts, tokenizer, data_args.max_seq_length),
+        tokenizer,
+        data_args.mlm_probability,
+        data_args.eval_mask_seed,
+        data_args.eval_batch_size,
+    )
+    assert mlm.held_out_loss(saved, held_out)[0] == pytest.approx(record["eval_loss"], abs=1e-4)
