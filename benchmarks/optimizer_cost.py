@@ -269,10 +269,8 @@ def run_isolated(names: list[str], cfg: Config) -> tuple[dict[str, Variant], lis
                 subprocess.run(command, check=True, capture_output=True)
                 child, variant = json.loads(out.read_text())["times"][name], variants[name]
                 variant.times.append(child["times_s"][0])
-                variant.evaluations, variant.scaled_clipping = (
-                    child["evaluations_per_step"],
-                    child["scaled_clipping"],
-                )
+                variant.evaluations = child["evaluations_per_step"]
+                variant.scaled_clipping = child["scaled_clipping"]
                 variant.error = variant.error or child["error"]
             _print_round(r, cfg, order, variants)
     return variants, orders

@@ -7,6 +7,7 @@
 - ``read_json_records(path)``: a JSON / JSON-lines file as a list of dicts.
 - ``inject_default_budget(argv)`` / ``parse_recipe_args(parser, defaults)``: recipe defaults on top of
   ``HfArgumentParser``, from the command line or from a single ``.json`` config file.
+- ``lora_targets(spec)``: ``--lora_target_modules`` as peft's ``target_modules``.
 - ``write_results_json(path, record)``: settings and results of a run, as indented JSON.
 """
 
@@ -141,6 +142,11 @@ def parse_recipe_args(
         return parser.parse_dict(merged)
     parser.set_defaults(**defaults)
     return parser.parse_args_into_dataclasses(args=inject_default_budget(argv, target_epsilon))
+
+
+def lora_targets(spec: str) -> str | list[str]:
+    """``--lora_target_modules`` for peft: "all-linear" as is, else the comma-separated module names."""
+    return spec if spec == "all-linear" else [name.strip() for name in spec.split(",") if name.strip()]
 
 
 def jsonable(value: Any) -> Any:

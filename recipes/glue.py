@@ -49,6 +49,7 @@ from recipes.common import (  # noqa: E402
     PRIVACY_KEYS,
     SORT_BY_LENGTH_HELP,
     default_minilm_path,
+    lora_targets,
     parse_recipe_args,
     read_glue_tsv,
     read_json_records,
@@ -339,13 +340,12 @@ def select_trainable(model: torch.nn.Module, model_args: ModelArguments, num_lab
     if mode == "lora":
         from peft import LoraConfig, TaskType, get_peft_model
 
-        targets = model_args.lora_target_modules
         config = LoraConfig(
             task_type=TaskType.SEQ_CLS,
             r=model_args.lora_r,
             lora_alpha=model_args.lora_alpha,
             lora_dropout=model_args.lora_dropout,
-            target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+            target_modules=lora_targets(model_args.lora_target_modules),
             modules_to_save=["classifier", "score"],
         )
         return get_peft_model(model, config)

@@ -59,6 +59,7 @@ from recipes.common import (  # noqa: E402
     MINILM_HUB_NAME,
     PRIVACY_KEYS,
     default_minilm_path,
+    lora_targets,
     parse_recipe_args,
     report_run,
     shared_data_dir,
@@ -140,6 +141,16 @@ def read_texts(path: Path, column: str) -> list[str]:
     return [t for t in texts if t]
 
 
+def load_texts(data: DataArguments) -> tuple[list[str], list[str]]:
+    """(train, held-out) abstracts of ``--data_file`` (default: the arXiv CSV in ``../shared/data``)."""
+    path = (
+        Path(data.data_file)
+        if data.data_file
+        else shared_data_dir() / "arxiv" / "arxiv_metadata_first2000.csv"
+    )
+    return split_texts(read_texts(path, data.text_column), data)
+
+
 def split_texts(texts: list[str], data: DataArguments) -> tuple[list[str], list[str]]:
     """(train, held-out): the last ``eval_rows`` rows are held out, then both are cut to their limits."""
     if not 0 < data.eval_rows < len(texts):
@@ -160,6 +171,14 @@ def mask_once(
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=probability, seed=seed)
     rows = [dataset[i] for i in range(len(dataset))]
     return [collator(rows[start : start + batch_size]) for start in range(0, len(rows), batch_size)]
+
+
+def held_out_batches(
+    texts: list[str], tokenizer: PreTrainedTokenizerBase, data: DataArguments
+) -> list[dict[str, torch.Tensor]]:
+    """The held-out abstracts tokenized and masked once with ``--eval_mask_seed``: the same tokens every run."""
+    dataset = tokenize(texts, tokenizer, data.max_seq_length)
+    return mask_once(dataset, tokenizer, data.mlm_probability, data.eval_mask_seed, data.eval_batch_size)
 
 
 @torch.no_grad()
@@ -214,12 +233,11 @@ def with_lora(model: torch.nn.Module, model_args: ModelArguments) -> torch.nn.Mo
     bias; the decoder weight stays tied to the frozen word embeddings."""
     from peft import LoraConfig, get_peft_model
 
-    targets = model_args.lora_target_modules
     config = LoraConfig(
         r=model_args.lora_r,
         lora_alpha=model_args.lora_alpha,
         lora_dropout=0.0,
-        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        target_modules=lora_targets(model_args.lora_target_modules),
         modules_to_save=["transform"],
     )
     model = get_peft_model(model, config)
@@ -248,29 +266,23 @@ def training_settings(args: DPTrainingArguments) -> dict[str, Any]:
     return {key: getattr(args, key) for key in keys}
 
 
+def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPTrainingArguments]:
+    """The recipe's arguments: the user's values over RECIPE_DEFAULTS (ε = 8 unless a budget is given)."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, DPTrainingArguments))
+    return parse_recipe_args(parser, RECIPE_DEFAULTS, DEFAULT_EPSILON, argv)
+
+
 def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     """Parse ``argv`` (default: the command line), train, score the held-out set; return trainer, record."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, DPTrainingArguments))
-    model_args, data_args, training_args = parse_recipe_args(parser, RECIPE_DEFAULTS, DEFAULT_EPSILON, argv)
-    path = (
-        Path(data_args.data_file)
-        if data_args.data_file
-        else shared_data_dir() / "arxiv" / "arxiv_metadata_first2000.csv"
-    )
-    train_texts, eval_texts = split_texts(read_texts(path, data_args.text_column), data_args)
+    model_args, data_args, training_args = parse_args(argv)
+    train_texts, eval_texts = load_texts(data_args)
     tokenizer = load_tokenizer(model_args)
     set_seed(training_args.seed)  # the same seed gives the same initial weights (new heads included)
     model = build_model(model_args, tokenizer)
     if model_args.use_lora:
         model = with_lora(model, model_args)
     train = tokenize(train_texts, tokenizer, data_args.max_seq_length)
-    held_out = mask_once(
-        tokenize(eval_texts, tokenizer, data_args.max_seq_length),
-        tokenizer,
-        data_args.mlm_probability,
-        data_args.eval_mask_seed,
-        data_args.eval_batch_size,
-    )
+    held_out = held_out_batches(eval_texts, tokenizer, data_args)
     loss_before, masked_tokens = held_out_loss(model, held_out)
     model.train()
     trainer = DPTrainer(

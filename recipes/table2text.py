@@ -65,6 +65,7 @@ from recipes.common import (  # noqa: E402
     COMMON_DEFAULTS,
     PRIVACY_KEYS,
     SORT_BY_LENGTH_HELP,
+    lora_targets,
     parse_recipe_args,
     report_run,
     shared_data_dir,
@@ -311,7 +312,7 @@ def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) 
             r=model_args.lora_r,
             lora_alpha=model_args.lora_alpha,
             lora_dropout=0.0,
-            target_modules=[t.strip() for t in model_args.lora_target_modules.split(",")],
+            target_modules=lora_targets(model_args.lora_target_modules),
             fan_in_fan_out=model.config.model_type == "gpt2",  # GPT-2's Conv1D stores weights transposed
         )
         model = get_peft_model(model, config)

@@ -125,12 +125,8 @@ def test_lora_trains_adapters_head_and_bias_only_and_saves_a_merged_model(shared
             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
             "--learning_rate", "1e-2", "--use_lora", "--lora_r", "4", "--save_model",
             "--output_dir", str(tmp_path)]  # fmt: skip
-    trainer, record = mlm.run(args)
-    model_args, data_args, training_args = mlm.parse_recipe_args(
-        mlm.HfArgumentParser((mlm.ModelArguments, mlm.DataArguments, mlm.DPTrainingArguments)),
-        mlm.RECIPE_DEFAULTS,
-        argv=args,
-    )
+    _, record = mlm.run(args)
+    model_args, data_args, training_args = mlm.parse_args(args)
     tokenizer = mlm.load_tokenizer(model_args)
     mlm.set_seed(training_args.seed)
     initial = mlm.build_model(model_args, tokenizer)  # the run's initial weights (same seed)
@@ -151,13 +147,6 @@ def test_lora_trains_adapters_head_and_bias_only_and_saves_a_merged_model(shared
             assert torch.equal(after, before), f"{name} is frozen and must not change"
     assert saved.cls.predictions.decoder.weight is saved.bert.embeddings.word_embeddings.weight
 
-    texts = mlm.read_texts(shared_data / "arxiv" / "arxiv_metadata_first2000.csv", "abstract")
-    _, held_out_texts = mlm.split_texts(texts, data_args)
-    held_out = mlm.mask_once(
-        mlm.tokenize(held_out_texts, tokenizer, data_args.max_seq_length),
-        tokenizer,
-        data_args.mlm_probability,
-        data_args.eval_mask_seed,
-        data_args.eval_batch_size,
-    )
+    _, held_out_texts = mlm.load_texts(data_args)
+    held_out = mlm.held_out_batches(held_out_texts, tokenizer, data_args)
     assert mlm.held_out_loss(saved, held_out)[0] == pytest.approx(record["eval_loss"], abs=1e-4)
