@@ -370,6 +370,18 @@ class PrivacyAccountant:
         history = _append(self._history, noise_multiplier, sample_rate, extra_steps)
         return _cached_epsilon(self.accountant, tuple(history), self.delta)
 
+    def steps_within(self, target_epsilon: float, noise_multiplier: float, sample_rate: float, limit: int) -> int:
+        """The most extra steps k ≤ ``limit`` with ε after k more steps ≤ ``target_epsilon`` (bisection over the
+        accountant, ε being non-decreasing in k)."""
+        if self.epsilon_after(noise_multiplier, sample_rate, limit) <= target_epsilon:
+            return limit
+        low, high = 0, limit  # invariant: low steps fit, high steps do not
+        while high - low > 1:
+            middle = (low + high) // 2
+            fits = self.epsilon_after(noise_multiplier, sample_rate, middle) <= target_epsilon
+            low, high = (middle, high) if fits else (low, middle)
+        return low
+
     def state_dict(self) -> dict:
         """JSON-serialisable state: accountant name, delta and the list of [sigma, q, steps] phases."""
         return {

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
+from typing import get_args
 
 from transformers import TrainingArguments
 
-from hf_dp.optim.factory import DP_OPTIMIZERS
+from hf_dp.accounting import AccountantName
+from hf_dp.clipping.geometry import ClippingFn, ClippingMode
+from hf_dp.optim.registry import dp_optimizer_names
 
-CLIPPING_MODES = ("ghost", "per_sample")
-CLIPPING_FNS = ("abadi", "automatic")
-ACCOUNTANTS = ("prv", "rdp")
+CLIPPING_MODES = get_args(ClippingMode)
+CLIPPING_FNS = get_args(ClippingFn)
+ACCOUNTANTS = get_args(AccountantName)
 
 
-def default_delta(num_examples: int) -> float:
-    """δ = N^-1.1, below 1/N for every N ≥ 2 (the usual "δ ≪ 1/N" advice, e.g. Ponomareva et al. 2023)."""
-    return float(num_examples) ** -1.1
+def _finite(x: float | None) -> bool:
+    return x is None or math.isfinite(x)
 
 
 @dataclass
@@ -43,19 +46,22 @@ class DPTrainingArguments(TrainingArguments):
     per_sample_max_grad_norm: float = field(
         default=1.0, metadata={"help": "C: per-example gradient clip norm."}
     )
-    clipping_mode: str = field(
+    clipping_mode: ClippingMode = field(
         default="ghost",
         metadata={
             "help": "'ghost': norms from activations and output gradients (Gram or explicit per layer, "
             "whichever is cheaper), one backward; 'per_sample': materialised per-example gradients."
         },
     )
-    clipping_fn: str = field(
+    clipping_fn: ClippingFn = field(
         default="abadi",
-        metadata={"help": "'abadi': min(1, C/‖g‖); 'automatic': C/(‖g‖ + 0.01) (Bu et al. 2022)."},
+        metadata={
+            "help": "'abadi': min(1, C/‖g‖); 'automatic': C/(‖g‖ + 0.01) (Bu et al. 2022)."
+        },
     )
-    accountant: str = field(
-        default="prv", metadata={"help": "'prv' (Gopi et al. 2021) or 'rdp' (Mironov 2017)."}
+    accountant: AccountantName = field(
+        default="prv",
+        metadata={"help": "'prv' (Gopi et al. 2021) or 'rdp' (Mironov 2017)."},
     )
     poisson_sampling: bool = field(
         default=True,
@@ -64,7 +70,9 @@ class DPTrainingArguments(TrainingArguments):
             "accounted AS IF Poisson (the model card says so)."
         },
     )
-    dp_optimizer: str = field(default="adamw", metadata={"help": f"One of {sorted(DP_OPTIMIZERS)}."})
+    dp_optimizer: str = field(
+        default="adamw", metadata={"help": "The DP update rule: one of the registered names (hf_dp.optim.registry)."}
+    )
     dp_optimizer_kwargs: dict | str | None = field(
         default=None,
         metadata={"help": "Extra keyword arguments for the DP optimizer (JSON on the command line)."},
@@ -76,8 +84,20 @@ class DPTrainingArguments(TrainingArguments):
     secure_mode: bool = field(
         default=False,
         metadata={
-            "help": "Draw noise and batches from OS entropy (not reproducible; checkpoints cannot replay them)."
+            "help": "A fresh OS-entropy draw for every noise tensor and every batch (not reproducible; checkpoints "
+            "cannot replay them). By default noise and batches come from a secret key drawn from OS entropy per run."
         },
+    )
+    insecure_dp_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "INSECURE, for experiments only: derive the noise and the batches from this seed instead of a "
+            "secret key. Anyone who knows it can remove the noise; the model card says so."
+        },
+    )
+    allow_large_delta: bool = field(
+        default=False,
+        metadata={"help": "Accept target_delta >= 1/N (refused by default; the model card reports it)."},
     )
     max_grad_norm: float = field(
         default=0.0,
@@ -88,7 +108,18 @@ class DPTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         if isinstance(self.dp_optimizer_kwargs, str):
-            self.dp_optimizer_kwargs = json.loads(self.dp_optimizer_kwargs)
+            try:
+                self.dp_optimizer_kwargs = json.loads(self.dp_optimizer_kwargs)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"DPTrainingArguments: dp_optimizer_kwargs is not valid JSON ({error.msg} at character "
+                    f"{error.pos}): write it as a JSON object, e.g. '{{\"kappa\": 0.5}}'"
+                ) from None
+        if not isinstance(self.dp_optimizer_kwargs, dict | None):
+            raise ValueError(
+                f"DPTrainingArguments: dp_optimizer_kwargs must be a dict or a JSON object, got "
+                f"{type(self.dp_optimizer_kwargs).__name__}"
+            )
         self.dp_optimizer_kwargs = dict(self.dp_optimizer_kwargs or {})
         self._validate_privacy()
         super().__post_init__()
@@ -104,8 +135,8 @@ class DPTrainingArguments(TrainingArguments):
             fail(f"clipping_fn={self.clipping_fn!r} is unknown; use one of {CLIPPING_FNS}")
         if self.accountant not in ACCOUNTANTS:
             fail(f"accountant={self.accountant!r} is unknown; use one of {ACCOUNTANTS}")
-        if self.dp_optimizer not in DP_OPTIMIZERS:
-            fail(f"dp_optimizer={self.dp_optimizer!r} is unknown; use one of {sorted(DP_OPTIMIZERS)}")
+        if self.dp_optimizer not in dp_optimizer_names():
+            fail(f"dp_optimizer={self.dp_optimizer!r} is unknown; use one of {list(dp_optimizer_names())}")
         if self.max_grad_norm:
             fail(
                 f"max_grad_norm={self.max_grad_norm} would clip the noisy aggregate gradient; set it to 0 and use "
@@ -115,14 +146,22 @@ class DPTrainingArguments(TrainingArguments):
             if self.target_epsilon is not None or self.noise_multiplier is not None:
                 fail("disable_dp=True trains without privacy; drop target_epsilon and noise_multiplier")
             return
-        if not self.per_sample_max_grad_norm > 0:
-            fail(f"per_sample_max_grad_norm must be > 0, got {self.per_sample_max_grad_norm}")
+        if not (self.per_sample_max_grad_norm > 0 and math.isfinite(self.per_sample_max_grad_norm)):
+            fail(f"per_sample_max_grad_norm must be finite and > 0, got {self.per_sample_max_grad_norm}")
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
             fail("give exactly one of target_epsilon (σ is then calibrated) and noise_multiplier")
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            fail(f"target_epsilon must be > 0, got {self.target_epsilon}")
-        if self.noise_multiplier is not None and self.noise_multiplier < 0:
-            fail(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if self.target_epsilon is not None and not (self.target_epsilon > 0 and _finite(self.target_epsilon)):
+            fail(f"target_epsilon must be finite and > 0, got {self.target_epsilon}")
+        if self.noise_multiplier is not None and not (self.noise_multiplier >= 0 and _finite(self.noise_multiplier)):
+            fail(f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}")
+        if self.secure_mode and self.insecure_dp_seed is not None:
+            fail("secure_mode and insecure_dp_seed contradict each other; drop one")
+        if self.insecure_dp_seed is not None:
+            warnings.warn(
+                f"insecure_dp_seed={self.insecure_dp_seed}: the noise and the batches are a function of this seed; "
+                "anyone who knows it can remove the noise from the released model (the model card says so)",
+                stacklevel=3,
+            )
         if self.target_delta is not None and not 0 < self.target_delta < 1:
             fail(f"target_delta must be in (0, 1), got {self.target_delta}")
         if self.noise_multiplier == 0:
@@ -147,4 +186,9 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(
                 "DPTrainingArguments: gradient_checkpointing re-runs forwards inside backward, which per-example "
                 "clipping does not support yet; turn it off"
+            )
+        if self.ignore_data_skip:
+            raise ValueError(
+                "DPTrainingArguments: ignore_data_skip=True would replay the epoch's first Poisson batches on resume, "
+                "which the accountant counts as fresh draws; leave it False"
             )

@@ -1,9 +1,9 @@
 """What DP needs from multi-process training: a cross-process sum, and DeepSpeed settings that keep DP exact.
 
 Under DDP every process holds its share's clipped sum in ``.grad``; they are summed once per logical
-batch and every process adds the same noise (DESIGN §4.4, replicated gradients). Under DeepSpeed ZeRO
-the gradient goes through ``engine.backward`` (the two-pass scheme of DEEPSPEED.md) and each process
-adds independent noise to the partition it owns.
+batch and every process adds the same noise (replicated gradients). Under DeepSpeed ZeRO the gradient
+goes through ``engine.backward`` (the two-pass clipping strategy) and each process adds independent noise
+to the partition it owns. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hf_dp.optim.registry import requires_bookkeeping
 
 
 def sum_across_processes(tensors: list[torch.Tensor]) -> None:
@@ -30,6 +32,18 @@ def sum_across_processes(tensors: list[torch.Tensor]) -> None:
 
 def zero_stage(config: dict[str, Any]) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+def check_deepspeed(config: dict[str, Any], args) -> int:
+    """Refuse what DeepSpeed cannot run exactly (before training), allow our torch optimizer; the ZeRO stage."""
+    check_deepspeed_config(config)
+    if requires_bookkeeping(args.dp_optimizer):
+        raise ValueError(
+            f"dp_optimizer={args.dp_optimizer!r} (scaled clipping or two evaluations per step) is not supported under "
+            "DeepSpeed yet; use DDP (accelerate launch without DeepSpeed) or another dp_optimizer"
+        )
+    config.setdefault("zero_allow_untested_optimizer", True)  # DeepSpeed calls any torch optimizer "untested"
+    return zero_stage(config)
 
 
 def check_deepspeed_config(config: dict[str, Any]) -> None:

@@ -20,6 +20,12 @@ SECTION_TITLE = "## Differential privacy"
 DP_TAG = "differential-privacy"
 
 _OPTIMIZER_NAMES = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}
+_RANDOMNESS_WORDS = {
+    "os_entropy": "drawn from a secret key taken from OS entropy for this run and never published",
+    "secure_mode": "a fresh OS-entropy draw for every noise tensor and every batch (secure_mode)",
+    "insecure_dp_seed": "**derived from a user-given seed (`insecure_dp_seed`): anyone who knows that seed can "
+    "regenerate the noise and remove it, so this guarantee holds only while the seed stays secret**",
+}
 _ACCOUNTANT_NAMES = {"prv": "PRV accountant (Gopi et al. 2021)", "rdp": "RDP accountant (Mironov 2017)"}
 
 
@@ -49,7 +55,9 @@ def privacy_metadata(report: dict[str, Any], dataset: str | list[str] | None = N
     return _plain(
         {
             "guarantee": "(epsilon, delta)-DP" if private else "none",
-            "unit": "example",
+            "unit": report["unit"],
+            "noise_randomness": report["noise_randomness"],
+            "allow_large_delta": report["allow_large_delta"],
             "library": "hf_dp",
             "epsilon": report["epsilon"] if private else math.inf,
             "delta": report["delta"],
@@ -107,6 +115,13 @@ def privacy_section(report: dict[str, Any], dataset: str | list[str] | None = No
         f"q = {rate}, which they were not"
     )
     kwargs = f" ({report['optimizer_kwargs']})" if report["optimizer_kwargs"] else ""
+    randomness = _RANDOMNESS_WORDS[report["noise_randomness"]]
+    large_delta = (
+        f"\n- **δ = {report['delta']:.3g} is not below 1/N** (allowed explicitly with `allow_large_delta`): the "
+        "guarantee then permits publishing individual examples with probability up to δ"
+        if report["delta"] >= 1 / report["num_train_examples"]
+        else ""
+    )
     guarantee = f"(ε, δ) = ({report['epsilon']:.4g}, {report['delta']:.3g})"
     accountant = _ACCOUNTANT_NAMES.get(report["accountant"], report["accountant"])
     target = "" if report["target_epsilon"] is None else f" (target ε {report['target_epsilon']:g})"
@@ -120,7 +135,8 @@ def privacy_section(report: dict[str, Any], dataset: str | list[str] | None = No
         f"- sampling: {sampling}\n"
         f"- per-example clip norm C = {report['max_grad_norm']:g} ({report['clipping_fn']} clipping, "
         f"{report['clipping_mode']} mode); Gaussian noise multiplier σ = {report['noise_multiplier']:.4g}\n"
-        f"- optimizer: {_optimizer_name(report)}{kwargs}\n\n"
+        f"- optimizer: {_optimizer_name(report)}{kwargs}\n"
+        f"- noise and batches: {randomness}{large_delta}\n\n"
         "The guarantee covers the released weights only for this fine-tuning data: not the data a base model "
         "was pretrained on, not data used to choose hyperparameters, and not the training loss or metrics "
         "logged during training. It assumes each person contributes one example; a person with k examples is "

@@ -1,4 +1,11 @@
-"""Gaussian noise for the privatised gradient, from a seeded (reproducible) or OS-entropy source."""
+"""Gaussian noise for the release, from a keyed stream (replayable from its state) or the OS CSPRNG.
+
+The stream is numpy's PCG64DXSM with a 128-bit key (torch's CPU generator keeps only 32 bits of a seed, few
+enough that a search could find a seed that explains a released update). Large CPU draws are split into a
+fixed number of chunks, each from its own sub-stream keyed by 128 bits of the main one and filled on its own
+thread, so the noise is a function of the key alone whatever the machine. On an accelerator each draw comes
+from a device generator seeded with 64 fresh bits of the stream (Philox: no search over 2^64 keys).
+"""
 
 from __future__ import annotations
 
@@ -9,67 +16,55 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-# Large draws are split into this many chunks, each from its own generator seeded by the main one and
-# filled on its own thread (torch's CPU normal sampler is single-threaded). A fixed count keeps the
-# noise a function of the seed alone, whatever the machine's thread count.
 _CHUNKS = 2
 _CHUNKED_ABOVE = 1 << 20
-_POOL = ThreadPoolExecutor(max_workers=_CHUNKS)
 
 
-def _fill_normal(chunk: torch.Tensor, generator: torch.Generator) -> None:
-    chunk.normal_(generator=generator)
+def _stream(key: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64DXSM(key))
+
+
+def _fill_normal(stream: np.random.Generator, out: np.ndarray, std: float) -> None:
+    stream.standard_normal(out=out, dtype=out.dtype)
+    out *= std
 
 
 class GaussianNoise:
-    """Draws N(0, std²) tensors from a dedicated generator whose state can be saved and restored.
+    """Draws N(0, std²) tensors from a keyed stream whose state can be saved and restored.
 
-    ``secure_mode`` draws each tensor from a fresh PCG64DXSM stream with a 128-bit seed from the OS
-    CSPRNG (torch's CPU generator keeps only 32 bits of a seed, which a search could recover) and
-    averages two draws (scaled by √2) as a guard against floating-point attacks on the sampler
-    (Holohan & Braghin 2021). Such noise is not reproducible, so checkpoints do not replay it.
+    ``secure_mode`` draws each tensor from a fresh stream keyed by 128 bits of the OS CSPRNG and averages two
+    draws (scaled by √2) as a guard against floating-point attacks on the sampler (Holohan & Braghin 2021).
+    Such noise is not reproducible, so checkpoints cannot replay it.
     """
 
     def __init__(self, seed: int, secure_mode: bool = False) -> None:
-        self.seed = seed
         self.secure_mode = secure_mode
-        self._generators: dict[torch.device, torch.Generator] = {}
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generators[device]
+        self._stream = _stream(seed)
+        self._pool: ThreadPoolExecutor | None = None
 
     def sample(self, shape: torch.Size, std: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """One N(0, std²) tensor of ``shape`` (computed in at least float32)."""
+        """One N(0, std²) tensor of ``shape``, drawn and scaled in at least float32, then cast to ``dtype``."""
         work = torch.promote_types(dtype, torch.float32)
         if self.secure_mode:
-            stream = np.random.Generator(np.random.PCG64DXSM(secrets.randbits(128)))
-            pair = torch.from_numpy(stream.standard_normal((2, *shape)))
-            return (pair.sum(dim=0) * (std / math.sqrt(2.0))).to(device=device, dtype=dtype)
-        generator = self._generator(device)
-        out = torch.empty(shape, device=device, dtype=work)
-        if out.numel() < _CHUNKED_ABOVE or device.type != "cpu":
-            out.normal_(generator=generator)
+            pair = _stream(secrets.randbits(128)).standard_normal((2, *shape))
+            return torch.from_numpy(pair.sum(axis=0) * (std / math.sqrt(2.0))).to(device=device, dtype=dtype)
+        if device.type != "cpu":
+            generator = torch.Generator(device=device).manual_seed(int(self._stream.integers(2**63)))
+            return torch.empty(shape, device=device, dtype=work).normal_(generator=generator).mul_(std).to(dtype)
+        numpy_dtype = np.float64 if work == torch.float64 else np.float32
+        out = np.empty(math.prod(shape), dtype=numpy_dtype)
+        if out.size < _CHUNKED_ABOVE:
+            _fill_normal(self._stream, out, std)
         else:
-            seeds = torch.randint(0, 2**62, (_CHUNKS,), generator=generator, device=device).tolist()
-            chunk_generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
-            list(_POOL.map(_fill_normal, out.view(-1).chunk(_CHUNKS), chunk_generators))
-        return out.mul_(std).to(dtype)
+            keys = [int.from_bytes(self._stream.bytes(16), "little") for _ in range(_CHUNKS)]
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=_CHUNKS)
+            chunks = np.array_split(out, _CHUNKS)
+            list(self._pool.map(_fill_normal, [_stream(k) for k in keys], chunks, [std] * _CHUNKS))
+        return torch.from_numpy(out).view(shape).to(dtype)
 
     def state_dict(self) -> dict:
-        return {
-            "seed": self.seed,
-            "generators": {str(d): g.get_state() for d, g in self._generators.items()},
-        }
+        return {"stream": self._stream.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
-        self.seed = state["seed"]
-        self._generators = {}
-        for device_name, rng_state in state["generators"].items():
-            device = torch.device(device_name)
-            generator = torch.Generator(device=device)
-            generator.set_state(
-                rng_state.cpu() if isinstance(rng_state, torch.Tensor) else torch.as_tensor(rng_state)
-            )
-            self._generators[device] = generator
+        self._stream.bit_generator.state = state["stream"]

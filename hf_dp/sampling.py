@@ -11,9 +11,11 @@ Distributed: every rank draws the SAME global logical batch (same seed), splits 
 ``num_replicas`` contiguous nearly-equal parts, keeps part ``rank`` and splits that into the
 micro-batches. The union over ranks of one step's micro-batches is the global logical batch.
 
-Determinism: unless ``secure_mode``, epoch ``e`` is a pure function of ``(seed, e)`` (a fresh
-``torch.Generator`` is seeded at the start of ``__iter__``), so iterating twice, or iterating and
-discarding the first k batches as accelerate's ``skip_first_batches`` does, replays the same batches.
+Determinism: unless ``secure_mode``, epoch ``e`` is a pure function of ``(seed, e)`` (a fresh PCG64DXSM
+stream keyed by ``seed``, which may be 128 bits, and ``e`` is made at the start of ``__iter__``), so
+iterating twice, or iterating and discarding the first k batches as the Trainer does on resume, replays the
+same batches. The trainer passes the run's secret as ``seed`` (docs/privacy.md): whoever knows it knows the
+batches, which voids amplification by sampling.
 With ``secure_mode=True`` the randomness is read from the OS CSPRNG (``secrets``) for every draw,
 so batches are not reproducible and checkpoints cannot replay them.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -100,12 +103,12 @@ class _DPBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         generator = None
         if not self.secure_mode:
-            # torch's CPU generator only uses the low 32 bits of the seed, hence the explicit modulus.
-            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**32)
+            key = np.random.SeedSequence(self.seed, spawn_key=(self.epoch,))
+            generator = np.random.Generator(np.random.PCG64DXSM(key))
         for batch in self._logical_batches(generator):
             yield from _split(_split(batch, self.num_replicas)[self.rank], self.num_micro_batches)
 
-    def _logical_batches(self, generator: torch.Generator | None) -> Iterator[list[int]]:
+    def _logical_batches(self, generator: np.random.Generator | None) -> Iterator[list[int]]:
         """Yield ``steps_per_epoch`` global logical batches; ``generator is None`` means secure mode."""
         raise NotImplementedError
 
@@ -138,14 +141,14 @@ class PoissonBatchSampler(_DPBatchSampler):
             )
         self.sample_rate = sample_rate
 
-    def _logical_batches(self, generator: torch.Generator | None) -> Iterator[list[int]]:
+    def _logical_batches(self, generator: np.random.Generator | None) -> Iterator[list[int]]:
         # Secure mode: U_i = K_i / 2**53 with K_i from the OS CSPRNG, so U_i < q  <=>  K_i < q * 2**53.
         threshold = round(self.sample_rate * 2**_BITS)
         for _ in range(self.steps_per_epoch):
             if generator is None:
                 mask = (_os_random_int64(self.num_samples) & (2**_BITS - 1)) < threshold
             else:
-                mask = torch.rand(self.num_samples, generator=generator) < self.sample_rate
+                mask = torch.from_numpy(generator.random(self.num_samples) < self.sample_rate)
             yield mask.nonzero().flatten().tolist()
 
 
@@ -178,12 +181,12 @@ class ShuffledBatchSampler(_DPBatchSampler):
             )
         self.batch_size = batch_size
 
-    def _permutation(self, generator: torch.Generator | None) -> list[int]:
+    def _permutation(self, generator: np.random.Generator | None) -> list[int]:
         if generator is None:  # secure mode: argsort of i.i.d. CSPRNG keys (ties have prob. ~N^2 / 2^65)
             return torch.argsort(_os_random_int64(self.num_samples), stable=True).tolist()
-        return torch.randperm(self.num_samples, generator=generator).tolist()
+        return generator.permutation(self.num_samples).tolist()
 
-    def _logical_batches(self, generator: torch.Generator | None) -> Iterator[list[int]]:
+    def _logical_batches(self, generator: np.random.Generator | None) -> Iterator[list[int]]:
         perm, pos = self._permutation(generator), 0
         for _ in range(self.steps_per_epoch):
             if pos + self.batch_size > self.num_samples:

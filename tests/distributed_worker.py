@@ -22,6 +22,7 @@ import torch.distributed as dist  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+from hf_dp.noise import GaussianNoise  # noqa: E402
 from tests import models  # noqa: E402
 from tests.trainer_utils import TokenRows, pad_collate  # noqa: E402
 
@@ -110,6 +111,7 @@ def main() -> None:
         clipping_mode=cli.clipping_mode,
         max_steps=cli.steps,
         seed=7,
+        insecure_dp_seed=7,  # every run draws the same batches, so one and two processes can be compared
         deepspeed=deepspeed_config(cli.zero) if cli.zero is not None else None,
         **privacy,
     )
@@ -118,14 +120,14 @@ def main() -> None:
     )
     drawn: list[torch.Tensor] = []
     if cli.record_noise:
-        sample = trainer.privatizer.noise.sample
+        sample = GaussianNoise.sample
 
         def recording_sample(*a, **k):
             noise = sample(*a, **k)
             drawn.append(noise.detach().flatten().clone())
             return noise
 
-        trainer.privatizer.noise.sample = recording_sample
+        GaussianNoise.sample = recording_sample
     if cli.snapshot_step:
         trainer.add_callback(_Snapshot(trainer, cli.snapshot_step, cli.out))
     trainer.train(resume_from_checkpoint=cli.resume_from)

@@ -9,8 +9,9 @@ import warnings
 import dp_accounting
 import pytest
 import torch
+from transformers import Trainer
 
-from hf_dp import DPTrainer
+from hf_dp import DPTrainer, DPTrainerMixin
 from hf_dp.losses import per_example_loss
 from tests import models
 from tests.trainer_utils import (
@@ -82,6 +83,7 @@ def test_noise_std_is_sigma_c_over_expected_batch(tmp_path):
             per_sample_max_grad_norm=clip,
             max_steps=1,
             learning_rate=1.0,
+            insecure_dp_seed=11,  # the same batches in both runs, so the difference is the noise alone
         )
         trainer.train()
         runs[s] = torch.cat(
@@ -210,13 +212,13 @@ def test_empty_logical_batches_train_and_add_only_noise(tmp_path):
     seed = next(
         s
         for s in range(1000)
-        if sampled_logical_batches(make_trainer(tmp_path, noise_multiplier=0.0, seed=s, **settings), 1)
+        if sampled_logical_batches(make_trainer(tmp_path, noise_multiplier=0.0, insecure_dp_seed=s, **settings), 1)
         == [[]]
     )
     for sigma in (0.0, 1.0):
         model = models.gpt2()
         before = snapshot(model)
-        make_trainer(tmp_path, model=model, noise_multiplier=sigma, seed=seed, **settings).train()
+        make_trainer(tmp_path, model=model, noise_multiplier=sigma, insecure_dp_seed=seed, **settings).train()
         moved = [not torch.equal(before[n], p) for n, p in model.named_parameters()]
         assert all(moved) if sigma else not any(moved)
 
@@ -250,7 +252,7 @@ def test_subclass_compute_loss_keeps_per_example_clipping(tmp_path):
     for cls in (DPTrainer, PerExampleLossTrainer):
         torch.manual_seed(4)
         model = models.gpt2()
-        make_trainer(tmp_path, model=model, trainer_class=cls, noise_multiplier=0.5).train()
+        make_trainer(tmp_path, model=model, trainer_class=cls, noise_multiplier=0.5, insecure_dp_seed=2).train()
         results.append(snapshot(model))
     for name in results[0]:
         torch.testing.assert_close(results[0][name], results[1][name], msg=name)
@@ -293,10 +295,66 @@ def test_lora_trains_only_adapters(tmp_path):
         assert changed == ("lora_" in name), name
 
 
-def test_secure_mode_trains(tmp_path):
+def test_secure_mode_reaches_the_noise_and_the_sampler(tmp_path):
     trainer = make_trainer(tmp_path, noise_multiplier=1.0, secure_mode=True)
     trainer.train()
     assert trainer.state.global_step == 2
+    assert trainer._mechanism.noise.secure_mode and trainer._batch_sampler.secure_mode
+    assert trainer.privacy_report()["noise_randomness"] == "secure_mode"
+
+
+class CountingTrainer(Trainer):
+    """Another Trainer subclass that wraps both hooks and calls super(), as TRL's trainers do."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = {"training_step": 0, "compute_loss": 0}
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.calls["training_step"] += 1
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.calls["compute_loss"] += 1
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+class DPCountingTrainer(DPTrainerMixin, CountingTrainer):
+    pass
+
+
+def test_the_mixin_composes_with_another_trainer_subclass(tmp_path):
+    results, trainers = [], []
+    for cls in (DPTrainer, DPCountingTrainer):
+        torch.manual_seed(4)
+        model = models.gpt2()
+        trainer = make_trainer(
+            tmp_path, model=model, trainer_class=cls, noise_multiplier=0.5, insecure_dp_seed=2, eval_strategy="no"
+        )
+        trainer.train()
+        results.append(snapshot(model))
+        trainers.append(trainer)
+    for name in results[0]:
+        torch.testing.assert_close(results[0][name], results[1][name], msg=name)
+    counting = trainers[1]
+    assert counting.calls["training_step"] == 2 * counting.args.gradient_accumulation_steps
+    assert counting.calls["compute_loss"] == 0  # under DP the loss is the per-example one
+    counting.evaluate(TokenRows(8))
+    assert counting.calls["compute_loss"] > 0  # evaluation keeps the parent's batch loss
+
+
+class ExtraBackwardTrainer(DPTrainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        unclipped = {k: v for k, v in self._prepare_inputs(inputs).items() if k != "hf_dp_example_mask"}
+        model(**unclipped).loss.backward()  # a gradient that bypasses per-example clipping
+        return loss
+
+
+def test_a_gradient_written_outside_clipping_is_refused(tmp_path):
+    trainer = make_trainer(tmp_path, trainer_class=ExtraBackwardTrainer, noise_multiplier=0.5)
+    with pytest.raises(RuntimeError, match="a gradient reached the parameters outside per-example clipping"):
+        trainer.train()
 
 
 @pytest.mark.parametrize(
@@ -364,7 +422,9 @@ def test_bf16_autocast_step_is_close_to_the_float32_step(tmp_path):
         torch.manual_seed(8)
         model = models.gpt2()
         before = snapshot(model)
-        make_trainer(tmp_path, model=model, noise_multiplier=0.0, bf16=bf16, max_steps=1).train()
+        make_trainer(
+            tmp_path, model=model, noise_multiplier=0.0, bf16=bf16, max_steps=1, insecure_dp_seed=3
+        ).train()
         steps[bf16] = torch.cat([(before[n] - p.detach()).flatten() for n, p in model.named_parameters()])
     assert steps[False].norm() > 0
     assert (steps[True] - steps[False]).norm() < 0.05 * steps[False].norm()

@@ -1,40 +1,33 @@
-"""What a DP optimizer asks of the next logical batch, fixed across its micro-batches.
+"""What a DP update rule asks of the next logical batch, fixed across its micro-batches, and who holds it.
 
-The trainer calls ``optimizer.plan_step(C)`` once per logical batch. The plan says which clip norm to
-use (DP² switches C1/C2 by phase), in which geometry to clip (scale-then-privatize and DP² clip
-‖s ⊙ g_i‖), and at which points to evaluate each example's gradient and with which weights before the
-per-example COMBINATION is clipped once (DiSK: u_i = c·∇f_i(θ + γd) + (1−c)·∇f_i(θ)).
-The privatiser then adds N(0, σ²C²) in the scaled space, i.e. std σC/s per coordinate of the
-un-scaled sum, so the optimizer's step always receives ĝ = (Σ_i c_i g_i + σC ξ ⊘ s) / B̄.
+A ``StepPlan`` says at which clip norm to clip (DP² switches C1/C2 by phase), in which geometry (STP and DP²
+clip ‖s ⊙ g_i‖), and at which points to evaluate each example before the per-example COMBINATION
+u_i = Σ_e w_e ∇f_i(θ + shift_e) is clipped once (DiSK). The ``StepPlanner`` asks the optimizer for it at
+the first micro-batch of a logical batch and holds it until the batch is released; the clipping strategy
+and the mechanism both read ``planner.current``, so they cannot disagree. See docs/dp-step.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from hf_dp.clipping.scale import ClipScales
+from hf_dp.clipping.geometry import ClipScales
 
 
-class Shift(Mapping):
-    """{p: scale·direction_p}, computed on access so that a plan pins no copy of the model. The trainer
-    applies it in place with one fused ``θ += scale·direction`` over all parameters (``_foreach_add_``)."""
+@dataclass(frozen=True, eq=False)
+class Shift:
+    """Evaluate at θ + scale·direction_p for every parameter p in ``directions`` (no copy of the model)."""
 
-    def __init__(self, scale: float, directions: dict[nn.Parameter, torch.Tensor]) -> None:
-        self.scale, self.directions = scale, directions
+    scale: float
+    directions: dict[nn.Parameter, torch.Tensor]
 
-    def __getitem__(self, p: nn.Parameter) -> torch.Tensor:
-        return (self.scale * self.directions[p]).to(p.dtype)
-
-    def __iter__(self) -> Iterator[nn.Parameter]:
-        return iter(self.directions)
-
-    def __len__(self) -> int:
-        return len(self.directions)
+    def offset(self, param: nn.Parameter) -> torch.Tensor:
+        """scale·direction_p in the parameter's dtype."""
+        return (self.scale * self.directions[param]).to(param.dtype)
 
 
 @dataclass(frozen=True)
@@ -47,20 +40,52 @@ class Evaluation:
 
 @dataclass(frozen=True)
 class StepPlan:
+    """Clip Σ_e w_e ∇f_i(θ + shift_e) once per example at ``clip_norm`` in the geometry ``clip_scale``.
+
+    The mechanism then adds N(0, σ²C²) in the scaled space: std σC/s per coordinate of the un-scaled sum.
+    """
+
     clip_norm: float
     clip_scale: ClipScales | None = None
-    evaluations: tuple[Evaluation, ...] = (Evaluation(),)
+    evaluations: tuple[Evaluation, ...] = field(default=(Evaluation(),))
+
+    @property
+    def requires_bookkeeping(self) -> bool:
+        """True when only the book-keeping strategy can clip this plan exactly: a scaled geometry or
+        evaluations away from θ (the two-pass strategy clips Σ_i c_i L_i at θ only, for now)."""
+        return bool(self.clip_scale) or len(self.evaluations) > 1 or self.evaluations[0].shift is not None
 
 
 @runtime_checkable
-class PlansSteps(Protocol):
-    """A DP optimizer whose clipping or evaluation points depend on its state."""
+class HasStepPlan(Protocol):
+    """A DP update rule whose clipping or evaluation points depend on its state."""
 
     def plan_step(self, clip_norm: float) -> StepPlan: ...
 
 
-def plan_for(optimizer: torch.optim.Optimizer, clip_norm: float) -> StepPlan:
-    """The optimizer's plan, or plain DP-SGD clipping (one evaluation, ℓ2 geometry) for a stock optimizer."""
-    if isinstance(optimizer, PlansSteps):
-        return optimizer.plan_step(clip_norm)
-    return StepPlan(clip_norm=clip_norm)
+class StepPlanner:
+    """The one owner of the current logical batch's plan: made by the update rule when first asked, held
+    until ``end()`` (the trainer ends it after each optimizer step)."""
+
+    def __init__(self, clip_norm: float) -> None:
+        self.clip_norm = clip_norm
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._current: StepPlan | None = None
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """The DP update rule (before accelerate or DeepSpeed wrap it)."""
+        self._optimizer = optimizer
+
+    @property
+    def current(self) -> StepPlan:
+        """The plan of the logical batch in progress (plain DP-SGD clipping for a rule that has no plan)."""
+        if self._current is None:
+            if isinstance(self._optimizer, HasStepPlan):
+                self._current = self._optimizer.plan_step(self.clip_norm)
+            else:
+                self._current = StepPlan(clip_norm=self.clip_norm)
+        return self._current
+
+    def end(self) -> None:
+        """The logical batch is released: the next ``current`` asks the update rule again."""
+        self._current = None

@@ -1,0 +1,121 @@
+"""The Gaussian mechanism of DP-SGD: the one place where noise is added and the one place where ε is spent.
+
+Abadi et al. 2016: ĝ = (Σ_i c_i g_i + N(0, σ²C² I)) / B̄, where the clipping strategy has left the clipped
+sum Σ_i c_i g_i in ``.grad`` and B̄ is the EXPECTED logical batch size (the realised one would leak the batch
+size). A plan that clips in a scaled geometry ‖s ⊙ g_i‖ ≤ C gets noise isotropic in the scaled space, std
+σC/s_j on coordinate j. Each released logical batch is one step of the subsampled Gaussian mechanism
+(σ, q) in the accountant; everything after the release is post-processing. See docs/dp-step.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from hf_dp.accounting import PrivacyAccountant
+from hf_dp.clipping.geometry import dense_scale
+from hf_dp.distributed import sum_across_processes
+from hf_dp.noise import GaussianNoise
+from hf_dp.optim.plan import StepPlan, StepPlanner
+
+
+class GaussianMechanism:
+    """Releases the clipped sums of a logical batch; ``noise`` and ``accountant`` are None without DP.
+
+    ``sum_across_processes`` (DDP: replicated gradients) sums the per-process clipped sums first, and every
+    process then adds the SAME noise (one shared secret). Partitioned gradients (DeepSpeed ZeRO) arrive
+    already reduced, and each process adds independent noise to the part it owns.
+    """
+
+    def __init__(
+        self,
+        *,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        sample_rate: float,
+        noise: GaussianNoise | None,
+        accountant: PrivacyAccountant | None,
+        sum_across_processes: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> None:
+        if expected_batch_size <= 0:
+            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+        if (noise is None) != (accountant is None):
+            raise ValueError("a private mechanism needs both a noise source and an accountant, a non-private one neither")
+        self.noise_multiplier = noise_multiplier
+        self.expected_batch_size = expected_batch_size
+        self.sample_rate = sample_rate
+        self.noise = noise
+        self.accountant = accountant
+        self.sum_across_processes = sum_across_processes
+        self._accounted: StepPlan | None = None
+
+    @classmethod
+    def for_run(cls, plan, accountant: PrivacyAccountant, secret, args, partitioned: bool) -> GaussianMechanism:
+        """The mechanism of a training run: noise keyed by the run's secret, one key for all processes when
+        their gradients are replicated (summed here first), one per process when they are partitioned."""
+        private = plan.private
+        key = secret.noise_key(args.process_index if partitioned else None)
+        return cls(
+            noise_multiplier=plan.noise_multiplier,
+            expected_batch_size=plan.expected_batch_size,
+            sample_rate=plan.sample_rate,
+            noise=GaussianNoise(key, secure_mode=args.secure_mode) if private else None,
+            accountant=accountant if private else None,
+            sum_across_processes=sum_across_processes if args.world_size > 1 and not partitioned else None,
+        )
+
+    @property
+    def private(self) -> bool:
+        return self.accountant is not None
+
+    def sum_noise_std(self, plan: StepPlan) -> float:
+        """σC: the noise std per coordinate of the clipped SUM (in the plan's scaled space)."""
+        return self.noise_multiplier * plan.clip_norm if self.private else 0.0
+
+    def mean_noise_std(self, plan: StepPlan) -> float:
+        """σC/B̄: the noise std per coordinate of ĝ, what the update rule receives."""
+        return self.sum_noise_std(plan) / self.expected_batch_size
+
+    def release(self, params: Iterable[nn.Parameter], plan: StepPlan) -> None:
+        """.grad ← (.grad + N(0, σ²C²/s²)) / B̄ for every trainable parameter, then one accountant step per plan.
+
+        A missing ``.grad`` counts as a zero clipped sum (an empty batch still gets noise: skipping it would
+        reveal that the batch was empty). Several releases of one plan (DeepSpeed ZeRO-3 steps its client
+        optimizer once per parameter sub-group) are one logical batch, accounted once.
+        """
+        params = [p for p in params if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.sum_across_processes is not None:
+            self.sum_across_processes([p.grad for p in params])
+        std = self.sum_noise_std(plan)
+        for p in params:
+            if std > 0:
+                noise = self.noise.sample(p.shape, std, p.device, p.grad.dtype)
+                scale = plan.clip_scale.get(p) if plan.clip_scale else None
+                p.grad.add_(noise if scale is None else noise / dense_scale(scale).to(noise))
+            p.grad.div_(self.expected_batch_size)
+        if self.private and plan is not self._accounted:
+            self.accountant.step(self.noise_multiplier, self.sample_rate)
+            self._accounted = plan
+
+    def attach(self, optimizer: torch.optim.Optimizer, planner: StepPlanner) -> None:
+        """Release the planner's current plan before every ``optimizer.step()``; the update rule stays stock."""
+        if getattr(optimizer, "_hf_dp_mechanism", None) is not None:
+            return
+        optimizer._hf_dp_mechanism = self
+
+        def release_before_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            self.release((p for group in opt.param_groups for p in group["params"]), planner.current)
+
+        optimizer.register_step_pre_hook(release_before_step)
+
+    def state_dict(self) -> dict:
+        return {"noise": self.noise.state_dict() if self.noise is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.noise is not None and state.get("noise") is not None:
+            self.noise.load_state_dict(state["noise"])

@@ -1,0 +1,142 @@
+"""The privacy plan of a run: N, B̄, q, T, δ, σ and C, derived once from the arguments and the data set.
+
+σ is calibrated from (ε, δ, q, T) by the accountant (Opacus PRV or RDP) unless given. δ defaults to N^-1.1,
+below 1/N for every N ≥ 2; a δ ≥ 1/N would let a mechanism publish one whole example with probability δ
+and still be "(ε, δ)-DP", so it is refused unless ``allow_large_delta`` (which the model card reports).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hf_dp.accounting import calibrate_noise_multiplier
+
+# Above this σ the noise on ĝ dwarfs any clipped sum by a factor 1e6: the run would learn nothing.
+MAX_NOISE_MULTIPLIER = 1e6
+
+
+def default_delta(num_examples: int) -> float:
+    """δ = N^-1.1, below 1/N for every N ≥ 2 (the usual "δ ≪ 1/N" advice, e.g. Ponomareva et al. 2023)."""
+    return float(num_examples) ** -1.1
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """What the run promises: the subsampled Gaussian mechanism (σ, q) composed over the planned steps."""
+
+    num_examples: int
+    expected_batch_size: int
+    sample_rate: float
+    steps_per_epoch: int
+    planned_steps: int
+    delta: float
+    noise_multiplier: float
+    clip_norm: float
+    accountant: str
+    private: bool
+
+    @property
+    def mean_noise_std(self) -> float:
+        """σC/B̄: the per-coordinate noise std of the privatised mean gradient ĝ."""
+        return self.noise_multiplier * self.clip_norm / self.expected_batch_size
+
+
+def plan_privacy(args, num_examples: int) -> PrivacyPlan:
+    """The plan for ``DPTrainingArguments`` ``args`` over ``num_examples``; one-line ValueError if it cannot hold."""
+    expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    if expected_batch_size > num_examples:
+        raise ValueError(
+            f"the logical batch ({expected_batch_size} = per-device batch x accumulation x processes) exceeds the "
+            f"{num_examples} training examples: lower per_device_train_batch_size or gradient_accumulation_steps"
+        )
+    steps_per_epoch = math.ceil(num_examples / expected_batch_size)
+    planned_steps = (
+        args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    )
+    delta = args.target_delta or default_delta(num_examples)
+    if not args.disable_dp and delta >= 1 / num_examples and not args.allow_large_delta:
+        raise ValueError(
+            f"target_delta={delta:g} is not below 1/N = {1 / num_examples:g} for N = {num_examples} examples: such a "
+            "guarantee allows publishing an example outright; lower target_delta (default N^-1.1) or set "
+            "allow_large_delta=True, which the model card reports"
+        )
+    sample_rate = expected_batch_size / num_examples
+    if args.disable_dp:
+        noise_multiplier = 0.0
+    elif args.noise_multiplier is not None:
+        noise_multiplier = float(args.noise_multiplier)
+    else:
+        noise_multiplier = calibrate_noise_multiplier(
+            args.target_epsilon, delta, sample_rate, planned_steps, args.accountant
+        )
+    if noise_multiplier > MAX_NOISE_MULTIPLIER:
+        raise ValueError(
+            f"noise_multiplier σ = {noise_multiplier:.3g} > {MAX_NOISE_MULTIPLIER:g}: the noise would drown every update; "
+            "raise target_epsilon, train fewer steps or use a larger batch"
+        )
+    return PrivacyPlan(
+        num_examples=num_examples,
+        expected_batch_size=expected_batch_size,
+        sample_rate=sample_rate,
+        steps_per_epoch=steps_per_epoch,
+        planned_steps=planned_steps,
+        delta=delta,
+        noise_multiplier=noise_multiplier,
+        clip_norm=args.per_sample_max_grad_norm,
+        accountant=args.accountant,
+        private=not args.disable_dp,
+    )
+
+
+def epsilon_spent(plan: PrivacyPlan, accountant) -> float:
+    """ε spent so far at the plan's δ (inf for a run without noise)."""
+    if not plan.private or plan.noise_multiplier == 0:
+        return math.inf
+    return accountant.get_epsilon()
+
+
+def privacy_report(plan: PrivacyPlan, accountant, args, steps: int, randomness: str) -> dict[str, Any]:
+    """The guarantee of a run as plain values: what model cards, logs and results state (hf_dp.hub)."""
+    return {
+        "epsilon": epsilon_spent(plan, accountant),
+        "delta": plan.delta,
+        "target_epsilon": args.target_epsilon,
+        "accountant": args.accountant,
+        "noise_multiplier": plan.noise_multiplier,
+        "max_grad_norm": plan.clip_norm,
+        "sample_rate": plan.sample_rate,
+        "sampling": sampling_name(args),
+        "unit": "example",
+        "expected_batch_size": plan.expected_batch_size,
+        "num_train_examples": plan.num_examples,
+        "steps": steps,
+        "optimizer": args.dp_optimizer,
+        "optimizer_kwargs": dict(args.dp_optimizer_kwargs),
+        "clipping_mode": args.clipping_mode,
+        "clipping_fn": args.clipping_fn,
+        "noise_randomness": randomness,
+        "allow_large_delta": args.allow_large_delta,
+        "disable_dp": args.disable_dp,
+    }
+
+
+def sampling_name(args) -> str:
+    return "poisson" if args.poisson_sampling else "shuffled fixed-size batches"
+
+
+def plan_record(plan: PrivacyPlan, args) -> dict[str, Any]:
+    """What a checkpoint's ledger was spent under, as JSON values (hf_dp.checkpoint compares them on resume)."""
+    return {
+        "num_examples": plan.num_examples,
+        "expected_batch_size": plan.expected_batch_size,
+        "sample_rate": plan.sample_rate,
+        "noise_multiplier": plan.noise_multiplier,
+        "clip_norm": plan.clip_norm,
+        "delta": plan.delta,
+        "sampling": sampling_name(args),
+        "unit": "example",
+        "accountant": args.accountant,
+        "private": plan.private,
+    }

@@ -1,0 +1,240 @@
+"""The run's secret, the privacy state on resume, and misuse refused before step 1 (docs/privacy.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+
+from hf_dp import compute_epsilon
+from hf_dp.checkpoint import PRIVACY_STATE_FILE, is_private_file
+from tests import models
+from tests.test_hub import fake_hub  # noqa: F401  (the local Hub endpoint fixture)
+from tests.trainer_utils import TokenRows, make_args, make_trainer, sampled_logical_batches, snapshot
+
+
+def _final(tmp_path, **overrides) -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    model = models.gpt2()
+    make_trainer(tmp_path, model=model, **overrides).train()
+    return snapshot(model)
+
+
+def test_identical_public_arguments_draw_different_noise_and_batches(tmp_path):
+    first, second = make_trainer(tmp_path, noise_multiplier=1.0), make_trainer(tmp_path, noise_multiplier=1.0)
+    assert first.args.seed == second.args.seed
+    assert sampled_logical_batches(first, 3) != sampled_logical_batches(second, 3)
+    a, b = _final(tmp_path, noise_multiplier=1.0), _final(tmp_path, noise_multiplier=1.0)
+    assert any(not torch.equal(a[n], b[n]) for n in a)
+
+
+def test_an_explicit_insecure_seed_reproduces_and_warns(tmp_path):
+    with pytest.warns(UserWarning, match="anyone who knows it can remove the noise"):
+        a = _final(tmp_path, noise_multiplier=1.0, insecure_dp_seed=5)
+    b = _final(tmp_path, noise_multiplier=1.0, insecure_dp_seed=5)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    trainer = make_trainer(tmp_path, noise_multiplier=1.0, insecure_dp_seed=5)
+    assert trainer.privacy_report()["noise_randomness"] == "insecure_dp_seed"
+
+
+def _saved_files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _assert_no_secret(files: dict[str, bytes], key_hex: str) -> None:
+    assert not [name for name in files if is_private_file(os.path.basename(name))], sorted(files)
+    assert not [name for name, data in files.items() if key_hex.encode() in data or str(int(key_hex, 16)).encode() in data]
+
+
+@pytest.mark.parametrize("strategy", ["end", "every_save", "checkpoint", "all_checkpoints"])
+def test_no_upload_and_no_saved_model_carries_the_secret(tmp_path, fake_hub, strategy):  # noqa: F811
+    trainer = make_trainer(
+        tmp_path,
+        noise_multiplier=1.0,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        push_to_hub=True,
+        hub_strategy=strategy,
+        hub_model_id="tester/dp-model",
+        hub_token="hf_test_token",
+        hub_always_push=True,
+    )
+    trainer.train()
+    trainer.push_to_hub()
+    key = trainer._secret.to_dict()["key"]
+    checkpoint = Path(trainer.args.output_dir) / "checkpoint-2"
+    assert (checkpoint / PRIVACY_STATE_FILE).is_file() and key in (checkpoint / PRIVACY_STATE_FILE).read_text()
+    uploaded = {f"{c['path']}:{name}": data for c in fake_hub.commits for name, data in c["files"].items()}
+    assert uploaded and fake_hub.unexpected == []
+    if strategy in ("checkpoint", "all_checkpoints"):
+        assert any("trainer_state.json" in name for name in uploaded)  # checkpoints were uploaded, minus the secret
+    _assert_no_secret(uploaded, key)
+    trainer.save_model(str(tmp_path / "saved"))
+    _assert_no_secret(_saved_files(tmp_path / "saved"), key)
+
+
+# ---- resume -----------------------------------------------------------------------------------------
+
+
+def _checkpointed(tmp_path, **overrides):
+    settings = dict(noise_multiplier=1.0, max_steps=2, save_strategy="steps", save_steps=2, **overrides)
+    make_trainer(tmp_path, **settings).train()
+    return tmp_path / "out" / "checkpoint-2"
+
+
+def _resume(tmp_path, folder, **overrides):
+    settings = dict(noise_multiplier=1.0, max_steps=4, **overrides)
+    trainer = make_trainer(tmp_path, **settings)
+    trainer.train(resume_from_checkpoint=str(folder))
+    return trainer
+
+
+def test_a_changed_delta_is_reported_over_the_whole_history(tmp_path, caplog):
+    folder = _checkpointed(tmp_path, target_delta=1e-2)
+    trainer = _resume(tmp_path, folder, target_delta=1e-3)
+    assert trainer.accountant.steps == 4
+    assert trainer.get_epsilon() == pytest.approx(
+        compute_epsilon(1.0, trainer.sample_rate, 4, 1e-3, "prv"), rel=1e-6
+    )
+    assert trainer.get_epsilon() > compute_epsilon(1.0, trainer.sample_rate, 4, 1e-2, "prv")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"per_device_train_batch_size": 2}, "expected_batch_size was 8 in the checkpoint but is 4 now"),
+        ({"dataset": TokenRows(40)}, "num_examples was 32"),
+        ({"poisson_sampling": False}, "sampling was 'poisson'"),
+        ({"accountant": "rdp"}, "accountant was 'prv'"),
+    ],
+)
+def test_resuming_with_another_population_or_sampling_is_refused(tmp_path, overrides, message):
+    folder = _checkpointed(tmp_path)
+    with pytest.raises(ValueError, match=message) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _resume(tmp_path, folder, **overrides)
+    assert "\n" not in str(info.value)
+
+
+def _edit(path: Path, change) -> None:
+    state = json.loads(path.read_text())
+    change(state)
+    path.write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s["ledger"].update(history=[]), "disagrees with trainer_state.json"),
+        (lambda s: s["ledger"]["history"][0].__setitem__(0, 50.0), "disagrees with trainer_state.json"),
+        (lambda s: s.pop("secret"), "corrupt or truncated privacy state"),
+    ],
+)
+def test_an_edited_privacy_state_is_refused(tmp_path, edit, message):
+    folder = _checkpointed(tmp_path)
+    _edit(folder / PRIVACY_STATE_FILE, edit)
+    with pytest.raises(ValueError, match=message):
+        _resume(tmp_path, folder)
+
+
+def test_a_ledger_edited_in_both_files_still_disagrees_with_the_step_count(tmp_path):
+    folder = _checkpointed(tmp_path)
+    _edit(folder / PRIVACY_STATE_FILE, lambda s: s["ledger"].update(history=[]))
+    _edit(folder / "trainer_state.json", lambda s: s["stateful_callbacks"]["hf_dp_privacy_ledger"]["attributes"].update(history=[]))
+    with pytest.raises(ValueError, match="has 0 steps but trainer_state.json has 2"):
+        _resume(tmp_path, folder)
+
+
+@pytest.mark.parametrize("content", ["", "{", '{"format": 1}', "[]"])
+def test_a_corrupt_or_truncated_state_file_is_one_clear_line(tmp_path, content):
+    folder = _checkpointed(tmp_path)
+    (folder / PRIVACY_STATE_FILE).write_text(content)
+    with pytest.raises(ValueError, match="corrupt or truncated privacy state") as info:
+        _resume(tmp_path, folder)
+    assert "\n" not in str(info.value)
+
+
+# ---- misuse, refused before step 1 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.inf}, "per_sample_max_grad_norm must be finite"),
+        ({"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.nan}, "per_sample_max_grad_norm must be finite"),
+        ({"noise_multiplier": math.inf}, "noise_multiplier must be finite"),
+        ({"noise_multiplier": math.nan}, "noise_multiplier must be finite"),
+        ({"target_epsilon": math.inf}, "target_epsilon must be finite"),
+        ({"noise_multiplier": 1.0, "dp_optimizer_kwargs": "{kappa: 1"}, "dp_optimizer_kwargs is not valid JSON"),
+        ({"noise_multiplier": 1.0, "ignore_data_skip": True}, "ignore_data_skip=True would replay"),
+        ({"noise_multiplier": 1.0, "insecure_dp_seed": 1, "secure_mode": True}, "contradict"),
+    ],
+)
+def test_invalid_privacy_arguments_are_one_line(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_args(tmp_path, **overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_a_delta_not_below_one_over_n_is_refused_unless_allowed(tmp_path):
+    with pytest.raises(ValueError, match="is not below 1/N") as info:
+        make_trainer(tmp_path, noise_multiplier=1.0, target_delta=0.05)
+    assert "\n" not in str(info.value)
+    trainer = make_trainer(tmp_path, noise_multiplier=1.0, target_delta=0.05, allow_large_delta=True, max_steps=1)
+    trainer.train()
+    trainer.create_model_card()
+    text = (Path(trainer.args.output_dir) / "README.md").read_text()
+    assert "is not below 1/N" in text and "allow_large_delta: true" in text
+
+
+def test_a_noise_multiplier_that_drowns_every_update_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="the noise would drown every update"):
+        make_trainer(tmp_path, noise_multiplier=1e7)
+
+
+def test_train_twice_is_refused(tmp_path):
+    trainer = make_trainer(tmp_path, noise_multiplier=1.0, max_steps=1)
+    trainer.train()
+    with pytest.raises(RuntimeError, match="already called on this DPTrainer"):
+        trainer.train()
+
+
+class _StreamWithLength(IterableDataset):
+    def __iter__(self):
+        return iter(TokenRows(16))
+
+    def __len__(self) -> int:
+        return 16
+
+
+def test_an_iterable_dataset_with_a_length_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="needs a map-style train_dataset"):
+        make_trainer(tmp_path, dataset=_StreamWithLength(), noise_multiplier=1.0)
+
+
+def test_a_wrong_optimizer_kwarg_is_named_before_training(tmp_path):
+    trainer = make_trainer(tmp_path, noise_multiplier=1.0, dp_optimizer="adamw", dp_optimizer_kwargs={"betaz": 0.9})
+    with pytest.raises(ValueError, match="betaz") as info:
+        trainer.train()
+    assert "\n" not in str(info.value) and trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw", "adam_bc", "stp", "dp2", "disk", "doppler"])
+def test_every_optimizer_trains_without_kwargs(tmp_path, name):
+    torch.manual_seed(0)
+    model = models.gpt2()
+    before = snapshot(model)
+    trainer = make_trainer(tmp_path, model=model, noise_multiplier=1.0, dp_optimizer=name, learning_rate=1e-3)
+    assert trainer.args.dp_optimizer_kwargs == {}
+    trainer.train()
+    assert trainer.accountant.steps == 2
+    after = snapshot(model)
+    assert all(torch.isfinite(after[n]).all() for n in after) and any(not torch.equal(before[n], after[n]) for n in after)
