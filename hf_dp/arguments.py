@@ -147,13 +147,13 @@ class DPTrainingArguments(TrainingArguments):
                 fail("disable_dp=True trains without privacy; drop target_epsilon and noise_multiplier")
             return
         if not (self.per_sample_max_grad_norm > 0 and math.isfinite(self.per_sample_max_grad_norm)):
-            fail(f"per_sample_max_grad_norm must be finite and > 0, got {self.per_sample_max_grad_norm}")
+            fail(f"per_sample_max_grad_norm must be > 0 and finite, got {self.per_sample_max_grad_norm}")
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
             fail("give exactly one of target_epsilon (σ is then calibrated) and noise_multiplier")
         if self.target_epsilon is not None and not (self.target_epsilon > 0 and _finite(self.target_epsilon)):
-            fail(f"target_epsilon must be finite and > 0, got {self.target_epsilon}")
+            fail(f"target_epsilon must be > 0 and finite, got {self.target_epsilon}")
         if self.noise_multiplier is not None and not (self.noise_multiplier >= 0 and _finite(self.noise_multiplier)):
-            fail(f"noise_multiplier must be finite and >= 0, got {self.noise_multiplier}")
+            fail(f"noise_multiplier must be >= 0 and finite, got {self.noise_multiplier}")
         if self.secure_mode and self.insecure_dp_seed is not None:
             fail("secure_mode and insecure_dp_seed contradict each other; drop one")
         if self.insecure_dp_seed is not None:

@@ -167,11 +167,11 @@ def test_a_corrupt_or_truncated_state_file_is_one_clear_line(tmp_path, content):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.inf}, "per_sample_max_grad_norm must be finite"),
-        ({"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.nan}, "per_sample_max_grad_norm must be finite"),
-        ({"noise_multiplier": math.inf}, "noise_multiplier must be finite"),
-        ({"noise_multiplier": math.nan}, "noise_multiplier must be finite"),
-        ({"target_epsilon": math.inf}, "target_epsilon must be finite"),
+        ({"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.inf}, "per_sample_max_grad_norm must be > 0 and finite"),
+        ({"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.nan}, "per_sample_max_grad_norm must be > 0 and finite"),
+        ({"noise_multiplier": math.inf}, "noise_multiplier must be >= 0 and finite"),
+        ({"noise_multiplier": math.nan}, "noise_multiplier must be >= 0 and finite"),
+        ({"target_epsilon": math.inf}, "target_epsilon must be > 0 and finite"),
         ({"noise_multiplier": 1.0, "dp_optimizer_kwargs": "{kappa: 1"}, "dp_optimizer_kwargs is not valid JSON"),
         ({"noise_multiplier": 1.0, "ignore_data_skip": True}, "ignore_data_skip=True would replay"),
         ({"noise_multiplier": 1.0, "insecure_dp_seed": 1, "secure_mode": True}, "contradict"),

@@ -16,20 +16,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
 from hf_dp.clipping.factors import PerExampleGradient, Weighted, combined_squared_norm
+from hf_dp.clipping.geometry import ClippingFn, ClippingMode, ClipScale, ClipScales, FactoredScale, clip_factors
 from hf_dp.clipping.layers import functorch_per_example_grads, rule_for
-from hf_dp.clipping.scale import ClipScale, ClipScales, FactoredScale
-
-ClippingMode = Literal["ghost", "per_sample"]
-ClippingFn = Literal["abadi", "automatic"]
-
-# Automatic clipping's stability constant γ in C / (‖g_i‖ + γ) (Bu et al. 2022, "Automatic clipping").
-AUTOMATIC_CLIPPING_GAMMA = 0.01
 
 
 class UnsupportedModuleError(ValueError):
@@ -74,13 +67,6 @@ def _scales_by_id(scales: ClipScales | None, clipped: list[nn.Parameter]) -> dic
     return found
 
 
-def clip_factors(norms: torch.Tensor, max_norm: float, fn: ClippingFn) -> torch.Tensor:
-    """Abadi et al. 2016: min(1, C/‖g_i‖);  automatic (Bu et al. 2022): C/(‖g_i‖ + γ). Both keep ‖c_i g_i‖ ≤ C."""
-    if fn == "abadi":
-        return (max_norm / (norms + 1e-6)).clamp(max=1.0)
-    return max_norm / (norms + AUTOMATIC_CLIPPING_GAMMA)
-
-
 def _is_batch_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._BatchNorm) or type(module).__name__.endswith("BatchNorm")
 
@@ -91,15 +77,11 @@ class ClippingEngine:
     def __init__(
         self,
         model: nn.Module,
-        max_grad_norm: float,
         clipping_fn: ClippingFn = "abadi",
         mode: ClippingMode = "ghost",
         allow_functorch_fallback: bool = True,
     ) -> None:
-        if max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
         self.model = model
-        self.max_grad_norm = max_grad_norm
         self.clipping_fn = clipping_fn
         self.materialise = mode == "per_sample"
         self._owned = self._assign_parameters(model, allow_functorch_fallback)
@@ -154,9 +136,16 @@ class ClippingEngine:
         return owned
 
     def remove_hooks(self) -> None:
+        """Leave the user's model as it was (the trainer calls this when training ends)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def __enter__(self) -> ClippingEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.remove_hooks()
 
     # ---- recording ----------------------------------------------------------------------------------
 
@@ -206,29 +195,20 @@ class ClippingEngine:
     def clipped_backward(
         self,
         per_example_loss: torch.Tensor,
+        clip_norm: float,
         example_mask: torch.Tensor | None = None,
-        verify: bool = False,
-        accumulate: bool = True,
         *,
-        clip_norm: float | None = None,
+        verify: bool = False,
         clip_scale: ClipScales | None = None,
     ) -> torch.Tensor:
         """Add Σ_i c_i ∇L_i to every clipped parameter's ``.grad``; return the per-example norms ‖s ⊙ ∇L_i‖.
 
-        ``example_mask`` (B,) zeroes c_i of padding examples. ``verify`` also runs autograd's own
-        gradient of Σ_i L_i and raises if the unclipped engine sum disagrees, which catches a
-        parameter used outside the forward of the module that owns it. ``accumulate=False`` only computes
-        the norms (the norm pass of the two-pass scheme that DeepSpeed ZeRO needs, DEEPSPEED.md).
-        ``clip_norm`` and ``clip_scale`` as in ``clip_and_accumulate``.
+        ``example_mask`` (B,) zeroes c_i of padding examples. ``verify`` also runs autograd's own gradient of
+        Σ_i L_i and raises if the unclipped engine sum disagrees, which catches a parameter used outside the
+        forward of the module that owns it.
         """
         gradients = self.per_example_gradients(per_example_loss, verify=verify)
-        return self.clip_and_accumulate(
-            [(gradients, 1.0)],
-            example_mask,
-            clip_norm=clip_norm,
-            clip_scale=clip_scale,
-            accumulate=accumulate,
-        )
+        return self.clip_and_accumulate([(gradients, 1.0)], clip_norm, example_mask, clip_scale=clip_scale)
 
     def per_example_gradients(
         self, per_example_loss: torch.Tensor, verify: bool = False
@@ -260,25 +240,45 @@ class ClippingEngine:
                 self._verify(parts, reference, ones, tolerance)
         return EvaluationGradients(parts, per_example_loss.shape[0])
 
+    def per_example_norms(
+        self, evaluations: Sequence[tuple[EvaluationGradients, float]], *, clip_scale: ClipScales | None = None
+    ) -> torch.Tensor:
+        """‖s ⊙ u_i‖ with u_i = Σ_e w_e g_i^e (s = 1 for a parameter without a scale), shape (B,); no ``.grad``."""
+        return self._norms_and_terms(evaluations, clip_scale)[0]
+
+    def clip_factors(self, norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
+        """c_i at ``clip_norm`` with this engine's clipping function."""
+        if not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+        return clip_factors(norms, clip_norm, self.clipping_fn)
+
     def clip_and_accumulate(
         self,
         evaluations: Sequence[tuple[EvaluationGradients, float]],
+        clip_norm: float,
         example_mask: torch.Tensor | None = None,
         *,
-        clip_norm: float | None = None,
         clip_scale: ClipScales | None = None,
-        accumulate: bool = True,
     ) -> torch.Tensor:
         """Clip each example's weighted combination u_i = Σ_e w_e g_i^e once, in the geometry ‖s ⊙ u_i‖.
 
-        c_i = clip factor of ‖s ⊙ u_i‖ (s = 1 for a parameter without a scale) at ``clip_norm`` (default: the
-        engine's C), times ``example_mask``; then, if ``accumulate``, ``.grad`` += Σ_e w_e Σ_i c_i g_i^e, the
-        UN-scaled clipped sum (the privatiser scales the noise instead). Returns ‖s ⊙ u_i‖, shape (B,).
-        Clipping the combination, not each evaluation, keeps the sensitivity at C (DiSK, spec B A2).
+        c_i = clip factor of ‖s ⊙ u_i‖ at ``clip_norm``, times ``example_mask``; then ``.grad`` += Σ_e w_e Σ_i c_i g_i^e,
+        the UN-scaled clipped sum (the mechanism scales the noise instead). Returns ‖s ⊙ u_i‖, shape (B,).
+        Clipping the combination, not each evaluation, keeps the sensitivity at C (docs/clipping.md).
         """
-        clip_norm = self.max_grad_norm if clip_norm is None else clip_norm
-        if clip_norm <= 0:
-            raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+        norms, terms = self._norms_and_terms(evaluations, clip_scale)
+        with torch.no_grad():
+            factors = self.clip_factors(norms, clip_norm)
+            if example_mask is not None:
+                factors = factors * example_mask.to(factors.dtype)
+            for param, weighted in terms.values():
+                grad = param.grad
+                for weight, part in weighted:
+                    grad = part.accumulate(grad, factors if weight == 1 else weight * factors, param)
+                param.grad = grad
+        return norms
+
+    def _norms_and_terms(self, evaluations, clip_scale):
         sizes = {gradients.batch_size for gradients, _ in evaluations}
         if len(sizes) != 1:
             raise ValueError(f"evaluations of one micro-batch must share its batch size, got {sorted(sizes)}")
@@ -288,15 +288,7 @@ class ClippingEngine:
                 terms.setdefault(pid, (param, []))[1].extend((weight, part) for part in parts if weight != 0)
         with torch.no_grad():
             norms = self._norms(terms, sizes.pop(), _scales_by_id(clip_scale, self.parameters))
-            factors = clip_factors(norms, clip_norm, self.clipping_fn)
-            if example_mask is not None:
-                factors = factors * example_mask.to(factors.dtype)
-            for param, weighted in terms.values() if accumulate else ():
-                grad = param.grad
-                for weight, part in weighted:
-                    grad = part.accumulate(grad, factors if weight == 1 else weight * factors, param)
-                param.grad = grad
-        return norms
+        return norms, terms
 
     def _per_example_parts(
         self, calls: list[_Call], output_grads: Iterator[torch.Tensor | None]

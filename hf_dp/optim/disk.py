@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hf_dp.optim.factory import make_dp_optimizer
+
 from hf_dp.optim.plan import Evaluation, PlansSteps, Shift, StepPlan
 
 
@@ -40,6 +40,11 @@ class DiSK(torch.optim.Optimizer):
         self.base, self.kappa, self.gamma = base, kappa, gamma
         super().__init__(base.param_groups, base.defaults)
         self.param_groups = base.param_groups
+
+    @property
+    def evaluations_per_step(self) -> int:
+        """2 when both θ + γd and θ are evaluated (c ∉ {0, 1}), else 1."""
+        return 1 if self.c == 0 or math.isclose(self.c, 1.0, rel_tol=1e-12) else 2
 
     @property
     def c(self) -> float:
@@ -122,7 +127,9 @@ def build(
     √(κ/(2−κ))·σC/B̄ (spec B D2), which only a noise-aware base (adam_bc) uses."""
     if base == "disk":
         raise ValueError("DiSK cannot wrap itself")
+    from hf_dp.optim.registry import make_dp_optimizer  # the registry nests the base rule
+
     inner = make_dp_optimizer(
-        base, params, noise_std=noise_std * math.sqrt(kappa / (2 - kappa)), **base_kwargs
+        base, params, mean_noise_std=noise_std * math.sqrt(kappa / (2 - kappa)), **base_kwargs
     )
     return DiSK(inner, kappa=kappa, gamma=gamma)

@@ -1,0 +1,51 @@
+"""Clip factors and clip geometries: c_i from ‖g_i‖, and ‖s ⊙ g_i‖ instead of ‖g_i‖ (STP, DP²).
+
+c_i = min(1, C/‖g_i‖) (Abadi et al. 2016) or C/(‖g_i‖ + γ) ("automatic", Bu et al. 2022); both keep
+‖c_i g_i‖ ≤ C. A scale is either a dense tensor shaped like its parameter, or a ``FactoredScale`` s = r cᵀ
+(rank 1 per weight matrix, our extension), with which ‖s ⊙ G_i‖ stays an ordinary ghost norm of the
+per-example gradient built from output gradients scaled by r and inputs scaled by c. See docs/clipping.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+ClippingFn = Literal["abadi", "automatic"]
+ClippingMode = Literal["ghost", "per_sample"]
+CLIPPING_FNS: tuple[str, ...] = get_args(ClippingFn)
+CLIPPING_MODES: tuple[str, ...] = get_args(ClippingMode)
+
+# Automatic clipping's stability constant γ in C / (‖g_i‖ + γ) (Bu et al. 2022).
+AUTOMATIC_CLIPPING_GAMMA = 0.01
+
+
+def clip_factors(norms: torch.Tensor, max_norm: float, fn: ClippingFn) -> torch.Tensor:
+    """c_i: min(1, C/‖g_i‖) ("abadi") or C/(‖g_i‖ + γ) ("automatic"); both keep ‖c_i g_i‖ ≤ C."""
+    if fn == "abadi":
+        return (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return max_norm / (norms + AUTOMATIC_CLIPPING_GAMMA)
+
+
+@dataclass(frozen=True)
+class FactoredScale:
+    """s = outer(rows, cols) for a 2-D parameter: rows has its first dimension, cols its second."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+    def dense(self) -> torch.Tensor:
+        return torch.outer(self.rows, self.cols)
+
+
+ClipScale = torch.Tensor | FactoredScale
+ClipScales = Mapping[nn.Parameter, ClipScale]
+
+
+def dense_scale(scale: ClipScale) -> torch.Tensor:
+    """The scale as a tensor shaped like its parameter."""
+    return scale.dense() if isinstance(scale, FactoredScale) else scale

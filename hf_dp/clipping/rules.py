@@ -1,0 +1,190 @@
+"""One small rule per layer type: the per-example gradients of a module's own parameters.
+
+Each rule maps (module, its input, the gradient of its output) to per-example gradients in the
+cheapest exact form (``factors.py``). We write our own rules rather than use Opacus' grad samplers
+because, with transformers 5, Opacus has no rule for HF ``Conv1D``, gives the ``padding_idx`` row of
+an embedding a non-zero gradient, refuses tied embeddings in ghost mode and has no book-keeping
+(single backward) mode; see ENVIRONMENT.md in the project's shared specs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses, minus the hooks
+from transformers.pytorch_utils import Conv1D
+
+from hf_dp.clipping.factors import Materialised, OuterProductSum, PerExampleGradient
+
+Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
+
+
+def _as_sequence(x: torch.Tensor) -> torch.Tensor:
+    """(B, ..., d) -> (B, T, d) with every middle dimension folded into T; (B, d) -> (B, 1, d)."""
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def linear_rule(module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, PerExampleGradient]:
+    """y = x Wᵀ + b:  G_i(W) = Σ_t ∂y_t ⊗ x_t,  G_i(b) = Σ_t ∂y_t."""
+    a, g = _float(_as_sequence(x)), _float(_as_sequence(grad_out))
+    parts: dict[str, PerExampleGradient] = {
+        "weight": OuterProductSum(left=g, right=a, rows=module.out_features)
+    }
+    if module.bias is not None:
+        parts["bias"] = Materialised(g.sum(dim=1))
+    return parts
+
+
+def conv1d_rule(module: Conv1D, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, PerExampleGradient]:
+    """HF Conv1D is y = x W + b with W of shape (in, out):  G_i(W) = Σ_t x_t ⊗ ∂y_t."""
+    a, g = _float(_as_sequence(x)), _float(_as_sequence(grad_out))
+    return {"weight": OuterProductSum(left=a, right=g, rows=module.nx), "bias": Materialised(g.sum(dim=1))}
+
+
+def embedding_rule(
+    module: nn.Embedding, ids: torch.Tensor, grad_out: torch.Tensor
+) -> dict[str, PerExampleGradient]:
+    """y_t = E[x_t]:  G_i(E) = Σ_t onehot(x_t) ⊗ ∂y_t; the padding_idx row gets no gradient, as in autograd."""
+    ids = ids.reshape(ids.shape[0], -1)
+    g = _float(grad_out.reshape(ids.shape[0], ids.shape[1], -1))
+    if module.padding_idx is not None:
+        g = g.masked_fill((ids == module.padding_idx)[:, :, None], 0.0)
+    return {"weight": OuterProductSum(left=ids, right=g, rows=module.num_embeddings)}
+
+
+def layer_norm_rule(
+    module: nn.LayerNorm, x: torch.Tensor, grad_out: torch.Tensor
+) -> dict[str, PerExampleGradient]:
+    """y = x̂ ⊙ γ + β (Ba et al. 2016):  G_i(γ) = Σ_t ∂y_t ⊙ x̂_t,  G_i(β) = Σ_t ∂y_t."""
+    shape = module.normalized_shape
+    x_hat = torch.nn.functional.layer_norm(_float(x), shape, eps=module.eps)
+    g = _float(grad_out)
+    reduce = tuple(range(1, g.dim() - len(shape)))
+    parts: dict[str, PerExampleGradient] = {}
+    if module.weight is not None:
+        parts["weight"] = Materialised((g * x_hat).sum(dim=reduce))
+    if module.bias is not None:
+        parts["bias"] = Materialised(g.sum(dim=reduce))
+    return parts
+
+
+def _forward_with_weight(module: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The module's own forward with ``weight`` in place of its weight, skipping every hook (ours, and
+    DeepSpeed ZeRO-3's parameter gathering, which would try to gather the plain tensor)."""
+    with _reparametrize_module(module, {"weight": weight}):
+        return module.forward(x)
+
+
+def rms_norm_rule(
+    module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor
+) -> dict[str, PerExampleGradient]:
+    """y = x̂ ⊙ w (Llama, T5, torch) or x̂ ⊙ (1 + w) (Gemma), x̂ = x / rms(x) (Zhang & Sennrich 2019):
+    G_i(w) = Σ_t ∂y_t ⊙ x̂_t. x̂ comes from the module itself run with w = 0 or w = 1, so it carries
+    exactly the module's own precision choices (HF norms compute the variance in float32)."""
+    weight = module.weight
+    # DeepSpeed ZeRO-3 leaves a partitioned weight of shape (0,) outside the forward; ds_shape is its real one
+    shape, like = getattr(weight, "ds_shape", weight.shape), {"dtype": weight.dtype, "device": weight.device}
+    with_zero = _forward_with_weight(module, torch.zeros(shape, **like), x)
+    x_hat = with_zero if with_zero.any() else _forward_with_weight(module, torch.ones(shape, **like), x)
+    g = _float(grad_out)
+    return {"weight": Materialised((g * _float(x_hat)).reshape(g.shape[0], -1, g.shape[-1]).sum(dim=1))}
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """torch's RMSNorm and the HF ones (LlamaRMSNorm, T5LayerNorm, ...): a single (d,) weight, no bias."""
+    if isinstance(module, nn.RMSNorm):
+        return module.weight is not None
+    name = type(module).__name__
+    params = dict(module.named_parameters(recurse=False))
+    return (
+        (name.endswith("RMSNorm") or name == "T5LayerNorm")
+        and list(params) == ["weight"]
+        and params["weight"].dim() == 1
+        and not list(module.children())
+    )
+
+
+_RULES: dict[type, Rule] = {}
+_MATCHERS: list[tuple[Callable[[nn.Module], bool], Rule]] = []
+
+
+def register_rule(*module_types: type, when: Callable[[nn.Module], bool] | None = None):
+    """Register ``rule(module, input, grad_output) -> {param_name: PerExampleGradient}`` for ``module_types``
+    (subclasses included) or for every module ``when(module)`` accepts::
+
+        @register_rule(MyScale)            # y = x ⊙ w
+        def my_scale_rule(module, x, grad_out):
+            return {"weight": Materialised((grad_out * x).reshape(x.shape[0], -1, x.shape[-1]).sum(dim=1))}
+    """
+
+    def register(rule: Rule) -> Rule:
+        for module_type in module_types:
+            _RULES[module_type] = rule
+        if when is not None:
+            _MATCHERS.append((when, rule))
+        return rule
+
+    return register
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The registered rule of the module's type (the nearest class in its MRO), else of the first matcher that
+    accepts it; None means the torch.func fallback. A sparse Embedding has no rule."""
+    if isinstance(module, nn.Embedding) and module.sparse:
+        return None
+    for cls in type(module).__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+    return next((rule for when, rule in _MATCHERS if when(module)), None)
+
+
+register_rule(nn.Linear)(linear_rule)
+register_rule(Conv1D)(conv1d_rule)
+register_rule(nn.Embedding)(embedding_rule)
+register_rule(nn.LayerNorm)(layer_norm_rule)
+register_rule(when=is_rms_norm)(rms_norm_rule)
+
+
+def functorch_per_example_grads(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    grad_outputs: list[torch.Tensor | None],
+    param_names: list[str],
+    batch_size: int,
+) -> dict[str, PerExampleGradient]:
+    """Fallback for modules without a rule: G_i = ∂⟨f(x_i; θ), ∂y_i⟩/∂θ, by vmap over examples (torch.func).
+
+    Exact for any module whose output for example i depends only on example i's inputs.
+    """
+    params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if n in param_names}
+    is_batched = [isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch_size for a in args]
+    batched_kwargs = {
+        k: v
+        for k, v in kwargs.items()
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch_size
+    }
+    static_kwargs = {k: v for k, v in kwargs.items() if k not in batched_kwargs}
+    used = [i for i, g in enumerate(grad_outputs) if g is not None]
+
+    def objective(p: dict, example_args: list, example_kwargs: dict, cotangents: list) -> torch.Tensor:
+        call_args = [a.unsqueeze(0) if b else a for a, b in zip(example_args, is_batched, strict=True)]
+        call_kwargs = {**static_kwargs, **{k: v.unsqueeze(0) for k, v in example_kwargs.items()}}
+        out = functional_call(module, p, tuple(call_args), call_kwargs, strict=False)
+        outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, torch.Tensor)]
+        return sum(
+            (outs[i] * c.unsqueeze(0).to(outs[i].dtype)).sum() for i, c in zip(used, cotangents, strict=True)
+        )
+
+    arg_dims = [0 if b else None for b in is_batched]
+    per_example = vmap(grad(objective), in_dims=(None, arg_dims, 0, 0))(
+        params, list(args), batched_kwargs, [grad_outputs[i] for i in used]
+    )
+    return {name: Materialised(_float(per_example[name])) for name in params}

@@ -1,0 +1,78 @@
+"""The registry of DP update rules: ``dp_optimizer`` names to builders of the rule fed the privatised ĝ.
+
+A builder is ``build(params, *, mean_noise_std, **kwargs) -> torch.optim.Optimizer``; ``mean_noise_std`` = σC/B̄
+is the per-coordinate std of the noise in ĝ, which noise-aware rules (DP-AdamBC) use and the others ignore.
+Register your own rule in a few lines::
+
+    @register_dp_optimizer("signsgd")
+    def build_signsgd(params, *, mean_noise_std, lr=1e-3):
+        return SignSGD(params, lr=lr)
+
+then ``DPTrainingArguments(dp_optimizer="signsgd", ...)``. ``requires_bookkeeping=True`` says the rule's step
+plans need the book-keeping clipping strategy (a scaled geometry or several evaluations per step).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+Builder = Callable[..., torch.optim.Optimizer]
+
+_BUILDERS: dict[str, Builder] = {}
+_NEEDS_BOOKKEEPING: set[str] = set()
+
+
+def register_dp_optimizer(name: str, *, requires_bookkeeping: bool = False) -> Callable[[Builder], Builder]:
+    def register(build: Builder) -> Builder:
+        _BUILDERS[name] = build
+        if requires_bookkeeping:
+            _NEEDS_BOOKKEEPING.add(name)
+        return build
+
+    return register
+
+
+def dp_optimizer_names() -> tuple[str, ...]:
+    return tuple(sorted(_BUILDERS))
+
+
+def requires_bookkeeping(name: str) -> bool:
+    return name in _NEEDS_BOOKKEEPING
+
+
+def make_dp_optimizer(
+    name: str, params: Iterable[Any], *, mean_noise_std: float = 0.0, **kwargs: Any
+) -> torch.optim.Optimizer:
+    """Build the update rule ``name`` over ``params``; the trainer releases ĝ into it through the mechanism."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown dp_optimizer {name!r}; use one of {list(dp_optimizer_names())}")
+    build = _BUILDERS[name]
+    try:
+        return build(params, mean_noise_std=mean_noise_std, **kwargs)
+    except TypeError as error:
+        raise ValueError(
+            f"dp_optimizer {name!r} does not accept dp_optimizer_kwargs {kwargs}: {_culprit(build, kwargs, error)}"
+        ) from None
+
+
+def _culprit(build: Builder, kwargs: dict[str, Any], error: TypeError) -> str:
+    """Which kwarg is wrong, from the builder's signature (and the rule's constructor it forwards to)."""
+    accepted: set[str] = set()
+    open_ended = False
+    for function in (build, getattr(build, "rule", None)):
+        if function is None:
+            continue
+        for parameter in inspect.signature(function).parameters.values():
+            open_ended |= parameter.kind is inspect.Parameter.VAR_KEYWORD
+            accepted.add(parameter.name)
+    unknown = sorted(set(kwargs) - accepted - {"mean_noise_std"})
+    if unknown and not open_ended:
+        return f"unknown {', '.join(map(repr, unknown))}; it takes {sorted(accepted - {'params', 'mean_noise_std'})}"
+    return str(error).replace("\n", " ")
+
+
+from hf_dp.optim import builtin  # noqa: E402, F401  (registers the eight built-in rules)
