@@ -200,7 +200,7 @@ def brute_force_combined(
     and evaluation (each example run alone), then the combination, scale (Parameter → dense tensor or
     FactoredScale), clip (abadi or automatic, as in the engine) and mask, written out explicitly.
     ``evaluations``: (weight, {Parameter: shift} or None) pairs."""
-    from hf_dp.clipping.scale import dense_scale
+    from hf_dp.clipping.geometry import dense_scale
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     scales = {id(p): dense_scale(s).double() for p, s in (scale or {}).items()}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_dp.clipping.engine import ClippingEngine
-from hf_dp.clipping.scale import FactoredScale
+from hf_dp.clipping.geometry import FactoredScale
 from hf_dp.losses import per_example_loss
 from tests import models
 
@@ -50,7 +50,7 @@ def engine_combined(
     model, batch, max_norm, evaluations, scale=None, clipping_fn="abadi", mask=None, mode="ghost"
 ):
     """The trainer's DiSK micro-step: one forward + per_example_gradients per point, then one clip."""
-    engine = ClippingEngine(model, 123.0, clipping_fn=clipping_fn, mode=mode)
+    engine = ClippingEngine(model, clipping_fn=clipping_fn, mode=mode)
     model.zero_grad(set_to_none=True)
     gradients = []
     for weight, shift in evaluations:
@@ -64,7 +64,7 @@ def engine_combined(
         with torch.no_grad():
             for p, value in saved.items():
                 p.copy_(value)
-    norms = engine.clip_and_accumulate(gradients, mask, clip_norm=max_norm, clip_scale=scale)
+    norms = engine.clip_and_accumulate(gradients, max_norm, mask, clip_scale=scale)
     engine.remove_hooks()
     return {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}, norms.double()
 
@@ -120,10 +120,10 @@ def test_clipped_backward_takes_norm_and_scale() -> None:
     model, batch = build("gpt2_tied")
     scale = factored_scales(model)
     reference, ref_norms = models.brute_force_combined(model, batch, 0.05, scale=scale)
-    engine = ClippingEngine(model, 7.0)
+    engine = ClippingEngine(model)
     with engine.record(5):
         losses = per_example_loss(model, batch)
-    norms = engine.clipped_backward(losses, verify=True, clip_norm=0.05, clip_scale=scale)
+    norms = engine.clipped_backward(losses, 0.05, verify=True, clip_scale=scale)
     torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-10, atol=0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, reference[name], rtol=1e-9, atol=1e-15)
@@ -131,16 +131,16 @@ def test_clipped_backward_takes_norm_and_scale() -> None:
 
 def test_plain_path_is_one_evaluation_of_weight_one() -> None:
     model, batch = build("gpt2_tied")
-    engine = ClippingEngine(model, 0.1)
+    engine = ClippingEngine(model)
     with engine.record(5):
         losses = per_example_loss(model, batch)
-    norms = engine.clipped_backward(losses)
+    norms = engine.clipped_backward(losses, 0.1)
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     with engine.record(5):
         losses = per_example_loss(model, batch)
     gradients = engine.per_example_gradients(losses)
-    assert torch.equal(engine.clip_and_accumulate([(gradients, 1.0)]), norms)
+    assert torch.equal(engine.clip_and_accumulate([(gradients, 1.0)], 0.1), norms)
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, plain[name]), name
 
@@ -186,12 +186,12 @@ def test_clipping_each_evaluation_separately_is_a_different_mechanism() -> None:
 
 def test_scales_that_do_not_fit_are_refused() -> None:
     model, batch = build("gpt2_tied")
-    engine = ClippingEngine(model, 1.0)
+    engine = ClippingEngine(model)
     bias = model.transformer.h[0].attn.c_attn.bias
     with engine.record(5):
         losses = per_example_loss(model, batch)
     gradients = engine.per_example_gradients(losses)
     with pytest.raises(ValueError, match="FactoredScale .* needs a 2-D parameter"):
-        engine.clip_and_accumulate([(gradients, 1.0)], clip_scale={bias: FactoredScale(bias, bias)})
+        engine.clip_and_accumulate([(gradients, 1.0)], 1.0, clip_scale={bias: FactoredScale(bias, bias)})
     with pytest.raises(ValueError, match="shaped like its parameter"):
-        engine.clip_and_accumulate([(gradients, 1.0)], clip_scale={bias: bias[:3]})
+        engine.clip_and_accumulate([(gradients, 1.0)], 1.0, clip_scale={bias: bias[:3]})

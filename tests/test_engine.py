@@ -26,11 +26,11 @@ DTYPE = {"t5": torch.float32}
 
 
 def engine_clipped_sum(model, batch, max_norm, mode, dtype=torch.float64):
-    engine = ClippingEngine(model, max_norm, mode=mode)
+    engine = ClippingEngine(model, mode=mode)
     model.zero_grad(set_to_none=True)
     with engine.record(batch["input_ids"].shape[0]):
         losses = per_example_loss(model, batch)
-    norms = engine.clipped_backward(losses, verify=True)
+    norms = engine.clipped_backward(losses, max_norm, verify=True)
     engine.remove_hooks()
     grads = {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
     return grads, norms.double()
@@ -146,10 +146,10 @@ def test_functorch_fallback_for_modules_without_rule() -> None:
     model = _TinyClassifier().double()
     batch = {"input_ids": torch.randint(0, 20, (6, 5)), "labels": torch.arange(6) % 3}
     reference, ref_norms = models.brute_force(model, batch, max_norm=0.2, loss_fn=_tiny_loss)
-    engine = ClippingEngine(model, 0.2)
+    engine = ClippingEngine(model)
     with engine.record(6):
         losses = _tiny_loss(model, batch)
-    norms = engine.clipped_backward(losses, verify=True)
+    norms = engine.clipped_backward(losses, 0.2, verify=True)
     torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-10, atol=0)
     assert_close({n: p.grad for n, p in model.named_parameters()}, reference, rtol=1e-9, floor=1e-9)
 
@@ -158,12 +158,12 @@ def test_batch_norm_is_refused_with_advice() -> None:
     with pytest.raises(
         UnsupportedModuleError, match="BatchNorm1d.*use GroupNorm or LayerNorm|GroupNorm or LayerNorm"
     ):
-        ClippingEngine(_TinyClassifier(norm=nn.BatchNorm1d(8)), 1.0)
+        ClippingEngine(_TinyClassifier(norm=nn.BatchNorm1d(8)))
 
 
 def test_fallback_can_be_refused_naming_the_parameter() -> None:
     with pytest.raises(UnsupportedModuleError, match="scale.gain.*_Scale"):
-        ClippingEngine(_TinyClassifier(), 1.0, allow_functorch_fallback=False)
+        ClippingEngine(_TinyClassifier(), allow_functorch_fallback=False)
 
 
 class _SideUse(nn.Module):
@@ -179,20 +179,20 @@ class _SideUse(nn.Module):
 
 def test_parameter_used_outside_its_module_is_caught() -> None:
     model = _SideUse()
-    engine = ClippingEngine(model, 1.0)
+    engine = ClippingEngine(model)
     with engine.record(3):
         losses = model(torch.randn(3, 4)).pow(2).sum(dim=1)
     with pytest.raises(UnsupportedModuleError, match="head.weight gets gradient from outside"):
-        engine.clipped_backward(losses, verify=True)
+        engine.clipped_backward(losses, 1.0, verify=True)
 
 
 def test_example_mask_drops_placeholder_examples() -> None:
     model = models.gpt2().double().eval()
     batch = models.token_batch(batch=4)
-    engine = ClippingEngine(model, 0.5)
+    engine = ClippingEngine(model)
     with engine.record(4):
         losses = per_example_loss(model, batch)
-    engine.clipped_backward(losses, example_mask=torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    engine.clipped_backward(losses, 0.5, example_mask=torch.tensor([1.0, 0.0, 1.0, 0.0]))
     ours = {n: p.grad.double() for n, p in model.named_parameters()}
     kept = {k: v[[0, 2]] for k, v in batch.items()}
     model.zero_grad(set_to_none=True)
@@ -212,10 +212,10 @@ def test_automatic_clipping_matches_brute_force() -> None:
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
         for n, g in zip(named, grads, strict=True):
             reference[n] += 0.7 / (norm + 0.01) * g
-    engine = ClippingEngine(model, 0.7, clipping_fn="automatic")
+    engine = ClippingEngine(model, clipping_fn="automatic")
     with engine.record(batch["input_ids"].shape[0]):
         losses = per_example_loss(model, batch)
-    engine.clipped_backward(losses)
+    engine.clipped_backward(losses, 0.7)
     assert_close({n: p.grad for n, p in named.items()}, reference, rtol=1e-9, floor=1e-6)
 
 
@@ -225,10 +225,10 @@ def test_norms_agree_with_opacus_per_sample_gradients() -> None:
 
     model = models.roberta_classifier().eval()
     batch = models.classification_batch(2, pad=1)
-    engine = ClippingEngine(model, 1e9)
+    engine = ClippingEngine(model)
     with engine.record(batch["input_ids"].shape[0]):
         losses = per_example_loss(model, batch)
-    norms = engine.clipped_backward(losses)
+    norms = engine.per_example_norms([(engine.per_example_gradients(losses), 1.0)])
     engine.remove_hooks()
 
     opacus_model = GradSampleModule(
@@ -255,14 +255,14 @@ def test_norms_agree_with_opacus_per_sample_gradients() -> None:
 def test_batch_shared_parameter_input_is_refused_naming_it() -> None:
     model = models.t5(freeze_relative_bias=False).double().eval()
     batch = models.seq2seq_batch()
-    engine = ClippingEngine(model, 1.0)
+    engine = ClippingEngine(model)
     with pytest.raises(UnsupportedModuleError, match="relative_attention_bias.*freeze it"), engine.record(4):
         per_example_loss(model, batch)
 
 
 def test_lora_only_adapters_are_clipped() -> None:
     model = models.gpt2_lora()
-    engine = ClippingEngine(model, 1.0)
+    engine = ClippingEngine(model)
     clipped = {id(p) for p in engine.parameters}
     for name, p in model.named_parameters():
         assert (id(p) in clipped) == ("lora_" in name), name

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_dp.optim.adam_bc import AdamBC
-from hf_dp.optim.factory import make_dp_optimizer
+from hf_dp.optim.registry import make_dp_optimizer
 
 BETAS = (0.9, 0.999)
 
@@ -58,7 +58,7 @@ def test_matches_bruteforce_alg7_with_floor_weight_decay_and_lr_schedule() -> No
     lrs = [1e-2 * (1 + t) / steps for t in range(steps)]  # a warm-up, written the way the scheduler does
     start = torch.linspace(-1, 1, coords, dtype=torch.float64)
     p = torch.nn.Parameter(start.clone())
-    opt = make_dp_optimizer("adam_bc", [p], noise_std=noise_std, lr=lrs[0], weight_decay=0.1)
+    opt = make_dp_optimizer("adam_bc", [p], mean_noise_std=noise_std, lr=lrs[0], weight_decay=0.1)
     trajectory = []
     for g, lr in zip(grads, lrs, strict=True):
         opt.param_groups[0]["lr"] = lr
@@ -93,8 +93,8 @@ def test_blackbox_adam_second_moment_is_biased_by_noise_variance_at_every_step()
     stream = [torch.tensor([0.5, -0.1, 0.0]) * (1 + 0.3 * math.sin(t)) for t in range(steps)]
     noisy = torch.nn.Parameter(torch.zeros(seeds, 3))
     clean = torch.nn.Parameter(torch.zeros(1, 3))
-    adam_noisy = make_dp_optimizer("adam", [noisy], noise_std=noise_std, betas=BETAS)
-    adam_clean = make_dp_optimizer("adam", [clean], noise_std=noise_std, betas=BETAS)
+    adam_noisy = make_dp_optimizer("adam", [noisy], mean_noise_std=noise_std, betas=BETAS)
+    adam_clean = make_dp_optimizer("adam", [clean], mean_noise_std=noise_std, betas=BETAS)
     for t, g in enumerate(stream, start=1):
         _steps(adam_noisy, noisy, [g + noise_std * torch.randn(seeds, 3, generator=gen)])
         _steps(adam_clean, clean, [g[None]])
@@ -108,7 +108,7 @@ def test_blackbox_adam_second_moment_is_biased_by_noise_variance_at_every_step()
 def _denominators(name: str, noise_std: float, grads: list[torch.Tensor], lr: float = 1e-3) -> torch.Tensor:
     """The D_t of the LAST step, read off the observed parameter move: θ_t − θ_{t−1} = −lr·m̂_t/D_t."""
     p = torch.nn.Parameter(torch.zeros_like(grads[0], dtype=torch.float64))
-    opt = make_dp_optimizer(name, [p], noise_std=noise_std, lr=lr, betas=BETAS)
+    opt = make_dp_optimizer(name, [p], mean_noise_std=noise_std, lr=lr, betas=BETAS)
     trajectory = _steps(opt, p, grads)
     t = len(grads)
     m_hat = sum((1 - BETAS[0]) * BETAS[0] ** (t - i) * grads[i - 1] for i in range(1, t + 1)) / (
@@ -189,7 +189,7 @@ def test_checkpoint_round_trip_continues_bit_identically(split: int) -> None:
 def test_refuses_without_noise_std_in_one_line(noise_std: float | None) -> None:
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match=r"^adam_bc needs noise_std = σC/B̄ > 0") as error:
-        make_dp_optimizer("adam_bc", [p], noise_std=noise_std)
+        make_dp_optimizer("adam_bc", [p], mean_noise_std=noise_std)
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="noise_std"):
         make_dp_optimizer("adam_bc", [p])  # the factory's default noise_std is 0
@@ -197,7 +197,7 @@ def test_refuses_without_noise_std_in_one_line(noise_std: float | None) -> None:
 
 def test_factory_builds_adam_bc_with_paper_defaults() -> None:
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = make_dp_optimizer("adam_bc", [p], noise_std=0.1, lr=3e-4)
+    opt = make_dp_optimizer("adam_bc", [p], mean_noise_std=0.1, lr=3e-4)
     assert isinstance(opt, AdamBC)
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"], group["noise_std"]) == (
@@ -208,6 +208,6 @@ def test_factory_builds_adam_bc_with_paper_defaults() -> None:
         0.1,
     )
     with pytest.raises(ValueError, match="eps"):
-        make_dp_optimizer("adam_bc", [p], noise_std=0.1, eps=0.0)
+        make_dp_optimizer("adam_bc", [p], mean_noise_std=0.1, eps=0.0)
     with pytest.raises(ValueError, match="does not accept"):
-        make_dp_optimizer("adam_bc", [p], noise_std=0.1, momentum=0.9)
+        make_dp_optimizer("adam_bc", [p], mean_noise_std=0.1, momentum=0.9)

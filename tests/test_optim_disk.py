@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
+from hf_dp.accounting import PrivacyAccountant
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.losses import per_example_loss
+from hf_dp.mechanism import GaussianMechanism
 from hf_dp.noise import GaussianNoise
-from hf_dp.optim.base import GradientPrivatizer
 from hf_dp.optim.disk import DiSK, build
-from hf_dp.optim.factory import make_dp_optimizer
 from hf_dp.optim.plan import StepPlan
+from hf_dp.optim.registry import make_dp_optimizer
 from tests import models
 
 
@@ -22,11 +23,15 @@ def disk(params, base: str = "sgd", kappa: float = 0.7, gamma: float = 0.5, **ba
     return build(params, noise_std=0.0, kappa=kappa, gamma=gamma, base=base, **{"lr": 0.1, **base_kwargs})
 
 
+def _offsets(shift) -> dict | None:
+    return None if shift is None else {p: shift.offset(p) for p in shift.directions}
+
+
 def combined_gradient(plan: StepPlan, params: list, gradient_at) -> list[torch.Tensor]:
     """Σ_e w_e ∇F(θ + shift_e), each evaluation by real autograd at the shifted point (θ restored after)."""
     total = [torch.zeros_like(p) for p in params]
     for evaluation in plan.evaluations:
-        shift = evaluation.shift or {}
+        shift = _offsets(evaluation.shift) or {}
         with torch.no_grad():
             for p in params:
                 p.add_(shift.get(p, torch.zeros_like(p)))
@@ -66,7 +71,7 @@ def test_combination_coefficients_d3() -> None:
         assert [e.weight for e in plan.evaluations] == pytest.approx([c, 1 - c], abs=1e-4)
         assert sum(e.weight for e in plan.evaluations) == pytest.approx(1.0, abs=1e-15)
         torch.testing.assert_close(
-            plan.evaluations[0].shift[param], gamma * optimizer.state[param]["displacement"]
+            plan.evaluations[0].shift.offset(param), gamma * optimizer.state[param]["displacement"]
         )
         assert plan.evaluations[1].shift is None
     nag = disk([param], gamma=0.3 / 0.7)
@@ -199,7 +204,7 @@ def test_filter_is_lent_to_the_base_unharmed_and_grad_given_back(base: str, kwar
     noise_std = 0.01  # only adam_bc reads it; DiSK hands its base √(κ/(2−κ))·σC/B̄
     optimizer = build([param], noise_std=noise_std, kappa=kappa, base=base, lr=0.1, **kwargs)
     reference = make_dp_optimizer(
-        base, [twin], noise_std=noise_std * math.sqrt(kappa / (2 - kappa)), lr=0.1, **kwargs
+        base, [twin], mean_noise_std=noise_std * math.sqrt(kappa / (2 - kappa)), lr=0.1, **kwargs
     )
     filtered = None
     for _ in range(3):
@@ -228,7 +233,7 @@ def test_state_round_trip_carries_base_state_and_filter() -> None:
                 optimizer.load_state_dict(saved)
                 assert optimizer.param_groups is optimizer.base.param_groups
             shift = optimizer.plan_step(1.0).evaluations[0].shift
-            shift = shift[param].clone() if shift else None
+            shift = shift.offset(param).clone() if shift else None
             param.grad = grad.clone()
             optimizer.step()
         state = optimizer.state[param]
@@ -251,27 +256,32 @@ def test_refusals() -> None:
         disk([param], base="disk")
 
 
-def test_one_private_step_through_engine_and_privatizer() -> None:
+def test_one_private_step_through_engine_and_mechanism() -> None:
     """The trainer's contract end to end (σ = 0): plan → one forward per evaluation → one joint clip →
-    privatiser → DiSK step; g̃ equals the brute-force clipped combination / B̄."""
+    release → DiSK step; g̃ equals the brute-force clipped combination / B̄."""
     model = models.gpt2().double().eval()
     batch = models.token_batch()
     optimizer = disk(list(model.parameters()), base="adamw", lr=1e-2)
-    privatizer = GradientPrivatizer(0.0, 0.3, 5.0, GaussianNoise(0))
-    privatizer.attach(optimizer)
-    engine = ClippingEngine(model, 0.3)
+    mechanism = GaussianMechanism(
+        noise_multiplier=0.0,
+        expected_batch_size=5.0,
+        sample_rate=0.5,
+        noise=GaussianNoise(0),
+        accountant=PrivacyAccountant("rdp", 1e-5),
+    )
+    engine = ClippingEngine(model)
     for step in range(2):
         plan = optimizer.plan_step(0.3)
         assert len(plan.evaluations) == (1 if step == 0 else 2)
         reference, _ = models.brute_force_combined(
-            model, batch, 0.3, tuple((e.weight, e.shift) for e in plan.evaluations)
+            model, batch, 0.3, tuple((e.weight, _offsets(e.shift)) for e in plan.evaluations)
         )
-        privatizer.plan = plan
         gradients = []
         for evaluation in plan.evaluations:
-            saved = {p: p.detach().clone() for p in (evaluation.shift or {})}
+            offsets = _offsets(evaluation.shift) or {}
+            saved = {p: p.detach().clone() for p in offsets}
             with torch.no_grad():
-                for p, delta in (evaluation.shift or {}).items():
+                for p, delta in offsets.items():
                     p.add_(delta)
             with engine.record(5):
                 losses = per_example_loss(model, batch)
@@ -279,8 +289,9 @@ def test_one_private_step_through_engine_and_privatizer() -> None:
             with torch.no_grad():
                 for p, value in saved.items():
                     p.copy_(value)
-        engine.clip_and_accumulate(gradients, clip_norm=plan.clip_norm, clip_scale=plan.clip_scale)
+        engine.clip_and_accumulate(gradients, plan.clip_norm, clip_scale=plan.clip_scale)
         filtered = {n: optimizer.state[p]["filtered"].clone() for n, p in model.named_parameters() if step}
+        mechanism.release(model.parameters(), plan)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         for name, p in model.named_parameters():

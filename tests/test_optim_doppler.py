@@ -12,7 +12,6 @@ import torch
 
 from hf_dp.optim.adam_bc import AdamBC
 from hf_dp.optim.doppler import Doppler
-from hf_dp.optim.factory import make_dp_optimizer
 from hf_dp.optim.filters import (
     FILTERS,
     bias_tracker,
@@ -23,6 +22,7 @@ from hf_dp.optim.filters import (
     validate_filter,
     variance_factor,
 )
+from hf_dp.optim.registry import make_dp_optimizer
 
 # Spec part D's table, as printed: var Σκ², |H(π/2)|, |H(π)|, |poles| ("x2": a complex pair), −3 dB ω/π,
 # κ_0..κ_3, c_a,0..c_a,3.
@@ -299,7 +299,7 @@ def test_momentum_filter_with_adam_bc_base_is_adam_bc() -> None:
     grads = [0.1 * torch.randn(50, generator=gen, dtype=torch.float64) for _ in range(20)]
     ours, theirs = (torch.nn.Parameter(torch.zeros(50, dtype=torch.float64)) for _ in range(2))
     doppler = _doppler(
-        ours, "momentum", base="adam_bc", lr=1e-3, beta2=0.999, noise_std=0.1, weight_decay=0.1
+        ours, "momentum", base="adam_bc", lr=1e-3, beta2=0.999, mean_noise_std=0.1, weight_decay=0.1
     )
     adam_bc = AdamBC([theirs], lr=1e-3, betas=(0.9, 0.999), noise_std=0.1, weight_decay=0.1)
     _moves(doppler, ours, grads)
@@ -334,7 +334,7 @@ def test_checkpoint_mid_history_continues_bit_identically(name: str, base: str, 
     gen = torch.Generator().manual_seed(11)
     grads = [0.1 * torch.randn(4, 3, generator=gen) for _ in range(10)]
     start = torch.randn(4, 3, generator=gen)
-    kwargs = {"base": base, "lr": 1e-2, "weight_decay": 0.01, "noise_std": 0.1}
+    kwargs = {"base": base, "lr": 1e-2, "weight_decay": 0.01, "mean_noise_std": 0.1}
 
     p = torch.nn.Parameter(start.clone())
     _moves(_doppler(p, name, **kwargs), p, grads)
@@ -354,12 +354,12 @@ def test_checkpoint_mid_history_continues_bit_identically(name: str, base: str, 
 
 def test_state_is_fp32_with_bf16_params_also_after_a_checkpoint() -> None:
     p = torch.nn.Parameter(torch.zeros(6, dtype=torch.bfloat16))
-    opt = _doppler(p, "second_order", base="adam_bc", lr=1e-3, noise_std=0.01)
+    opt = _doppler(p, "second_order", base="adam_bc", lr=1e-3, mean_noise_std=0.01)
     _moves(opt, p, [torch.full((6,), 0.0103, dtype=torch.bfloat16)] * 3)
     buffer = io.BytesIO()
     torch.save(opt.state_dict(), buffer)
     q = torch.nn.Parameter(p.detach().clone())
-    resumed = _doppler(q, "second_order", base="adam_bc", noise_std=0.01)
+    resumed = _doppler(q, "second_order", base="adam_bc", mean_noise_std=0.01)
     resumed.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
     for state in (opt.state[p], resumed.state[q]):
         tensors = [*state["g_hist"], *state["m_hist"], state["exp_avg_sq"]]
@@ -376,7 +376,7 @@ def test_factory_builds_doppler_from_a_name_or_custom_coefficients() -> None:
     assert isinstance(opt, Doppler)
     group = opt.param_groups[0]
     assert (group["b"], group["a"], group["base"], group["eps"]) == (*FILTERS["f6"], "adam", 1e-8)
-    custom = make_dp_optimizer("doppler", [p], b=[0.5, 0.5], noise_std=0.1, base="adam_bc")
+    custom = make_dp_optimizer("doppler", [p], b=[0.5, 0.5], mean_noise_std=0.1, base="adam_bc")
     assert (custom.param_groups[0]["b"], custom.param_groups[0]["a"], custom.param_groups[0]["eps"]) == (
         (0.5, 0.5),
         (),

@@ -8,19 +8,35 @@ import math
 import pytest
 import torch
 
+from hf_dp.accounting import PrivacyAccountant
 from hf_dp.clipping.engine import ClippingEngine
-from hf_dp.clipping.scale import FactoredScale
+from hf_dp.clipping.geometry import FactoredScale
 from hf_dp.losses import per_example_loss
+from hf_dp.mechanism import GaussianMechanism
 from hf_dp.noise import GaussianNoise
-from hf_dp.optim.base import GradientPrivatizer
 from hf_dp.optim.dp2 import DP2
-from hf_dp.optim.factory import make_dp_optimizer
+from hf_dp.optim.plan import StepPlan, StepPlanner
+from hf_dp.optim.registry import make_dp_optimizer
 from hf_dp.optim.scale_then_privatize import ScaleThenPrivatize
 from tests import models
 
 
-def privatizer(sigma: float, clip: float, batch: float, seed: int = 0) -> GradientPrivatizer:
-    return GradientPrivatizer(sigma, clip, batch, GaussianNoise(seed))
+def mechanism(sigma: float, batch: float, seed: int = 0) -> GaussianMechanism:
+    return GaussianMechanism(
+        noise_multiplier=sigma,
+        expected_batch_size=batch,
+        sample_rate=0.5,
+        noise=GaussianNoise(seed),
+        accountant=PrivacyAccountant("rdp", 1e-5),
+    )
+
+
+def released_by(optimizer: torch.optim.Optimizer, sigma: float, clip: float, batch: float) -> StepPlanner:
+    """Every ``optimizer.step()`` first releases the optimizer's own plan (as the trainer wires it)."""
+    planner = StepPlanner(clip)
+    planner.bind(optimizer)
+    mechanism(sigma, batch).attach(optimizer, planner)
+    return planner
 
 
 # ---- scale-then-privatize ------------------------------------------------------------------------------
@@ -34,19 +50,14 @@ def test_first_step_is_dp_sgd_with_clip_c_times_eps1() -> None:
     optimizer = ScaleThenPrivatize(model.parameters(), scale_eps=eps1)
     plan = optimizer.plan_step(clip)
     assert plan.clip_norm == clip and all(torch.all(s == 1 / eps1) for s in plan.clip_scale.values())
-    engine = ClippingEngine(model, 1.0)
+    engine = ClippingEngine(model)
     grads = {}
-    for key, kwargs in {
-        "stp": dict(clip_norm=clip, clip_scale=plan.clip_scale),
-        "sgd": dict(clip_norm=clip * eps1),
-    }.items():
+    for key, released in {"stp": plan, "sgd": StepPlan(clip_norm=clip * eps1)}.items():
         model.zero_grad(set_to_none=True)
         with engine.record(5):
             losses = per_example_loss(model, batch)
-        norms = engine.clipped_backward(losses, **kwargs)
-        noisy = privatizer(1.3, clip if key == "stp" else clip * eps1, 5.0)
-        noisy.plan = plan if key == "stp" else None
-        noisy.privatize(list(model.parameters()))
+        norms = engine.clipped_backward(losses, released.clip_norm, clip_scale=released.clip_scale)
+        mechanism(1.3, 5.0).release(list(model.parameters()), released)
         grads[key] = [p.grad.clone() for p in model.parameters()]
     assert (norms > clip * eps1).any() and (norms < clip * eps1).any(), "clipping is active for some"
     for ours, reference in zip(grads["stp"], grads["sgd"], strict=True):
@@ -75,13 +86,12 @@ def test_steady_state_ratio_t4() -> None:
     g = torch.tensor([1.0, 0.1, 0.01]).repeat_interleave(coords)
     param = torch.nn.Parameter(torch.zeros(3 * coords))
     optimizer = ScaleThenPrivatize([param], lr=0.0, betas=(0.9, 0.9), scale_eps=1e-12)
-    noisy = privatizer(sigma=1.0, clip=1.0, batch=2.0)
-    noisy.attach(optimizer)
+    planner = released_by(optimizer, sigma=1.0, clip=1.0, batch=2.0)
     ratios = []
     for step in range(300):
-        noisy.plan = optimizer.plan_step(1.0)
         param.grad = 2.0 * g  # the sum over B̄ = 2 unclipped examples
         optimizer.step()
+        planner.end()
         if step >= 100:
             ratios.append(optimizer.state[param]["exp_avg_sq"] / (1 - 0.9 ** (step + 1)) / g**2)
     ratio = torch.stack(ratios).mean(dim=0).view(3, coords).mean(dim=1)
@@ -148,7 +158,7 @@ def test_stp_refusals_and_factory() -> None:
     with pytest.raises(ValueError, match="scale_eps"):
         ScaleThenPrivatize([torch.nn.Parameter(torch.zeros(2))], scale_eps=0.0)
     built = make_dp_optimizer(
-        "stp", [torch.nn.Parameter(torch.zeros(2))], noise_std=0.1, lr=1e-3, factored=True
+        "stp", [torch.nn.Parameter(torch.zeros(2))], mean_noise_std=0.1, lr=1e-3, factored=True
     )
     assert isinstance(built, ScaleThenPrivatize) and built.factored
 
@@ -185,12 +195,11 @@ def test_averaging_reduces_noise_t9() -> None:
     coords, sigma, clip, batch, s1 = 50000, 2.0, 0.5, 4.0, 4
     param = torch.nn.Parameter(torch.zeros(coords))
     optimizer = dp2(param, sgd_steps=s1, beta=0.9)
-    noisy = privatizer(sigma, clip, batch)
-    noisy.attach(optimizer)
+    planner = released_by(optimizer, sigma, clip, batch)
     for _ in range(s1):
-        noisy.plan = optimizer.plan_step(clip)
         param.grad = torch.zeros(coords)
         optimizer.step()
+        planner.end()
     variance = optimizer.state[param]["v"].mean() / (1 - 0.9)
     expected = sigma**2 * clip**2 / (s1 * batch**2)
     assert abs(variance / expected - 1) < 0.03
@@ -268,7 +277,9 @@ def test_dp2_refusals_and_factory() -> None:
     with pytest.raises(ValueError, match="variant"):
         dp2(param, variant="adam")
     with pytest.raises(ValueError, match="does not accept"):
-        make_dp_optimizer("dp2", [param], lr=0.1)  # s1, s2 and C2 have no default
+        make_dp_optimizer("dp2", [param], lr=0.1, delay=3)
+    default = make_dp_optimizer("dp2", [param], lr=0.1)  # Li et al. 2023's C2 = 5, ε = 1e-7, β = 0.9
+    assert (default.sgd_steps, default.adaptive_steps, default.adaptive_clip_norm, default.beta) == (50, 50, 5.0, 0.9)
     built = make_dp_optimizer(
         "dp2", [param], lr=0.1, sgd_steps=2, adaptive_steps=2, adaptive_clip_norm=3.0, lr_adaptive=1.0
     )

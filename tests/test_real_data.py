@@ -57,10 +57,10 @@ def test_e2e_real_tokens_match_brute_force(shared_data):
     reference, ref_norms = models.brute_force(model, batch, max_norm=math.inf)
     clip = float(ref_norms.median())
     reference, ref_norms = models.brute_force(model, batch, max_norm=clip)
-    engine = ClippingEngine(model, clip)
+    engine = ClippingEngine(model)
     with engine.record(6):
         losses = per_example_loss(model, batch)
-    norms = engine.clipped_backward(losses, verify=True)
+    norms = engine.clipped_backward(losses, clip, verify=True)
     torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-9, atol=0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, reference[name], rtol=1e-8, atol=1e-14, msg=name)

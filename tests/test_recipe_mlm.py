@@ -58,10 +58,10 @@ def test_an_example_with_no_masked_token_has_zero_loss_and_gradient_not_nan():
     batch["labels"][2] = -100  # example 2: nothing masked
     losses = per_example_loss(model, batch)
     assert torch.isfinite(losses).all() and losses[2] == 0
-    engine = ClippingEngine(model, max_grad_norm=1.0)
+    engine = ClippingEngine(model)
     with engine.record(batch["input_ids"].shape[0]):
         losses = per_example_loss(model, batch)
-    norms = engine.clipped_backward(losses, verify=True)
+    norms = engine.clipped_backward(losses, 1.0, verify=True)
     assert torch.isfinite(norms).all() and norms[2] == 0 and (norms[[0, 1, 3, 4]] > 0).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     _, reference_norms = models.brute_force(model, batch, max_norm=1.0)

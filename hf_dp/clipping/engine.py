@@ -21,7 +21,14 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.factors import PerExampleGradient, Weighted, combined_squared_norm
-from hf_dp.clipping.geometry import ClippingFn, ClippingMode, ClipScale, ClipScales, FactoredScale, clip_factors
+from hf_dp.clipping.geometry import (
+    ClippingFn,
+    ClippingMode,
+    ClipScale,
+    ClipScales,
+    FactoredScale,
+    clip_factors,
+)
 from hf_dp.clipping.layers import functorch_per_example_grads, rule_for
 
 

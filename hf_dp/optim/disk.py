@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-
-from hf_dp.optim.plan import Evaluation, PlansSteps, Shift, StepPlan
+from hf_dp.optim.plan import Evaluation, HasStepPlan, Shift, StepPlan
 
 
 def _state_dtype(p: torch.Tensor) -> torch.dtype:
@@ -35,7 +34,7 @@ class DiSK(torch.optim.Optimizer):
             raise ValueError(
                 "DiSK needs gamma ≠ 0 (c = (1 − κ)/(κγ)); use kappa=1 for the base optimizer alone"
             )
-        if isinstance(base, PlansSteps):
+        if isinstance(base, HasStepPlan):
             raise ValueError(f"DiSK cannot wrap {type(base).__name__}, which plans its own clipping")
         self.base, self.kappa, self.gamma = base, kappa, gamma
         super().__init__(base.param_groups, base.defaults)
