@@ -20,7 +20,7 @@ from tests import models
 
 
 def disk(params, base: str = "sgd", kappa: float = 0.7, gamma: float = 0.5, **base_kwargs) -> DiSK:
-    return build(params, noise_std=0.0, kappa=kappa, gamma=gamma, base=base, **{"lr": 0.1, **base_kwargs})
+    return build(params, mean_noise_std=0.0, kappa=kappa, gamma=gamma, base=base, **{"lr": 0.1, **base_kwargs})
 
 
 def _offsets(shift) -> dict | None:
@@ -202,7 +202,7 @@ def test_filter_is_lent_to_the_base_unharmed_and_grad_given_back(base: str, kwar
     param = torch.nn.Parameter(torch.randn(5, 4))
     twin = torch.nn.Parameter(param.detach().clone())
     noise_std = 0.01  # only adam_bc reads it; DiSK hands its base √(κ/(2−κ))·σC/B̄
-    optimizer = build([param], noise_std=noise_std, kappa=kappa, base=base, lr=0.1, **kwargs)
+    optimizer = build([param], mean_noise_std=noise_std, kappa=kappa, base=base, lr=0.1, **kwargs)
     reference = make_dp_optimizer(
         base, [twin], mean_noise_std=noise_std * math.sqrt(kappa / (2 - kappa)), lr=0.1, **kwargs
     )

@@ -1,1 +1,1 @@
-"""DP optimizers: a shared privatising step and a registry of update rules."""
+"""DP update rules: a base class, a registry (``make_dp_optimizer``), step plans, one module per rule."""

@@ -1,11 +1,11 @@
-"""DiSK — simplified Kalman filter on the privatised gradient (Zhang et al., Alg. 3), spec B Part A.
+"""DiSK — simplified Kalman filter on the privatised gradient (Zhang, Bu, Balle, Hong, Razaviyayn, Mirrokni, Alg. 3).
 
 Each example's gradient is evaluated at θ_t + γd and at θ_t on the same examples and the COMBINATION
 u_i = c·∇f_i(θ_t + γd) + (1−c)·∇f_i(θ_t), c = (1−κ)/(κγ), is clipped once (sensitivity C, the same σ and
 accounting as DP-SGD). The privatised ĝ is filtered, g̃ ← (1−κ)g̃ + κĝ, with g̃ started at the first ĝ
 (the paper's convention; the Opacus port's ``lerp_(grad, 1−κ)`` swaps the roles of κ and 1−κ, so there
 κ = 1 would freeze g̃), and g̃ is handed to the base optimizer as its gradient. d = θ_{t+1} − θ_t is the
-ACTUAL displacement (learning-rate schedule, Adam scaling and weight decay included).
+ACTUAL displacement (learning-rate schedule, Adam scaling and weight decay included). docs/optimizers.md.
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ from typing import Any
 
 import torch
 
+from hf_dp.optim.base import DPOptimizer, state_dtype
 from hf_dp.optim.plan import Evaluation, HasStepPlan, Shift, StepPlan
+from hf_dp.optim.registry import make_dp_optimizer, register_dp_optimizer
 
 
-def _state_dtype(p: torch.Tensor) -> torch.dtype:
-    """g̃ and d are kept in at least float32 (spec B C6: bf16 would drift)."""
-    return torch.promote_types(p.dtype, torch.float32)
-
-
-class DiSK(torch.optim.Optimizer):
+class DiSK(DPOptimizer):
     """Wraps a DP update rule, sharing its ``param_groups`` (so the trainer's scheduler drives it)."""
 
     def __init__(self, base: torch.optim.Optimizer, kappa: float = 0.7, gamma: float = 0.5) -> None:
@@ -63,12 +60,7 @@ class DiSK(torch.optim.Optimizer):
             clip_norm=clip_norm, evaluations=(Evaluation(weight=self.c, shift=shift), Evaluation(1 - self.c))
         )
 
-    @torch.no_grad()
-    def step(self, closure: None = None) -> None:
-        if closure is not None:
-            raise ValueError(
-                "DiSK takes no closure: it would recompute a non-private gradient after the noise"
-            )
+    def update(self) -> None:
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         lerped: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p in params:
@@ -77,7 +69,7 @@ class DiSK(torch.optim.Optimizer):
                 lerped.append((state["filtered"], p.grad.to(state["filtered"].dtype)))
             else:
                 state["step"] = torch.tensor(0.0)
-                state["filtered"] = p.grad.to(_state_dtype(p), copy=True)
+                state["filtered"] = p.grad.to(state_dtype(p), copy=True)
                 state["displacement"] = torch.empty_like(state["filtered"])
         states = [self.state[p] for p in params]
         displacements = [state["displacement"] for state in states]
@@ -106,29 +98,23 @@ class DiSK(torch.optim.Optimizer):
         self.base.load_state_dict(state_dict.pop("base"))
         super().load_state_dict(state_dict)
         self.param_groups = self.base.param_groups  # loading made new group dicts: share the base's again
-        params = [p for group in self.param_groups for p in group["params"]]
-        for index, saved in state_dict["state"].items():  # torch cast them to the parameter's dtype
-            param = params[index]
-            for key in ("filtered", "displacement"):
-                self.state[param][key] = saved[key].to(param.device, _state_dtype(param))
 
 
+@register_dp_optimizer("disk", requires_bookkeeping=True)
 def build(
     params: Iterable[Any],
     *,
-    noise_std: float,
+    mean_noise_std: float,
     kappa: float = 0.7,
     gamma: float = 0.5,
     base: str = "adamw",
     **base_kwargs: Any,
 ) -> torch.optim.Optimizer:
     """DiSK over ``make_dp_optimizer(base, ...)``. The base is told the stationary noise std of g̃,
-    √(κ/(2−κ))·σC/B̄ (spec B D2), which only a noise-aware base (adam_bc) uses."""
+    √(κ/(2−κ))·σC/B̄ (the filter's stationary variance), which only a noise-aware base (adam_bc) uses."""
     if base == "disk":
         raise ValueError("DiSK cannot wrap itself")
-    from hf_dp.optim.registry import make_dp_optimizer  # the registry nests the base rule
-
     inner = make_dp_optimizer(
-        base, params, mean_noise_std=noise_std * math.sqrt(kappa / (2 - kappa)), **base_kwargs
+        base, params, mean_noise_std=mean_noise_std * math.sqrt(kappa / (2 - kappa)), **base_kwargs
     )
     return DiSK(inner, kappa=kappa, gamma=gamma)

@@ -3,47 +3,31 @@
     m_t = −Σ_{τ=1..n_a} a_τ m_{t−τ} + Σ_{τ=0..n_b} b_τ ĝ_{t−τ},   m̂_t = m_t / c_{a,t},
     c_{a,t} = −Σ_τ a_τ c_{a,t−τ} + Σ_{τ≤min(t,n_b)} b_τ,         θ ← θ(1 − ηλ) − η·m̂_t / D_t
 
-with D_t = 1 (base "sgd", Alg. 2), √v̂_t + ε (base "adam", Alg. 3) or √max(v̂_t − noise_std², ε²)
-(base "adam_bc": Tang et al.'s correction, which DOPPLER's experiments use but Alg. 3 omits). Filters
-come from the paper's tables (``hf_dp.optim.filters.FILTERS``) or are the user's own (b, a), checked
-before training: b_0 ≠ 0, Σb − Σa = 1, poles strictly inside the unit circle (App. A.2 states the
-condition inverted), c_{a,t} never ≈ 0. All of it is post-processing of ĝ.
-
-Where this departs from the printed Alg. 3 (its box defects, spec part C item 13):
-- The filter REPLACES Adam's first moment, and v is the standard EMA of the RAW privatised gradient,
-  v_t = β2 v_{t−1} + (1−β2) ĝ_t², corrected by 1 − β2^{t+1} (t counted from 0). The box writes
-  (1−β)v + βĝ² with the correction 1 − β^t, which is biased and divides by zero at t = 0.
-- Base "adam" uses √v̂ + ε (torch's Adam), not the box's max(√v̂, ε). The two differ only where
-  √v̂ ≈ ε, and with +ε the momentum filter (b, a) = (0.1, −0.9) reproduces the library's DP-AdamW
-  (DP-Adam when weight_decay = 0) exactly, so in an ablation the filter is the only difference.
-  ε defaults to torch's 1e-8. Base "adam_bc" keeps DP-AdamBC's floor form (ε default 1e-4), so
-  momentum + adam_bc reproduces ``adam_bc``.
-- The box's index typo (m_τ for m_t) is read as m_t.
-- Adam's β1 has no role (the filter is the first moment), so the kwarg is ``beta2`` alone.
-- Histories start at zero and the output is divided by c_{a,t} (Alg. 2): the first steps are not
-  denoised.
-- Weight decay is decoupled (AdamW-style) for every base; the paper has none.
-
-State per parameter, all in ``state_dict``: ``step``, the last n_b gradients ``g_hist`` and the last
-n_a outputs ``m_hist`` (newest first), the last n_a trackers ``c_hist`` (Python floats) and, for the
-Adam bases, ``exp_avg_sq``. Tensors are fp32 whatever the parameter dtype (fp64 for fp64 parameters).
+with D_t = 1 (base "sgd", Alg. 2), √v̂_t + ε (base "adam", Alg. 3) or √max(v̂_t − (σC/B̄)², ε²) (base "adam_bc").
+The filter replaces Adam's first moment; v is the bias-corrected EMA of the raw ĝ². Filters come from the
+paper's tables (``hf_dp.optim.filters.FILTERS``) or are the user's own (b, a), checked before training. Where
+this departs from the printed Alg. 3 (its box has defects): docs/optimizers.md. State per parameter, fp32:
+``step``, the last n_b gradients ``g_hist`` and n_a outputs ``m_hist`` (newest first), the trackers ``c_hist``
+and, for the Adam bases, ``exp_avg_sq``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from hf_dp.optim.adam_bc import Fp32StateOptimizer, corrected_denominator, require_noise_std, state_dtype
+from hf_dp.optim.adam_bc import corrected_denominator, require_noise_std
+from hf_dp.optim.base import DPOptimizer, state_dtype
 from hf_dp.optim.filters import resolve_filter, validate_filter
+from hf_dp.optim.registry import register_dp_optimizer
 
 BASES = ("sgd", "adam", "adam_bc")
 DEFAULT_EPS = {"sgd": 0.0, "adam": 1e-8, "adam_bc": 1e-4}
 
 
-class Doppler(Fp32StateOptimizer):
+class Doppler(DPOptimizer):
     """LP-DPSGD / LP-DPAdam / LP-DPAdamBC over a validated filter (b, a)."""
 
     def __init__(
@@ -83,12 +67,7 @@ class Doppler(Fp32StateOptimizer):
                         f"doppler with base='adam_bc' needs eps > 0 (the floor ε²), got {group['eps']}"
                     )
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def update(self) -> None:
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -96,10 +75,8 @@ class Doppler(Fp32StateOptimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("doppler does not support sparse gradients")
                 update = self._filtered(group, self.state[p], p)
-                if group["weight_decay"]:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                self.decay(p, group["lr"], group["weight_decay"])
                 p.add_(update, alpha=-group["lr"])
-        return loss
 
     @staticmethod
     def _filtered(group: dict[str, Any], state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
@@ -141,10 +118,11 @@ class Doppler(Fp32StateOptimizer):
 DEFAULT_FILTER = "first_order_v1"
 
 
+@register_dp_optimizer("doppler")
 def build(
     params: Iterable[Any],
     *,
-    noise_std: float,
+    mean_noise_std: float,
     filter: str | None = None,
     b: Sequence[float] | None = None,
     a: Sequence[float] | None = None,
@@ -158,4 +136,7 @@ def build(
     if filter is None and b is None and a is None:
         filter = DEFAULT_FILTER
     b, a = resolve_filter(filter, b, a)
-    return Doppler(params, b=b, a=a, noise_std=noise_std, **kwargs)
+    return Doppler(params, b=b, a=a, noise_std=mean_noise_std, **kwargs)
+
+
+build.rule = Doppler.__init__  # the constructor the builder forwards to (for error messages)

@@ -1,10 +1,10 @@
-"""DP² — delayed preconditioners (Li et al., ICLR 2023, P2 Alg. 1), spec A Part B.
+"""DP² — delayed preconditioners (Li, Zaheer, Liu, Reddi, McMahan, Smith, ICLR 2023, Alg. 1).
 
 Cycles of s1 DP-SGD steps (clip C1, lr α) then s2 adaptive steps (clip C2 in the geometry ‖g_i ⊘ D‖,
 D = √v + ε, lr α2). The SGD phase sums its privatised gradients in A; at the first adaptive step
 (r = t mod (s1+s2) = s1) v ← βv + (1−β)(A/s1)² (RMSProp) or v ← v + (A/s1)² (AdaGrad), then A ← 0.
 The adaptive step is w ← w − α2 ĝ_D with ĝ_D = (Σ_i clip(g_i ⊘ D; C2) + N(0, σ²C2²))/B̄ = ĝ ⊘ D, the
-preconditioned noisy gradient itself (no un-scaling, no second division, no momentum: P2 B5 pitfall 4).
+preconditioned noisy gradient itself (no un-scaling, no second division, no momentum). docs/optimizers.md.
 v and A are (at least) float32 and, with the step count, in the state_dict.
 """
 
@@ -15,7 +15,9 @@ from typing import Any, Literal
 
 import torch
 
+from hf_dp.optim.base import DPOptimizer, state_dtype
 from hf_dp.optim.plan import StepPlan
+from hf_dp.optim.registry import register_dp_optimizer
 
 # Li et al. 2023 (DP²), Table 2: ε 1e-7 tuned on IMDB (1e-5 StackOverflow, 1e-3 MovieLens); C2 = 5 on all three
 # tasks. The delay s was tuned per data set (195–31,250 steps, 0.5–25 epochs); 50 steps each keeps an adaptive
@@ -25,12 +27,7 @@ DEFAULT_ADAPTIVE_CLIP_NORM = 5.0
 DEFAULT_DELAY_STEPS = 50
 
 
-def _state_dtype(p: torch.Tensor) -> torch.dtype:
-    """v and A are kept in at least float32 (spec A B5 pitfall 2)."""
-    return torch.promote_types(p.dtype, torch.float32)
-
-
-class DP2(torch.optim.Optimizer):
+class DP2(DPOptimizer):
     """DP²-RMSProp / DP²-AdaGrad. The scheduler's lr is α; adaptive steps multiply it by α2/α."""
 
     def __init__(
@@ -85,7 +82,7 @@ class DP2(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
-            state["v"] = torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
+            state["v"] = torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
             state["accumulator"] = torch.zeros_like(state["v"])
         return state
 
@@ -96,12 +93,7 @@ class DP2(torch.optim.Optimizer):
         with torch.no_grad():
             return StepPlan(clip_norm=self.adaptive_clip_norm, clip_scale=self._scales())
 
-    @torch.no_grad()
-    def step(self, closure: None = None) -> None:
-        if closure is not None:
-            raise ValueError(
-                "DP² takes no closure: it would recompute a non-private gradient after the noise"
-            )
+    def update(self) -> None:
         adaptive = self.in_adaptive_phase()
         for group in self.param_groups:
             lr = group["lr"] * (self.adaptive_lr_ratio if adaptive else 1.0)
@@ -114,8 +106,7 @@ class DP2(torch.optim.Optimizer):
                     else:
                         state["accumulator"].add_(grad)
                         update = grad
-                    if group["weight_decay"]:
-                        p.mul_(1 - lr * group["weight_decay"])
+                    self.decay(p, lr, group["weight_decay"])
                     p.add_(update.to(p.dtype), alpha=-lr)
                 state["step"] += 1
                 if int(state["step"]) % (self.sgd_steps + self.adaptive_steps) == self.sgd_steps:
@@ -130,16 +121,11 @@ class DP2(torch.optim.Optimizer):
             state["v"].add_(mean_sq)
         state["accumulator"].zero_()
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch casts floating state to the parameter's dtype; v and A stay in at least float32."""
-        super().load_state_dict(state_dict)
-        params = [p for group in self.param_groups for p in group["params"]]
-        for index, saved in state_dict["state"].items():
-            param = params[index]
-            for key in ("v", "accumulator"):
-                self.state[param][key] = saved[key].to(param.device, _state_dtype(param))
 
-
-def build(params: Iterable[Any], *, noise_std: float, **kwargs: Any) -> torch.optim.Optimizer:
-    """``noise_std`` is unused: DP² steps on the noisy gradient as released."""
+@register_dp_optimizer("dp2", requires_bookkeeping=True)
+def build(params: Iterable[Any], *, mean_noise_std: float, **kwargs: Any) -> DP2:
+    """``mean_noise_std`` is unused: DP² steps on the noisy gradient as released."""
     return DP2(params, **kwargs)
+
+
+build.rule = DP2.__init__  # the constructor the builder forwards to (for error messages)

@@ -77,46 +77,6 @@ def bias_tracker(b: Sequence[float], a: Sequence[float], steps: int) -> np.ndarr
     return np.cumsum(impulse_response(b, a, steps))
 
 
-def frequency_response(b: Sequence[float], a: Sequence[float], omega: float | np.ndarray) -> np.ndarray:
-    """H(e^{jω}) = Σ_k b_k e^{−jωk} / (1 + Σ_k a_k e^{−jωk})."""
-    omega = np.asarray(omega, dtype=float)
-    numerator = sum(coef * np.exp(-1j * omega * k) for k, coef in enumerate(b))
-    denominator = 1 + sum(coef * np.exp(-1j * omega * k) for k, coef in enumerate(a, start=1))
-    return numerator / denominator
-
-
-def variance_factor(b: Sequence[float], a: Sequence[float]) -> float:
-    """Σ_{τ≥0} κ_τ², exactly: the head κ_0..κ_{n_b−1} summed, the tail by a discrete Lyapunov equation.
-
-    From t = n_b on, x_t = (κ_t, …, κ_{t−n_a+1}) obeys x_{t+1} = A x_t (A the companion matrix of a),
-    so Σ_{t≥n_b} κ_t² = x_{n_b}ᵀ P x_{n_b} with P = Aᵀ P A + e_1 e_1ᵀ.
-    """
-    n_a, n_b = len(a), len(b) - 1
-    if n_a == 0:
-        return float(np.sum(np.square(b)))
-    if pole_radius(a) >= 1:
-        raise ValueError(f"the filter is unstable (largest pole |z| = {pole_radius(a):.4f}): Σκ² diverges")
-    kappa = impulse_response(b, a, n_b + 1)
-    x = np.array([kappa[n_b - i] if n_b - i >= 0 else 0.0 for i in range(n_a)])
-    companion = np.zeros((n_a, n_a))
-    companion[0] = -np.asarray(a)
-    companion[1:, :-1] = np.eye(n_a - 1)
-    e1 = np.zeros((n_a, n_a))
-    e1[0, 0] = 1.0
-    vec_p = np.linalg.solve(np.eye(n_a * n_a) - np.kron(companion.T, companion.T), e1.ravel())
-    return float(np.sum(kappa[:n_b] ** 2) + x @ vec_p.reshape(n_a, n_a) @ x)
-
-
-def snr(b: Sequence[float], a: Sequence[float], c: Sequence[float], steps: int) -> float:
-    """DOPPLER §5's normalised SNR Σ_t Σ_{τ≤t} c_τ κ_τ / Σ_t Σ_{τ≤t} κ_τ² over t < steps.
-
-    c_τ are the gradient auto-correlation coefficients of Assumption A4 (c_0 = ½).
-    """
-    kappa = impulse_response(b, a, steps)
-    weight = steps - np.arange(steps)  # how many t ≥ τ there are
-    return float(np.sum(weight * np.asarray(c[:steps]) * kappa) / np.sum(weight * kappa**2))
-
-
 def validate_filter(b: Sequence[float], a: Sequence[float]) -> None:
     """A one-line ValueError for a filter DOPPLER cannot run: b_0 = 0, unstable, not unit gain, c_a,t ≈ 0."""
     if not b or not all(math.isfinite(x) for x in (*b, *a)):

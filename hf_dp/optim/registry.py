@@ -75,4 +75,5 @@ def _culprit(build: Builder, kwargs: dict[str, Any], error: TypeError) -> str:
     return str(error).replace("\n", " ")
 
 
-from hf_dp.optim import builtin  # noqa: E402, F401  (registers the eight built-in rules)
+# the built-in rules register themselves on import
+from hf_dp.optim import adam_bc, disk, doppler, dp2, scale_then_privatize, torch_rules  # noqa: E402, F401

@@ -1,12 +1,12 @@
-"""Scale-then-privatize (STP) Adam (Ganesh et al., P0 Alg. 8; Li et al. 2022/2023), spec A §A1.5.
+"""Scale-then-privatize (STP) Adam (Ganesh et al., Alg. 8; Li et al. 2022/2023).
 
 Step t clips per example in the geometry ‖s_t ⊙ g_i‖ ≤ C with s_t = 1/(√ν̂_{t−1} + ε1), Adam's bias-corrected
 second moment of the PREVIOUS step (s_1 = 1/ε1), held fixed for the whole logical batch. The privatiser adds
 isotropic noise in the scaled space and un-scales, so ``step()`` receives ĝ = (Σ_i c_i g_i + σC ξ ⊘ s_t)/B̄
-and runs Adam(W) on it with its own ε2: ν is fed the un-scaled noisy ĝ (P0 pitfall 7b).
+and runs Adam(W) on it with its own ε2: ν is fed the un-scaled noisy ĝ.
 Post-processing only: s_t depends on earlier releases, so privacy equals DP-SGD's.
 
-``factored=True`` is our extension, not from the papers (spec A, Part C "Factored preconditioners"): a
+``factored=True`` is our extension, not from the papers (docs/optimizers.md): a
 matrix gets the rank-1 scale s = r cᵀ from the row and column means of ν̂ (Adafactor's ν ≈ r̄ c̄ᵀ/mean ν̂),
 with √ε1 inside each factor, so the scaled norms stay ghost norms; vectors keep the dense scale.
 """
@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from hf_dp.clipping.scale import ClipScale, FactoredScale
+from hf_dp.clipping.geometry import ClipScale, FactoredScale
 from hf_dp.optim.plan import StepPlan
+from hf_dp.optim.registry import register_dp_optimizer
 
-# ε1: P0 tuned it with η and C and did not report it; 1e-4 is P0's best ε for its siblings (BC, IME).
+# ε1: Ganesh et al. tuned it with η and C and did not report it; 1e-4 is their best ε for DP-AdamBC.
 DEFAULT_SCALE_EPS = 1e-4
 
 
@@ -74,6 +75,10 @@ class ScaleThenPrivatize(torch.optim.AdamW):
         )
 
 
-def build(params: Iterable[Any], *, noise_std: float, **kwargs: Any) -> torch.optim.Optimizer:
-    """``noise_std`` is unused: STP's noise is shaped by s_t, and ν keeps it (P0 §4.3)."""
+@register_dp_optimizer("stp", requires_bookkeeping=True)
+def build(params: Iterable[Any], *, mean_noise_std: float, **kwargs: Any) -> ScaleThenPrivatize:
+    """``mean_noise_std`` is unused: STP's noise is shaped by s_t, and ν keeps it."""
     return ScaleThenPrivatize(params, **kwargs)
+
+
+build.rule = ScaleThenPrivatize.__init__  # the constructor the builder forwards to (for error messages)
