@@ -1,8 +1,8 @@
 """Per-step cost of each DP optimizer against its base, through ``DPTrainer``, in interleaved rounds.
 
-One step = ``DPTrainer.training_step`` (per-example clipping as the optimizer's plan asks: one or two
-gradient evaluations, ℓ2 or scaled geometry) + ``optimizer.step()`` (noise, then the update rule) +
-``zero_grad``, on a tied GPT-2-shaped model (random weights, a fixed random token batch, fp32, σ = 1,
+One step = ``DPTrainer.train_one_step`` (public: per-example clipping as the optimizer's plan asks, one or
+two gradient evaluations, ℓ2 or scaled geometry; the release, noise added and accounted; the update rule;
+``zero_grad``), on a tied GPT-2-shaped model (random weights, a fixed random token batch, fp32, σ = 1,
 C = 1, ghost clipping). The pairs and the bars they are held to:
 
 - ``disk_single`` vs ``adamw``: DiSK with γ = (1−κ)/κ (κ = 0.7), so c = 1 and each step evaluates the
@@ -63,9 +63,9 @@ from transformers import GPT2LMHeadModel  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments, cpu_heap  # noqa: E402
+from hf_dp.optim.plan import HasStepPlan, StepPlan  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "optimizer_cost.json"
-EXAMPLE_MASK_KEY = "hf_dp_example_mask"
 WARMUP_STEPS = 3
 KAPPA = 0.7
 
@@ -134,7 +134,6 @@ def make_batch(cfg: Config) -> dict[str, torch.Tensor]:
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),
         "labels": ids.clone(),
-        EXAMPLE_MASK_KEY: torch.ones(cfg.batch),
     }
 
 
@@ -166,11 +165,7 @@ def build_variant(name: str, cfg: Config, base: GPT2LMHeadModel, batch: dict[str
         return Variant(name, error=f"build failed: {type(exc).__name__}: {exc}")
 
     def step() -> float:
-        loss = trainer.training_step(model, batch)
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.state.global_step += 1  # the trainer plans once per logical batch, keyed by this step
-        return float(loss)
+        return trainer.train_one_step([batch])  # public: the DP backward, the release (accounted), the update
 
     return Variant(name, step=step, keep=[tmp, trainer])
 
@@ -180,12 +175,13 @@ def run_step(variant: Variant, timed: bool = True) -> None:
     elapsed = None
     if variant.error is None:
         try:
+            optimizer = variant.keep[1].optimizer
+            plan = optimizer.plan_step(1.0) if isinstance(optimizer, HasStepPlan) else StepPlan(clip_norm=1.0)
             start = time.perf_counter()
             loss = variant.step()
             elapsed = time.perf_counter() - start
             if not math.isfinite(loss):
                 raise ValueError(f"non-finite loss {loss}")
-            plan = variant.keep[1].privatizer.plan
             variant.evaluations, variant.scaled_clipping = len(plan.evaluations), bool(plan.clip_scale)
         except Exception as exc:
             variant.error, elapsed = f"step failed: {type(exc).__name__}: {exc}", None

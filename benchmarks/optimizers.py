@@ -91,8 +91,8 @@ from transformers import (  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments, calibrate_noise_multiplier  # noqa: E402
-from hf_dp.arguments import default_delta  # noqa: E402
 from hf_dp.losses import IGNORE_INDEX, token_loss_per_example  # noqa: E402
+from hf_dp.privacy import default_delta  # noqa: E402
 
 DATA = _REPO_ROOT.parent / "shared" / "data"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"

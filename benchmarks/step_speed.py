@@ -62,7 +62,6 @@ DP_VARIANTS = ("dp_ghost", "dp_per_sample")
 BASELINES = ("non_private", "opacus_ghost")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "step_speed.json"
 MEMORY_MARKER = "STEP_SPEED_MEMORY_JSON "
-EXAMPLE_MASK_KEY = "hf_dp_example_mask"
 NUM_THREADS = 2
 WARMUP_STEPS = 2
 MEMORY_WARMUP_STEPS = 1
@@ -75,8 +74,9 @@ NOTES = [
     "current_gradient_accumulation_steps set to 1, as Trainer.train() would) with "
     "optim='adamw_torch' (plain torch.optim.AdamW, the same update rule the DP variants use; the Trainer's "
     "default would be fused AdamW).",
-    "dp_ghost / dp_per_sample: hf_dp.DPTrainer.training_step on a batch with hf_dp_example_mask = ones(B), then "
-    "trainer.optimizer.step() (noise sigma=1.0, C=1.0, division by the expected batch size B) and zero_grad. "
+    "dp_ghost / dp_per_sample: hf_dp.DPTrainer.train_one_step on the batch (all B examples real), i.e. "
+    "the DP backward, the release (noise sigma=1.0, C=1.0, division by the expected batch size B, one accounted "
+    "step), the AdamW update and zero_grad. "
     "DPTrainer verifies its engine against autograd on its first training_step only; that step is a warm-up "
     "step here and is never timed.",
     "opacus_ghost: Opacus PrivacyEngine.make_private(grad_sample_mode='ghost') on a COPY of the model built with "
@@ -201,8 +201,8 @@ def build_dp(cfg: Config, base: GPT2LMHeadModel, batch: dict, mode: str) -> Vari
     trainer.create_optimizer()
     if trainer.expected_batch_size != cfg.batch:
         raise RuntimeError(f"DPTrainer expected batch {trainer.expected_batch_size} != {cfg.batch}")
-    dp_batch = {**batch, EXAMPLE_MASK_KEY: torch.ones(cfg.batch)}
-    variant = Variant(f"dp_{mode}", _trainer_step(trainer, model, dp_batch), keep=[tmpdir, trainer])
+    # public: the DP backward, the release (noise added and accounted), the update, zero_grad
+    variant = Variant(f"dp_{mode}", lambda: trainer.train_one_step([batch]), keep=[tmpdir, trainer])
     variant.notes.append(
         f"optimizer: {type(trainer.optimizer).__name__} {_optimizer_defaults(trainer.optimizer)}"
     )

@@ -435,9 +435,7 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
         trainer.optimizer = make_dp_optimizer(
             training_args.dp_optimizer,
             parameter_groups(model, training_args, model_args.head_learning_rate),
-            noise_std=trainer.noise_multiplier
-            * training_args.per_sample_max_grad_norm
-            / trainer.expected_batch_size,
+            mean_noise_std=trainer.privacy_plan.mean_noise_std,
             lr=training_args.learning_rate,
             **training_args.dp_optimizer_kwargs,
         )
