@@ -266,3 +266,74 @@ def test_lora_only_adapters_are_clipped() -> None:
     clipped = {id(p) for p in engine.parameters}
     for name, p in model.named_parameters():
         assert (id(p) in clipped) == ("lora_" in name), name
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 6)
+        self.gru = nn.GRU(6, 5, batch_first=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.gru(self.embed(input_ids))
+        return self.head(hidden[:, -1])
+
+
+def test_a_trainable_gru_is_refused_naming_it_and_a_frozen_one_trains() -> None:
+    """The torch.func fallback cannot run a fused recurrent kernel per example: refuse before training."""
+    model = _Recurrent().double()
+    with pytest.raises(UnsupportedModuleError, match=r"gru \(GRU\) is a trainable recurrent layer") as info:
+        ClippingEngine(model)
+    assert "\n" not in str(info.value)
+    model.gru.requires_grad_(False)
+    engine = ClippingEngine(model)
+    batch = {"input_ids": torch.randint(0, 20, (4, 7)), "labels": torch.tensor([0, 1, 2, 1])}
+
+    def loss(m, b):
+        return nn.functional.cross_entropy(m(b["input_ids"]), b["labels"], reduction="none")
+
+    reference, ref_norms = models.brute_force(model, batch, max_norm=0.3, loss_fn=loss)
+    with engine.record(4):
+        losses = loss(model, batch)
+    norms = engine.clipped_backward(losses, 0.3, verify=True)
+    torch.testing.assert_close(norms, ref_norms.to(norms), rtol=1e-9, atol=1e-12)
+
+
+class _Gain(nn.Module):
+    """y = x ⊙ w: a user's own layer that no built-in rule knows."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def test_a_registered_rule_for_a_users_module_is_exact(monkeypatch) -> None:
+    from hf_dp.clipping import rules
+    from hf_dp.clipping.per_example import Materialised
+
+    monkeypatch.setattr(rules, "_RULES", dict(rules._RULES))  # the registration ends with the test
+    calls = []
+
+    @rules.register_rule(_Gain)
+    def gain_rule(module, x, grad_out):
+        calls.append(module)
+        return {"weight": Materialised((grad_out * x).reshape(x.shape[0], -1, x.shape[-1]).sum(dim=1))}
+
+    model = nn.Sequential(nn.Embedding(20, 8), _Gain(8), nn.Linear(8, 3)).double()
+    batch = {"input_ids": torch.randint(0, 20, (5, 4)), "labels": torch.tensor([0, 1, 2, 1, 0])}
+
+    def loss(m, b):
+        return nn.functional.cross_entropy(m(b["input_ids"]).mean(dim=1), b["labels"], reduction="none")
+
+    reference, ref_norms = models.brute_force(model, batch, max_norm=0.2, loss_fn=loss)
+    engine = ClippingEngine(model, allow_functorch_fallback=False)  # the rule, not the fallback
+    with engine.record(5):
+        losses = loss(model, batch)
+    norms = engine.clipped_backward(losses, 0.2, verify=True)
+    assert calls and rules.rule_for(model[1]) is gain_rule
+    torch.testing.assert_close(norms, ref_norms.to(norms), rtol=1e-9, atol=1e-12)
+    assert_close({n: p.grad for n, p in model.named_parameters()}, reference, rtol=1e-9, floor=1e-9)

@@ -159,3 +159,23 @@ def test_parameter_shifter_evaluates_at_the_shift_and_restores_theta_exactly():
         torch.testing.assert_close(
             params[0].detach(), theta[params[0]] + 1.0 + 0.3 * shift.directions[params[0]], rtol=0, atol=1e-6
         )
+
+
+def test_a_users_registered_rule_trains_through_dptrainer(tmp_path, monkeypatch):
+    from hf_dp.optim import registry
+
+    monkeypatch.setattr(registry, "_BUILDERS", dict(registry._BUILDERS))  # the registration ends with the test
+    seen = {}
+
+    @registry.register_dp_optimizer("sign_sgd")
+    def build_sign_sgd(params, *, mean_noise_std, lr=1e-3):
+        seen["mean_noise_std"] = mean_noise_std
+        return torch.optim.SGD(params, lr=lr)  # a stand-in update rule
+
+    assert "sign_sgd" in registry.dp_optimizer_names() and not registry.requires_bookkeeping("sign_sgd")
+    trainer = make_trainer(tmp_path, noise_multiplier=1.0, dp_optimizer="sign_sgd", learning_rate=0.1)
+    trainer.train()
+    assert trainer.accountant.steps == 2
+    assert seen["mean_noise_std"] == pytest.approx(1.0 * 0.5 / trainer.expected_batch_size)
+    with pytest.raises(ValueError, match="'momentum'"):
+        registry.make_dp_optimizer("sign_sgd", [torch.nn.Parameter(torch.zeros(2))], momentum=0.9)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_dp.clipping.factors import PerExampleGradient, Weighted, combined_squared_norm
 from hf_dp.clipping.geometry import (
     ClippingFn,
     ClippingMode,
@@ -29,7 +28,8 @@ from hf_dp.clipping.geometry import (
     FactoredScale,
     clip_factors,
 )
-from hf_dp.clipping.layers import functorch_per_example_grads, rule_for
+from hf_dp.clipping.per_example import PerExampleGradient, Weighted, combined_squared_norm
+from hf_dp.clipping.rules import functorch_per_example_grads, rule_for
 
 
 class UnsupportedModuleError(ValueError):
@@ -37,7 +37,7 @@ class UnsupportedModuleError(ValueError):
 
 
 @dataclass
-class _Call:
+class _RecordedForward:
     module: nn.Module
     args: tuple
     kwargs: dict
@@ -97,7 +97,7 @@ class ClippingEngine:
         self.parameters: list[nn.Parameter] = list(unique.values())  # what this engine clips, each once
         self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._module_names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
-        self._calls: list[_Call] = []
+        self._calls: list[_RecordedForward] = []
         self._batch_size: int | None = None
         self._recording = False
         self._handles = []
@@ -121,6 +121,13 @@ class ClippingEngine:
                 raise UnsupportedModuleError(
                     f"{name} ({type(module).__name__}) mixes examples in a batch, so per-example gradients do not "
                     "exist: replace it with GroupNorm or LayerNorm"
+                )
+            trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+            if isinstance(module, nn.RNNBase) and trainable and rule_for(module) is None:
+                raise UnsupportedModuleError(
+                    f"{name} ({type(module).__name__}) is a trainable recurrent layer: it has no per-example rule and "
+                    "its fused kernel cannot run per example under torch.func; freeze it, or register a rule for it "
+                    "with hf_dp.clipping.rules.register_rule"
                 )
         owners: dict[int, list[tuple[nn.Module, str]]] = {}
         for module in model.modules():
@@ -195,7 +202,7 @@ class ClippingEngine:
                 f"input of shape {tuple(first.shape)} has no batch dimension of {self._batch_size} (it is shared "
                 "by all examples, like T5's relative_attention_bias): freeze it"
             )
-        self._calls.append(_Call(module, tuple(args), dict(kwargs), outputs))
+        self._calls.append(_RecordedForward(module, tuple(args), dict(kwargs), outputs))
 
     # ---- per-example gradients, then the clipped sum ----------------------------------------------
 
@@ -298,7 +305,7 @@ class ClippingEngine:
         return norms, terms
 
     def _per_example_parts(
-        self, calls: list[_Call], output_grads: Iterator[torch.Tensor | None]
+        self, calls: list[_RecordedForward], output_grads: Iterator[torch.Tensor | None]
     ) -> dict[int, tuple[nn.Parameter, list[PerExampleGradient]]]:
         parts: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]] = {}
         for call in calls:
@@ -316,7 +323,7 @@ class ClippingEngine:
                 parts.setdefault(id(param), (param, []))[1].append(found[name])
         return parts
 
-    def _fallback(self, call: _Call, grads: list, names: list[str]) -> dict[str, PerExampleGradient]:
+    def _fallback(self, call: _RecordedForward, grads: list, names: list[str]) -> dict[str, PerExampleGradient]:
         was_recording, self._recording = self._recording, False
         try:
             with torch.enable_grad():

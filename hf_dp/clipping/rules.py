@@ -1,10 +1,10 @@
-"""One small rule per layer type: the per-example gradients of a module's own parameters.
+"""One small rule per layer type, in a registry: the per-example gradients of a module's own parameters.
 
-Each rule maps (module, its input, the gradient of its output) to per-example gradients in the
-cheapest exact form (``factors.py``). We write our own rules rather than use Opacus' grad samplers
-because, with transformers 5, Opacus has no rule for HF ``Conv1D``, gives the ``padding_idx`` row of
-an embedding a non-zero gradient, refuses tied embeddings in ghost mode and has no book-keeping
-(single backward) mode; see ENVIRONMENT.md in the project's shared specs.
+Each rule maps (module, its input, the gradient of its output) to per-example gradients in the cheapest
+exact form (``per_example.py``). We write our own rules rather than use Opacus' grad samplers because Opacus
+1.6 has no rule for HF ``Conv1D``, gives the ``padding_idx`` row of an embedding a non-zero gradient, refuses
+tied embeddings in ghost mode and has no single-backward (book-keeping) mode. Add a rule for your own module
+with ``@register_rule(MyModule)`` (docs/clipping.md has an example).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses, minus the hooks
 from transformers.pytorch_utils import Conv1D
 
-from hf_dp.clipping.factors import Materialised, OuterProductSum, PerExampleGradient
+from hf_dp.clipping.per_example import Materialised, OuterProductSum, PerExampleGradient
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
 

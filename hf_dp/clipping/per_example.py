@@ -7,7 +7,7 @@ or ‖G_i‖² from the materialised G_i when that is cheaper (Bu et al. 2023, b
 The clipped sum Σ_i c_i G_i is one GEMM over (example, position) pairs.
 
 ``combined_squared_norm`` gives ‖s ⊙ Σ_k w_k G^k_i‖² for several weighted uses of one parameter
-(tied uses, and evaluations at several parameter points for DiSK) in a clip geometry s (spec A, Part C):
+(tied uses, and evaluations at several parameter points for DiSK) in a clip geometry s (docs/clipping.md):
 a rank-1 s = r cᵀ scales the two factors, a dense s scales embedding rows and vectors exactly and
 otherwise needs the explicit per-example gradients.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_dp.clipping.scale import ClipScale, FactoredScale, dense_scale
+from hf_dp.clipping.geometry import ClipScale, FactoredScale, dense_scale
 
 # Materialised per-example gradients are built this many floats at a time (about 256 MB).
 _CHUNK_FLOATS = 64 * 1024 * 1024
@@ -139,6 +139,7 @@ class Materialised:
     grads: torch.Tensor
 
     def squared_norm(self, materialise: bool = True) -> torch.Tensor:
+        """‖G_i‖² (already explicit: ``materialise`` is accepted for the common interface)."""
         return self.grads.flatten(1).pow(2).sum(dim=1)
 
     def materialise(self, start: int, stop: int) -> torch.Tensor:
