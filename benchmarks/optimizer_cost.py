@@ -35,17 +35,12 @@ import argparse
 import copy
 import datetime as _dt
 import json
-import math
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +48,11 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:  # measure this checkout's hf_dp, whatever is installed
     sys.path.insert(0, str(_REPO_ROOT))
 
-from benchmarks._common import gpt2_config, paired_ratios  # noqa: E402  (sets the offline environment first)
+from benchmarks import _timing  # noqa: E402  (sets the offline environment first)
 
 # isort: split
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from transformers import GPT2LMHeadModel  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -107,107 +101,56 @@ class Config:
     seed: int = 0
 
 
-@dataclass
-class Variant:
-    """A built variant: its step function, the times of its rounds, what its plan asked for."""
-
-    name: str
-    step: Callable[[], float] | None = None
-    error: str | None = None
-    times: list[float | None] = field(default_factory=list)
-    evaluations: int | None = None
-    scaled_clipping: bool | None = None
-    keep: list[Any] = field(default_factory=list)  # objects that must outlive the timing
-
-
-def build_model(cfg: Config) -> GPT2LMHeadModel:
-    torch.manual_seed(cfg.seed)
-    config = gpt2_config(cfg.layers, cfg.width, cfg.heads, cfg.vocab, cfg.seq)
-    return GPT2LMHeadModel(config).float().train()
-
-
-def make_batch(cfg: Config) -> dict[str, torch.Tensor]:
-    ids = torch.randint(
-        0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(cfg.seed + 1)
-    )
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "labels": ids.clone(),
-    }
-
-
-def build_variant(name: str, cfg: Config, base: GPT2LMHeadModel, batch: dict[str, torch.Tensor]) -> Variant:
-    """A DPTrainer with ``name``'s optimizer on a copy of ``base``; errors are recorded, not raised."""
+def build_variant(
+    name: str, cfg: Config, base: GPT2LMHeadModel, batch: dict[str, torch.Tensor]
+) -> _timing.Variant:
+    """A DPTrainer with ``name``'s optimizer on a copy of ``base``."""
     dp_optimizer, kwargs = VARIANTS[name]
-    try:
-        tmp = tempfile.TemporaryDirectory(prefix="hf_dp_optimizer_cost_")
-        model = copy.deepcopy(base)
-        args = DPTrainingArguments(
-            output_dir=tmp.name,
-            noise_multiplier=1.0,
-            per_sample_max_grad_norm=1.0,
-            per_device_train_batch_size=cfg.batch,
-            learning_rate=1e-4,
-            weight_decay=0.0,
-            dp_optimizer=dp_optimizer,
-            dp_optimizer_kwargs=kwargs,
-            seed=cfg.seed,
-            report_to="none",
-            use_cpu=True,
-            save_strategy="no",
-            logging_strategy="no",
-        )
-        row = {"input_ids": batch["input_ids"][0], "labels": batch["labels"][0]}
-        trainer = DPTrainer(model=model, args=args, train_dataset=[row] * (100 * cfg.batch))
-        trainer.create_optimizer()
-    except Exception as exc:  # recorded in the JSON; the other variants still run
-        return Variant(name, error=f"build failed: {type(exc).__name__}: {exc}")
-
-    def step() -> float:
-        return trainer.train_one_step([batch])  # public: the DP backward, the release (accounted), the update
-
-    return Variant(name, step=step, keep=[tmp, trainer])
+    tmp = tempfile.TemporaryDirectory(prefix="hf_dp_optimizer_cost_")
+    args = DPTrainingArguments(
+        output_dir=tmp.name,
+        noise_multiplier=1.0,
+        per_sample_max_grad_norm=1.0,
+        per_device_train_batch_size=cfg.batch,
+        learning_rate=1e-4,
+        weight_decay=0.0,
+        dp_optimizer=dp_optimizer,
+        dp_optimizer_kwargs=kwargs,
+        seed=cfg.seed,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+    )
+    row = {"input_ids": batch["input_ids"][0], "labels": batch["labels"][0]}
+    trainer = DPTrainer(model=copy.deepcopy(base), args=args, train_dataset=[row] * (100 * cfg.batch))
+    trainer.create_optimizer()
+    # public: every micro-batch's DP backward, the release (noise added and accounted), the update
+    return _timing.Variant(name, step=lambda: trainer.train_one_step([batch]), keep=[tmp, trainer])
 
 
-def run_step(variant: Variant, timed: bool = True) -> None:
-    """One step; its time goes to ``variant.times`` (None after a failure, which retires the variant)."""
-    elapsed = None
-    if variant.error is None:
-        try:
-            optimizer = variant.keep[1].optimizer
-            plan = optimizer.plan_step(1.0) if isinstance(optimizer, HasStepPlan) else StepPlan(clip_norm=1.0)
-            start = time.perf_counter()
-            loss = variant.step()
-            elapsed = time.perf_counter() - start
-            if not math.isfinite(loss):
-                raise ValueError(f"non-finite loss {loss}")
-            variant.evaluations, variant.scaled_clipping = len(plan.evaluations), bool(plan.clip_scale)
-        except Exception as exc:
-            variant.error, elapsed = f"step failed: {type(exc).__name__}: {exc}", None
-    if timed:
-        variant.times.append(elapsed)
+def record_plan(variant: _timing.Variant) -> None:
+    """What the optimizer's plan asks of the next step (a pure read of its state)."""
+    optimizer = variant.keep[1].optimizer
+    plan = optimizer.plan_step(1.0) if isinstance(optimizer, HasStepPlan) else StepPlan(clip_norm=1.0)
+    variant.info.update(evaluations_per_step=len(plan.evaluations), scaled_clipping=bool(plan.clip_scale))
 
 
-def summarise(variants: dict[str, Variant]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def summarise(variants: dict[str, _timing.Variant]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     per_variant = {}
     for name, v in variants.items():
-        times = [t for t in v.times if t]
+        v.info.setdefault("evaluations_per_step", None)
+        v.info.setdefault("scaled_clipping", None)
         per_variant[name] = {
             "dp_optimizer": VARIANTS[name][0],
             "dp_optimizer_kwargs": VARIANTS[name][1],
-            "median_s": statistics.median(times) if times else None,
-            "min_s": min(times) if times else None,
-            "times_s": v.times,
-            "evaluations_per_step": v.evaluations,
-            "scaled_clipping": v.scaled_clipping,
-            "error": v.error,
+            **_timing.timing_summary(v),
         }
     pairs = []
     for variant, base, bar in PAIRS:
         if variant not in variants or base not in variants:
             continue
-        r = paired_ratios(variants[variant].times, variants[base].times)
+        r = _timing.paired_ratios(variants[variant].times, variants[base].times)
         entry: dict[str, Any] = {"variant": variant, "base": base, "bar": bar, "ratio": r}
         if r is not None and bar is not None:
             entry["meets_bar_paired_median"] = r["paired_median"] <= bar
@@ -216,37 +159,20 @@ def summarise(variants: dict[str, Variant]) -> tuple[dict[str, Any], list[dict[s
     return per_variant, pairs
 
 
-def _rotations(names: list[str], rounds: int) -> list[list[str]]:
-    """Round r starts at variant r (mod n): every variant runs first, second, ... equally often."""
-    return [names[r % len(names) :] + names[: r % len(names)] for r in range(rounds)]
-
-
-def _print_round(r: int, cfg: Config, order: list[str], variants: dict[str, Variant]) -> None:
-    line = ", ".join(f"{n} {_fmt(variants[n].times[-1])}" for n in order)
-    print(f"round {r + 1}/{cfg.rounds}: {line}", flush=True)
-
-
-def run_in_process(names: list[str], cfg: Config) -> tuple[dict[str, Variant], list[list[str]]]:
+def run_in_process(names: list[str], cfg: Config) -> tuple[dict[str, _timing.Variant], list[list[str]]]:
     """All variants built in this process, warmed up, then timed one step each per round."""
-    base, batch = build_model(cfg), make_batch(cfg)
-    variants = {name: build_variant(name, cfg, base, batch) for name in names}
-    for v in variants.values():
-        for _ in range(WARMUP_STEPS):
-            run_step(v, timed=False)
-    orders = _rotations(list(variants), cfg.rounds)
-    for r, order in enumerate(orders):
-        for name in order:
-            run_step(variants[name])
-        _print_round(r, cfg, order, variants)
-    return variants, orders
+    base = _timing.tied_gpt2(cfg.layers, cfg.width, cfg.heads, cfg.vocab, cfg.seq, cfg.seed)
+    batch = _timing.token_batch(cfg.batch, cfg.seq, cfg.vocab, cfg.seed)
+    variants = {n: _timing.build(n, lambda n=n: build_variant(n, cfg, base, batch)) for n in names}
+    return variants, _timing.interleaved(variants, cfg.rounds, WARMUP_STEPS, before=record_plan)
 
 
-def run_isolated(names: list[str], cfg: Config) -> tuple[dict[str, Variant], list[list[str]]]:
+def run_isolated(names: list[str], cfg: Config) -> tuple[dict[str, _timing.Variant], list[list[str]]]:
     """Each (round, variant) in a fresh process (build, warm up, time one step), as a user runs one optimizer:
     no variant inherits another's allocator heap or caches. The rounds still interleave the variants, so a
     change of machine speed hits all of them alike."""
-    variants = {name: Variant(name) for name in names}
-    orders = _rotations(list(variants), cfg.rounds)
+    variants = {name: _timing.Variant(name) for name in names}
+    orders = _timing.rotations(list(variants), cfg.rounds)
     flags = [f"--{k}={v}" for k, v in asdict(cfg).items() if k != "rounds"]
     with tempfile.TemporaryDirectory() as tmp:
         for r, order in enumerate(orders):
@@ -265,15 +191,12 @@ def run_isolated(names: list[str], cfg: Config) -> tuple[dict[str, Variant], lis
                 subprocess.run(command, check=True, capture_output=True)
                 child, variant = json.loads(out.read_text())["times"][name], variants[name]
                 variant.times.append(child["times_s"][0])
-                variant.evaluations = child["evaluations_per_step"]
-                variant.scaled_clipping = child["scaled_clipping"]
+                variant.info.update(
+                    evaluations_per_step=child["evaluations_per_step"], scaled_clipping=child["scaled_clipping"]
+                )
                 variant.error = variant.error or child["error"]
-            _print_round(r, cfg, order, variants)
+            _timing.print_round(r, cfg.rounds, order, variants)
     return variants, orders
-
-
-def _fmt(x: float | None, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -281,16 +204,16 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"{'variant':<14}{'median s':>10}{'min s':>9}{'evals':>6}{'scaled':>7}  error")
     for name, t in result["times"].items():
         print(
-            f"{name:<14}{_fmt(t['median_s']):>10}{_fmt(t['min_s']):>9}"
-            f"{_fmt(t['evaluations_per_step'], 'd'):>6}"
+            f"{name:<14}{_timing.fmt(t['median_s']):>10}{_timing.fmt(t['min_s']):>9}"
+            f"{_timing.fmt(t['evaluations_per_step'], 'd'):>6}"
             f"{str(t['scaled_clipping']):>7}  {t['error'] or ''}"
         )
     print(f"\n{'variant / base':<28}{'paired median':>14}{'min-time':>10}{'bar':>6}")
     for p in result["pairs"]:
         r = p["ratio"] or {}
         print(
-            f"{p['variant'] + ' / ' + p['base']:<28}{_fmt(r.get('paired_median'), '.2f'):>14}"
-            f"{_fmt(r.get('min_time'), '.2f'):>10}{_fmt(p['bar'], '.1f'):>6}"
+            f"{p['variant'] + ' / ' + p['base']:<28}{_timing.fmt(r.get('paired_median'), '.2f'):>14}"
+            f"{_timing.fmt(r.get('min_time'), '.2f'):>10}{_timing.fmt(p['bar'], '.1f'):>6}"
         )
 
 
@@ -331,26 +254,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "tied_embeddings": True,
             "isolated_processes": args.isolated,
         },
-        "environment": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "load_average_at_start": load_before,
-            "load_average_at_end": list(os.getloadavg()),
-            # glibc's allocator settings change the cost of every large tensor (see the README's Speed section)
-            "allocator_env": {
-                k: v
-                for k, v in os.environ.items()
-                if k.startswith("MALLOC_") or k in ("LD_PRELOAD", "HF_DP_KEEP_CPU_HEAP")
-            },
-            "cpu_heap_kept": cpu_heap.is_kept(),  # DPTrainer keeps it once DiSK evaluates twice (on CPU)
-        },
+        "environment": _timing.environment(
+            load_average_at_start=load_before,
+            cpu_heap_kept=cpu_heap.is_kept(),  # DPTrainer keeps it once DiSK evaluates twice (on CPU)
+        ),
         "round_orders": orders,
         "times": per_variant,
         "pairs": pairs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _timing.write_result(args.out, result)
     print_table(result)
     print(f"\nwrote {args.out}")
     return result

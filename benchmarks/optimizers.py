@@ -73,7 +73,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:  # measure this checkout's hf_dp, whatever is installed
     sys.path.insert(0, str(_REPO_ROOT))
 
-import benchmarks._common  # noqa: E402, F401  (sets the offline environment first)
+import benchmarks._timing  # noqa: E402, F401  (sets the offline environment first)
 
 # isort: split
 

@@ -20,22 +20,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
 import json
-import math
 import os
-import platform
 import re
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # The repository root first, so the script measures this checkout's hf_dp even without an up-to-date
@@ -44,13 +38,13 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from benchmarks._common import gpt2_config, paired_ratios  # noqa: E402  (sets the offline environment first)
+from benchmarks import _timing  # noqa: E402  (sets the offline environment first)
+from benchmarks._timing import Variant, fmt, gpt2_config  # noqa: E402
 
 # isort: split
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from transformers import GPT2LMHeadModel, Trainer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
@@ -111,32 +105,15 @@ class Config:
     seed: int = 0
 
 
-@dataclass
-class Variant:
-    name: str
-    step: Callable[[], float] | None = None
-    error: str | None = None
-    notes: list[str] = field(default_factory=list)
-    first_loss: float | None = None
-    times: list[float | None] = field(default_factory=list)
-    keep: list = field(default_factory=list)  # objects (trainers, tmpdirs) that must outlive the timing
-
-
 # ---- model, batch, variants ----------------------------------------------------------------------------
 
 
 def build_model(cfg: Config) -> GPT2LMHeadModel:
-    torch.manual_seed(cfg.seed)
-    model = GPT2LMHeadModel(gpt2_config(cfg.layers, cfg.width, cfg.heads, cfg.vocab, cfg.seq)).float()
-    if model.lm_head.weight is not model.transformer.wte.weight:
-        raise RuntimeError("expected a tied GPT-2 (lm_head.weight is wte.weight)")
-    return model.train()
+    return _timing.tied_gpt2(cfg.layers, cfg.width, cfg.heads, cfg.vocab, cfg.seq, cfg.seed)
 
 
 def make_batch(cfg: Config) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return _timing.token_batch(cfg.batch, cfg.seq, cfg.vocab, cfg.seed)
 
 
 def _dummy_dataset(cfg: Config) -> list[dict[str, torch.Tensor]]:
@@ -179,7 +156,7 @@ def build_non_private(cfg: Config, base: GPT2LMHeadModel, batch: dict) -> Varian
     # Set by Trainer.train() for each accumulation window; training_step divides the loss by it.
     trainer.current_gradient_accumulation_steps = 1
     model_batch = dict(batch)
-    variant = Variant("non_private", _trainer_step(trainer, model, model_batch), keep=[tmpdir, trainer])
+    variant = Variant("non_private", step=_trainer_step(trainer, model, model_batch), keep=[tmpdir, trainer])
     variant.notes.append(
         f"optimizer: {type(trainer.optimizer).__name__} {_optimizer_defaults(trainer.optimizer)}"
     )
@@ -202,7 +179,7 @@ def build_dp(cfg: Config, base: GPT2LMHeadModel, batch: dict, mode: str) -> Vari
     if trainer.expected_batch_size != cfg.batch:
         raise RuntimeError(f"DPTrainer expected batch {trainer.expected_batch_size} != {cfg.batch}")
     # public: the DP backward, the release (noise added and accounted), the update, zero_grad
-    variant = Variant(f"dp_{mode}", lambda: trainer.train_one_step([batch]), keep=[tmpdir, trainer])
+    variant = Variant(f"dp_{mode}", step=lambda: trainer.train_one_step([batch]), keep=[tmpdir, trainer])
     variant.notes.append(
         f"optimizer: {type(trainer.optimizer).__name__} {_optimizer_defaults(trainer.optimizer)}"
     )
@@ -263,7 +240,7 @@ def build_opacus(cfg: Config, base: GPT2LMHeadModel, batch: dict) -> Variant:
         dp_optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    variant = Variant("opacus_ghost", step, keep=[engine, dp_model, dp_optimizer, criterion])
+    variant = Variant("opacus_ghost", step=step, keep=[engine, dp_model, dp_optimizer, criterion])
     variant.notes.append(f"optimizer: {type(optimizer).__name__} {_optimizer_defaults(optimizer)}")
     variant.notes.append(
         "untied copy (tie_word_embeddings=False) with explicit (B, T) position_ids; "
@@ -288,44 +265,15 @@ def _optimizer_defaults(optimizer: torch.optim.Optimizer) -> dict:
     return found
 
 
-def _error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".strip()
-
-
 def build_variant(name: str, cfg: Config, base: GPT2LMHeadModel, batch: dict) -> Variant:
-    try:
-        return BUILDERS[name](cfg, base, batch)
-    except Exception as exc:  # recorded in the JSON; the other variants keep running
-        traceback.print_exc()
-        return Variant(name, error=f"build failed: {_error(exc)}")
-
-
-def run_step(variant: Variant) -> float | None:
-    """Time one step; on failure record the error and retire the variant."""
-    if variant.error is not None:
-        return None
-    try:
-        start = time.perf_counter()
-        loss = variant.step()
-        elapsed = time.perf_counter() - start
-    except Exception as exc:
-        traceback.print_exc()
-        variant.error = f"step failed: {_error(exc)}"
-        variant.step = None
-        return None
-    if variant.first_loss is None:
-        variant.first_loss = loss
-    if not math.isfinite(loss):
-        variant.error = f"non-finite loss {loss}"
-        return None
-    return elapsed
+    return _timing.build(name, lambda: BUILDERS[name](cfg, base, batch))
 
 
 # ---- statistics -----------------------------------------------------------------------------------------
 
 
 def _ratios(times: dict[str, list[float | None]], num: str, den: str) -> dict | None:
-    ratios = paired_ratios(times.get(num, []), times.get(den, []))
+    ratios = _timing.paired_ratios(times.get(num, []), times.get(den, []))
     if ratios is None:
         return None
     return {
@@ -338,16 +286,8 @@ def _ratios(times: dict[str, list[float | None]], num: str, den: str) -> dict | 
 def summarise(variants: dict[str, Variant]) -> tuple[dict, dict]:
     per_variant, times = {}, {}
     for name, v in variants.items():
-        ok = [t for t in v.times if t]
         times[name] = v.times
-        per_variant[name] = {
-            "median_s": statistics.median(ok) if ok else None,
-            "min_s": min(ok) if ok else None,
-            "times_s": v.times,
-            "first_loss": v.first_loss,
-            "error": v.error,
-            "notes": v.notes,
-        }
+        per_variant[name] = {**_timing.timing_summary(v), "notes": v.notes}
     ratios = {}
     for num in (*DP_VARIANTS, "opacus_ghost"):
         for den in BASELINES:
@@ -382,12 +322,12 @@ def memory_only(name: str, cfg: Config) -> dict:
     variant = build_variant(name, cfg, base, batch)
     del base
     for _ in range(MEMORY_WARMUP_STEPS):
-        run_step(variant)
+        _timing.time_step(variant)
     hwm = _vm_hwm_kb()
     result["peak_rss_vmhwm_mb"] = hwm / 1024 if hwm is not None else None  # so far; updated below
     reset = _reset_peak_rss()
     for _ in range(MEMORY_STEPS):
-        run_step(variant)
+        _timing.time_step(variant)
     result["ru_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     hwm = _vm_hwm_kb()
     result["steady_peak_rss_mb"] = hwm / 1024 if reset and hwm is not None else None
@@ -462,26 +402,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def environment() -> dict:
-    import opacus
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "opacus": opacus.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "load_average_1_5_15min": list(os.getloadavg()),
-    }
-
-
-def _fmt(x: float | None, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def print_table(result: dict) -> None:
     times, ratios, memory = result["times"], result["ratios"], result.get("memory_ratios", {})
     print(f"\nstep time, {result['config']}")
@@ -489,8 +409,8 @@ def print_table(result: dict) -> None:
     for name, t in times.items():
         mem = result.get("memory", {}).get(name, {})
         print(
-            f"{name:<15}{_fmt(t['median_s']):>10}{_fmt(t['min_s']):>10}{_fmt(mem.get('ru_maxrss_mb'), '.0f'):>10}"
-            f"{_fmt(memory.get(name, {}).get('ru_maxrss_vs_non_private'), '.2f'):>9}  {t['error'] or ''}"
+            f"{name:<15}{fmt(t['median_s']):>10}{fmt(t['min_s']):>10}{fmt(mem.get('ru_maxrss_mb'), '.0f'):>10}"
+            f"{fmt(memory.get(name, {}).get('ru_maxrss_vs_non_private'), '.2f'):>9}  {t['error'] or ''}"
         )
     print(f"\n{'ratio (step time)':<30}{'paired median':>15}{'min-time':>10}{'throughput':>12}")
     for num, by_den in ratios.items():
@@ -522,21 +442,7 @@ def main(argv: list[str] | None = None) -> dict:
     base, batch = build_model(cfg), make_batch(cfg)
     variants = {name: build_variant(name, cfg, base, batch) for name in args.variants}
     del base
-    for v in variants.values():
-        for _ in range(WARMUP_STEPS):
-            run_step(v)
-    names = list(variants)
-    orders = []
-    for r in range(cfg.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        orders.append(order)
-        round_times = {name: run_step(variants[name]) for name in order}
-        for name in names:
-            variants[name].times.append(round_times[name])
-        print(
-            f"round {r + 1}/{cfg.rounds}: " + ", ".join(f"{n} {_fmt(round_times[n])}" for n in order),
-            flush=True,
-        )
+    orders = _timing.interleaved(variants, cfg.rounds, WARMUP_STEPS)
     per_variant, ratios = summarise(variants)
     for v in variants.values():
         v.keep.clear()
@@ -558,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
             "warmup_steps": WARMUP_STEPS,
             "tied_embeddings": True,
         },
-        "environment": {**environment(), "load_average_at_start": load_before},
+        "environment": _timing.environment(load_average_at_start=load_before),
         "round_orders": orders,
         "times": per_variant,
         "ratios": ratios,
@@ -566,8 +472,7 @@ def main(argv: list[str] | None = None) -> dict:
         "memory_ratios": memory_ratios(memory),
         "notes": NOTES,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _timing.write_result(args.out, result)
     print_table(result)
     print(f"\nwrote {args.out}")
     return result
