@@ -428,3 +428,23 @@ def test_bf16_autocast_step_is_close_to_the_float32_step(tmp_path):
         steps[bf16] = torch.cat([(before[n] - p.detach()).flatten() for n, p in model.named_parameters()])
     assert steps[False].norm() > 0
     assert (steps[True] - steps[False]).norm() < 0.05 * steps[False].norm()
+
+
+def _hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_the_engines_hooks_leave_the_model_when_training_ends_or_the_trainer_goes(tmp_path):
+    import gc
+
+    model = models.gpt2()
+    bare = _hook_count(model)
+    trainer = make_trainer(tmp_path, model=model, noise_multiplier=1.0, max_steps=1)
+    assert _hook_count(model) > bare
+    trainer.train()
+    assert _hook_count(model) == bare
+    untrained = make_trainer(tmp_path, model=model, noise_multiplier=1.0, max_steps=1)
+    assert _hook_count(model) > bare
+    del untrained
+    gc.collect()
+    assert _hook_count(model) == bare
