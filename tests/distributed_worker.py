@@ -82,6 +82,9 @@ def main() -> None:
     parser.add_argument("--resume_from", default=None)
     parser.add_argument("--record_noise", action="store_true")
     parser.add_argument(
+        "--secret", action="store_true", help="the default: a secret key from OS entropy, not insecure_dp_seed"
+    )
+    parser.add_argument(
         "--snapshot_step", type=int, default=0, help="also save the parameters after this step"
     )
     cli = parser.parse_args()
@@ -111,7 +114,8 @@ def main() -> None:
         clipping_mode=cli.clipping_mode,
         max_steps=cli.steps,
         seed=7,
-        insecure_dp_seed=7,  # every run draws the same batches, so one and two processes can be compared
+        # every run draws the same batches, so one and two processes can be compared (unless --secret)
+        insecure_dp_seed=None if cli.secret else 7,
         deepspeed=deepspeed_config(cli.zero) if cli.zero is not None else None,
         **privacy,
     )

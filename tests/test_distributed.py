@@ -172,6 +172,18 @@ def test_ddp_noise_is_added_once_and_identical_on_replicas(runs):
     assert torch.equal(torch.load(noisy / "noise_process0.pt"), torch.load(noisy / "noise_process1.pt"))
 
 
+def test_a_secret_key_drawn_by_the_main_process_is_shared_by_both(runs):
+    """The default run (no insecure_dp_seed): one OS-entropy key, broadcast, so both DDP replicas draw the same
+    global batches and the same noise; a second such run draws other noise."""
+    first = runs("ddp_secret", "ddp.yaml", "--sigma", "1.0", "--record_noise", "--secret")
+    second = runs("ddp_secret_again", "ddp.yaml", "--sigma", "1.0", "--record_noise", "--secret")
+    assert_world(first, "MULTI_CPU")
+    noise = [torch.load(first / f"noise_process{r}.pt") for r in (0, 1)]
+    assert noise[0].numel() > 5000 and torch.equal(noise[0], noise[1])
+    assert not torch.equal(noise[0], torch.load(second / "noise_process0.pt"))
+    assert relative_difference(first / "final.pt", second / "final.pt") > 1e-6
+
+
 def test_zero2_noise_is_independent_per_partition_and_epsilon_matches_one_process(runs):
     noisy = runs(
         "zero2_noisy",

@@ -39,8 +39,12 @@ def test_an_explicit_insecure_seed_reproduces_and_warns(tmp_path):
         a = _final(tmp_path, noise_multiplier=1.0, insecure_dp_seed=5)
     b = _final(tmp_path, noise_multiplier=1.0, insecure_dp_seed=5)
     assert all(torch.equal(a[n], b[n]) for n in a)
-    trainer = make_trainer(tmp_path, noise_multiplier=1.0, insecure_dp_seed=5)
+    trainer = make_trainer(tmp_path, noise_multiplier=1.0, insecure_dp_seed=5, max_steps=1)
     assert trainer.privacy_report()["noise_randomness"] == "insecure_dp_seed"
+    trainer.train()
+    trainer.create_model_card()
+    card = (Path(trainer.args.output_dir) / "README.md").read_text()
+    assert "noise_randomness: insecure_dp_seed" in card and "anyone who knows that seed can" in card
 
 
 def _saved_files(folder: Path) -> dict[str, bytes]:
