@@ -1,14 +1,11 @@
 """Keep freed CPU memory in the process for reuse, instead of returning it to the kernel (glibc only).
 
-glibc serves every allocation above 32 MB (logits, vocabulary-sized gradients) with a fresh ``mmap`` and
-unmaps it on free, so each such tensor pays one page fault per 4 KB page every time it is allocated, and
-trims the top of its heap whenever more than twice the mmap threshold is free there. DiSK's two evaluations
-per step hold two sets of activations and allocate twice as many of these tensors: at GPT-2 small on one CPU
-thread they cost 1.94× (paired median) / 1.97× (min time) their base with the heap kept and 2.26× / 2.03×
-under glibc's defaults (``benchmarks/results/optimizer_cost_disk_gpt2_small{,_heap_not_kept}.json``).
-``mallopt(M_MMAP_MAX, 0)`` and ``mallopt(M_TRIM_THRESHOLD, ∞)`` make glibc reuse freed blocks instead; the
-cost is that the process keeps its peak heap until it exits, as PyTorch's CUDA caching allocator does.
-Set ``HF_DP_KEEP_CPU_HEAP=0`` to leave glibc's defaults alone.
+glibc serves every allocation above 32 MB (logits, vocabulary-sized gradients) with a fresh ``mmap``, unmaps
+it on free and trims the top of its heap, so each such tensor pays a page fault per 4 KB page every time it
+is allocated. DiSK's two evaluations per step allocate twice as many of them; ``mallopt(M_MMAP_MAX, 0)`` and
+``mallopt(M_TRIM_THRESHOLD, ∞)`` make glibc reuse freed blocks instead (measured: docs/performance.md and the
+README's optimizer cost). The process then keeps its peak heap until it exits, as PyTorch's CUDA caching
+allocator does. ``HF_DP_KEEP_CPU_HEAP=0`` leaves glibc's defaults alone.
 """
 
 from __future__ import annotations

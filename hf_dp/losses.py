@@ -8,7 +8,7 @@ over all tokens in the batch, which mixes examples). Sequence classification fol
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,6 @@ from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 IGNORE_INDEX = -100
-Task = Literal["causal_lm", "token", "sequence"]
 
 
 def _names(mapping: dict) -> set[str]:

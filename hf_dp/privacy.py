@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from torch.utils.data import IterableDataset
+
 from hf_dp.accounting import calibrate_noise_multiplier
 
 # Above this σ the noise on ĝ dwarfs any clipped sum by a factor 1e6: the run would learn nothing.
@@ -43,8 +45,14 @@ class PrivacyPlan:
         return self.noise_multiplier * self.clip_norm / self.expected_batch_size
 
 
-def plan_privacy(args, num_examples: int) -> PrivacyPlan:
-    """The plan for ``DPTrainingArguments`` ``args`` over ``num_examples``; one-line ValueError if it cannot hold."""
+def plan_privacy(args, dataset) -> PrivacyPlan:
+    """The plan for ``DPTrainingArguments`` ``args`` over ``dataset``; one-line ValueError if it cannot hold."""
+    if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        raise ValueError(
+            "DPTrainer needs a map-style train_dataset (random access and a length): Poisson sampling draws each "
+            "of the N examples independently; convert an IterableDataset with datasets' to_list/from_list"
+        )
+    num_examples = len(dataset)
     expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     if expected_batch_size > num_examples:
         raise ValueError(

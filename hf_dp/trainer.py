@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -30,7 +30,7 @@ from hf_dp.accounting import PrivacyAccountant
 from hf_dp.arguments import DPTrainingArguments
 from hf_dp.budget import PrivacyBudgetCallback
 from hf_dp.clipping.engine import ClippingEngine
-from hf_dp.clipping.strategies import Bookkeeping, clipping_strategy
+from hf_dp.clipping.strategies import Bookkeeping, clipping_strategy, require_per_example
 from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.data import dp_dataloader, split_example_mask
 from hf_dp.distributed import check_deepspeed
@@ -38,7 +38,7 @@ from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.losses import per_example_loss
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.optim.plan import StepPlanner
-from hf_dp.optim.registry import make_dp_optimizer
+from hf_dp.optim.registry import decay_groups, make_dp_optimizer
 from hf_dp.privacy import epsilon_spent, plan_privacy, plan_record, privacy_report
 from hf_dp.randomness import shared_secret
 
@@ -83,14 +83,8 @@ class DPTrainerMixin:
         # Arguments and data
         if not isinstance(self.args, DPTrainingArguments):
             raise TypeError("DPTrainer needs DPTrainingArguments (from hf_dp), not TrainingArguments")
-        dataset = self.train_dataset
-        if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
-            raise ValueError(
-                "DPTrainer needs a map-style train_dataset (random access and a length): Poisson sampling draws "
-                "each of the N examples independently; convert an IterableDataset with datasets' to_list/from_list"
-            )
         # Privacy plan, ledger and the run's secret
-        self.privacy_plan = plan_privacy(self.args, len(dataset))
+        self.privacy_plan = plan_privacy(self.args, self.train_dataset)
         self.accountant = PrivacyAccountant(self.args.accountant, self.privacy_plan.delta)
         self._privacy_state = checkpoint.RunPrivacyState(
             shared_secret(self.args.insecure_dp_seed), self.accountant, plan_record(self.privacy_plan, self.args)
@@ -172,18 +166,10 @@ class DPTrainerMixin:
         """The ``dp_optimizer`` rule (or the user's optimizer), released through the Gaussian mechanism."""
         if self.optimizer is None:
             model = model if model is not None else self.model
-            decay = set(self.get_decay_parameter_names(model))
-            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            groups = [
-                {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-            ]
+            groups = decay_groups(model, self.get_decay_parameter_names(model), self.args.weight_decay)
             kwargs = {"lr": self.args.learning_rate, **self.args.dp_optimizer_kwargs}
             self.optimizer = make_dp_optimizer(
-                self.args.dp_optimizer,
-                [g for g in groups if g["params"]],
-                mean_noise_std=self.privacy_plan.mean_noise_std,
-                **kwargs,
+                self.args.dp_optimizer, groups, mean_noise_std=self.privacy_plan.mean_noise_std, **kwargs
             )
         if self._dp_optimizer is None:
             self._dp_optimizer = self.optimizer  # before accelerate or DeepSpeed wrap it
@@ -244,13 +230,7 @@ class DPTrainerMixin:
                 losses = self.compute_loss(module, inputs)
             finally:
                 micro.evaluating = False
-            if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != micro.mask.shape[0]:
-                shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
-                raise ValueError(
-                    f"{type(self).__name__}.compute_loss returned {shape}; under DP it must return one loss per "
-                    f"example, shape ({micro.mask.shape[0]},), or override compute_per_example_loss instead"
-                )
-            return losses
+            return require_per_example(losses, micro.mask.shape[0], f"{type(self).__name__}.compute_loss")
 
         step = self._clipping.run(losses_of, micro.mask, self._planner.current, model)
         micro.losses = step.losses

@@ -27,6 +27,17 @@ from hf_dp.optim.plan import StepPlan
 LossFn = Callable[[nn.Module], torch.Tensor]
 
 
+def require_per_example(losses, batch_size: int, source: str) -> torch.Tensor:
+    """The per-example losses, or a one-line error: under DP a loss must come one per example."""
+    if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != batch_size:
+        shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise ValueError(
+            f"{source} returned {shape}; under DP it must return one loss per example, shape ({batch_size},), "
+            "or override compute_per_example_loss instead"
+        )
+    return losses
+
+
 @dataclass
 class MicroStep:
     losses: torch.Tensor

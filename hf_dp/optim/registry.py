@@ -59,6 +59,17 @@ def make_dp_optimizer(
         ) from None
 
 
+def decay_groups(model: torch.nn.Module, decay_names: Iterable[str], weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters in two groups, as the Trainer makes them: with and without weight decay."""
+    decay = set(decay_names)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
 def _culprit(build: Builder, kwargs: dict[str, Any], error: TypeError) -> str:
     """Which kwarg is wrong, from the builder's signature (and the rule's constructor it forwards to)."""
     accepted: set[str] = set()
