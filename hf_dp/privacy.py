@@ -7,6 +7,7 @@ and still be "(ε, δ)-DP", so it is refused unless ``allow_large_delta`` (which
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from hf_dp.accounting import calibrate_noise_multiplier
+
+logger = logging.getLogger(__name__)
 
 # Above this σ the noise on ĝ dwarfs any clipped sum by a factor 1e6: the run would learn nothing.
 MAX_NOISE_MULTIPLIER = 1e6
@@ -84,6 +87,10 @@ def plan_privacy(args, dataset) -> PrivacyPlan:
             f"noise_multiplier σ = {noise_multiplier:.3g} > {MAX_NOISE_MULTIPLIER:g}: the noise would drown every update; "
             "raise target_epsilon, train fewer steps or use a larger batch"
         )
+    logger.info(
+        f"hf_dp: N={num_examples}, expected batch {expected_batch_size}, q={sample_rate:.4g}, {planned_steps} "
+        f"planned steps, sigma={noise_multiplier:.4g}, delta={delta:.3g}"
+    )
     return PrivacyPlan(
         num_examples=num_examples,
         expected_batch_size=expected_batch_size,

@@ -13,8 +13,6 @@ Trainer's hooks:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 import os
 import weakref
 from typing import Any
@@ -30,41 +28,18 @@ from hf_dp.accounting import PrivacyAccountant
 from hf_dp.arguments import DPTrainingArguments
 from hf_dp.budget import PrivacyBudgetCallback
 from hf_dp.clipping.engine import ClippingEngine
-from hf_dp.clipping.strategies import Bookkeeping, clipping_strategy, require_per_example
+from hf_dp.clipping.strategies import Bookkeeping, clipping_strategy
 from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.data import dp_dataloader, split_example_mask
 from hf_dp.distributed import check_deepspeed
 from hf_dp.hub import add_privacy_to_model_card
+from hf_dp.loss_contract import MicroBatch, per_example_under_dp
 from hf_dp.losses import per_example_loss
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.optim.plan import StepPlanner
 from hf_dp.optim.registry import decay_groups, make_dp_optimizer
 from hf_dp.privacy import epsilon_spent, plan_privacy, plan_record, privacy_report
 from hf_dp.randomness import shared_secret
-
-logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _MicroBatch:
-    """The DP state of one ``training_step``: its example mask and what the clipping strategy left."""
-
-    mask: torch.Tensor
-    evaluating: bool = False  # inside the strategy: compute_loss means the per-example loss
-    losses: torch.Tensor | None = None
-
-
-def _per_example_under_dp(compute_loss):
-    """A subclass's own ``compute_loss`` is, during DP training, the per-example loss the DP step evaluates."""
-
-    @functools.wraps(compute_loss)
-    def wrapped(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        micro = self._micro_batch
-        if micro is not None and not micro.evaluating:
-            return self._dp_backward(model, inputs, micro)
-        return compute_loss(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-
-    return wrapped
 
 
 class DPTrainerMixin:
@@ -76,7 +51,7 @@ class DPTrainerMixin:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "compute_loss" in cls.__dict__:
-            cls.compute_loss = _per_example_under_dp(cls.__dict__["compute_loss"])
+            cls.compute_loss = per_example_under_dp(cls.__dict__["compute_loss"])
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -104,14 +79,9 @@ class DPTrainerMixin:
         # Mechanism (built with the optimizer) and callbacks
         self._mechanism: GaussianMechanism | None = None
         self._dp_optimizer: torch.optim.Optimizer | None = None
-        self._micro_batch: _MicroBatch | None = None
+        self._micro_batch: MicroBatch | None = None
         self._trained = False
         self.add_callback(PrivacyBudgetCallback(self))
-        plan = self.privacy_plan
-        logger.info(
-            f"hf_dp: N={plan.num_examples}, expected batch {plan.expected_batch_size}, q={plan.sample_rate:.4g}, "
-            f"{plan.planned_steps} planned steps, sigma={plan.noise_multiplier:.4g}, delta={plan.delta:.3g}"
-        )
 
     # the plan's numbers under the names the Trainer's users know
     num_train_examples = property(lambda self: self.privacy_plan.num_examples)
@@ -194,7 +164,7 @@ class DPTrainerMixin:
         examples. The value is scaled by the number of processes, because the Trainer logs their mean.
         """
         inputs, mask = split_example_mask(inputs)
-        micro = self._micro_batch = _MicroBatch(mask.to(self.args.device))
+        micro = self._micro_batch = MicroBatch(mask.to(self.args.device))
         try:
             super().training_step(model, inputs, None)
         finally:
@@ -221,17 +191,10 @@ class DPTrainerMixin:
         """L_i for each example of the micro-batch, shape (B,): the extension point for your own loss."""
         return per_example_loss(model, inputs)
 
-    def _dp_backward(self, model: nn.Module, inputs: dict[str, Any], micro: _MicroBatch) -> torch.Tensor:
+    def _dp_backward(self, model: nn.Module, inputs: dict[str, Any], micro: MicroBatch) -> torch.Tensor:
         """The clipping strategy on this micro-batch; returns what the parent's training_step back-propagates."""
 
-        def losses_of(module: nn.Module) -> torch.Tensor:
-            micro.evaluating = True
-            try:
-                losses = self.compute_loss(module, inputs)
-            finally:
-                micro.evaluating = False
-            return require_per_example(losses, micro.mask.shape[0], f"{type(self).__name__}.compute_loss")
-
+        losses_of = micro.per_example_losses(self.compute_loss, inputs, f"{type(self).__name__}.compute_loss")
         step = self._clipping.run(losses_of, micro.mask, self._planner.current, model)
         micro.losses = step.losses
         if step.backward is not None:

@@ -164,7 +164,7 @@ def per_example_grads(model, batch, shift=None) -> list[torch.Tensor]:
 
 
 def test_clipping_each_evaluation_separately_is_a_different_mechanism() -> None:
-    """The sensitivity trap (spec B, A2 and C15): at (κ, γ) = (0.7, 0.2), c = 2.14, c·clip(a_i) + (1 − c)·clip(b_i)
+    """The sensitivity trap (docs/clipping.md): at (κ, γ) = (0.7, 0.2), c = 2.14, c·clip(a_i) + (1 − c)·clip(b_i)
     reaches (|c| + |1 − c|)·C = 3.29·C, while the engine's joint clip keeps every example at norm ≤ C."""
     model, batch = build("gpt2_tied")
     c, clip = 15 / 7, 1e-3  # every example clipped

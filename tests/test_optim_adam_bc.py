@@ -1,4 +1,4 @@
-"""DP-AdamBC (P0 Alg. 7): the noise bias it removes (P0 A6-T1), its floor, fp32 state, checkpoints."""
+"""DP-AdamBC (Tang et al. 2024): the noise bias it removes, its floor, fp32 state, checkpoints."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _steps(
 
 
 def _bruteforce_alg7(theta, grads, lrs, noise_std, eps, weight_decay, betas=BETAS) -> list[float]:
-    """P0 Alg. 7 for one coordinate, written out in float64 with explicit sums over the past."""
+    """DP-AdamBC for one coordinate, written out in float64 with explicit sums over the past."""
     beta1, beta2 = betas
     out = []
     for t in range(1, len(grads) + 1):
@@ -87,7 +87,7 @@ def test_floor_is_exact_at_first_step() -> None:
 
 
 def test_blackbox_adam_second_moment_is_biased_by_noise_variance_at_every_step() -> None:
-    """P0 A6-T1: a fixed gradient stream plus independent noise over many seeds: mean(v̂_t) − v̂*_t → Φ."""
+    """A fixed gradient stream plus independent noise over many seeds: mean(v̂_t) − v̂*_t → Φ."""
     seeds, steps, noise_std = 20_000, 12, 0.2
     gen = torch.Generator().manual_seed(2)
     stream = [torch.tensor([0.5, -0.1, 0.0]) * (1 + 0.3 * math.sin(t)) for t in range(steps)]
@@ -130,7 +130,7 @@ def test_adam_bc_step_size_is_unbiased_where_blackbox_adam_is_not() -> None:
 
 @pytest.mark.parametrize(("steps", "expected"), [(1, 0.6827), (50, 0.5266)])
 def test_pure_noise_hits_the_floor_about_half_of_the_time(steps: int, expected: float) -> None:
-    """Zero true gradient: v̂ − Φ is centred at 0, so D = ε on about half the coordinates (P0 Fig. 4: 45–50%).
+    """Zero true gradient: v̂ − Φ is centred at 0, so D = ε on about half the coordinates (Ganesh et al. report 45–50%).
 
     v̂_t ≈ Φ·χ²_k/k with k = t effective samples at β2 = 0.999, so P(floor) = P(χ²_k < k): 0.6827 at k = 1
     (= P(|Z| < 1)) and 0.5266 at k = 50. Black-box Adam never gets near ε (its D ≈ σC/B̄).

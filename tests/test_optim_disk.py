@@ -1,4 +1,4 @@
-"""DiSK (spec B, A1.4) through the optimizer: the D2–D4 tests, the plan's evaluations, state and refusals."""
+"""DiSK (Zhang et al., Alg. 3) through the optimizer: its properties, the plan's evaluations, state and refusals."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from hf_dp.optim.filters import (
 )
 from hf_dp.optim.registry import make_dp_optimizer
 
-# Spec part D's table, as printed: var Σκ², |H(π/2)|, |H(π)|, |poles| ("x2": a complex pair), −3 dB ω/π,
+# The filters' properties as tabulated from the paper (App. C): var Σκ², |H(π/2)|, |H(π)|, |poles| ("x2": a complex pair), −3 dB ω/π,
 # κ_0..κ_3, c_a,0..c_a,3.
 TABLE = {
     "momentum": "0.05263 0.0743 0.0526 0.9 0.0336 .1 .09 .081 .0729 .1 .19 .271 .3439",
@@ -37,7 +37,7 @@ TABLE = {
     "f6": "0.16667 0.0196 0 0.922x2 0.1051 .025 .07 .1048 .1291 .025 .095 .1998 .3288",
 }
 TABLE_FILTERS = sorted(TABLE)
-# Finite-t variance of the corrected output under white noise (spec D10), t = 0, 1, 4, 9, 49.
+# Finite-t variance of the corrected output under white noise (derived from the filters), t = 0, 1, 4, 9, 49.
 FINITE_T = {
     "momentum": (1, 0.5014, 0.2044, 0.1090, 0.0532),
     "first_order_v1": (1, 0.5421, 0.2116, 0.1226, 0.0909),
@@ -147,7 +147,7 @@ def test_table_values(name: str) -> None:
 
 
 def test_table_notes_overshoot_and_amplification() -> None:
-    """Spec part D notes and part C item 9: f6 amplifies (peak |H| 1.529 at ω ≈ 0.065π, min κ −0.046,
+    """The paper's f6 amplifies (peak |H| 1.529 at ω ≈ 0.065π, min κ −0.046,
     c_a peaks at 1.31 at t = 13); the 2nd-order filter's c_a overshoots to 1.036, its min κ is −0.0047."""
     grid = np.linspace(0, math.pi, 200_001)
     gain = np.abs(frequency_response(*FILTERS["f6"], grid))

@@ -1,4 +1,4 @@
-"""Scale-then-privatize (spec A §A1.5, A6 T4/T5) and DP² (spec A Part B, B6 T9/T11), through the optimizers."""
+"""Scale-then-privatize (Ganesh et al.) and DP² (Li et al. 2023, Alg. 1) through the optimizers: their properties."""
 
 from __future__ import annotations
 

@@ -1,0 +1,56 @@
+"""How the DP step meets the Trainer's ``compute_loss`` contract.
+
+During a DP ``training_step`` the parent's ``training_step`` calls ``compute_loss``, which runs the clipping
+strategy; the strategy in turn evaluates the loss per example through ``compute_loss`` again, now meaning
+"one loss per example". A ``MicroBatch`` carries which of the two is asked; a subclass's own
+``compute_loss`` is wrapped so that it, too, is the per-example loss inside the strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_dp.clipping.strategies import require_per_example
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """The DP state of one ``training_step``: its example mask and what the clipping strategy left."""
+
+    mask: torch.Tensor
+    evaluating: bool = False  # inside the strategy: compute_loss means the per-example loss
+    losses: torch.Tensor | None = None
+
+    def per_example_losses(
+        self, compute_loss: Callable[..., Any], inputs: dict[str, Any], source: str
+    ) -> Callable[[nn.Module], torch.Tensor]:
+        """The strategy's loss function: ``compute_loss`` in per-example mode, checked to be (B,)."""
+
+        def losses_of(module: nn.Module) -> torch.Tensor:
+            self.evaluating = True
+            try:
+                losses = compute_loss(module, inputs)
+            finally:
+                self.evaluating = False
+            return require_per_example(losses, self.mask.shape[0], source)
+
+        return losses_of
+
+
+def per_example_under_dp(compute_loss: Callable[..., Any]) -> Callable[..., Any]:
+    """A subclass's own ``compute_loss`` is, during DP training, the per-example loss the DP step evaluates."""
+
+    @functools.wraps(compute_loss)
+    def wrapped(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        micro = self._micro_batch
+        if micro is not None and not micro.evaluating:
+            return self._dp_backward(model, inputs, micro)
+        return compute_loss(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    return wrapped
