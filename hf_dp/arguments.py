@@ -8,11 +8,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import get_args
 
+import torch
 from transformers import TrainingArguments
 
+from hf_dp import compat
 from hf_dp.accounting import AccountantName
 from hf_dp.clipping.geometry import ClippingFn, ClippingMode
-from hf_dp.optim.registry import dp_optimizer_names
+from hf_dp.optim.registry import dp_optimizer_names, make_dp_optimizer
 
 CLIPPING_MODES = get_args(ClippingMode)
 CLIPPING_FNS = get_args(ClippingFn)
@@ -27,9 +29,10 @@ def _finite(x: float | None) -> bool:
 class DPTrainingArguments(TrainingArguments):
     """``TrainingArguments`` for differentially private training with ``DPTrainer``.
 
-    Exactly one of ``target_epsilon`` (σ is then calibrated for the planned steps) and
-    ``noise_multiplier`` must be given, unless ``disable_dp``. The logical batch is
+    To train, give exactly one of ``target_epsilon`` (σ is then calibrated for the planned steps) and
+    ``noise_multiplier``, unless ``disable_dp``; evaluation-only runs need neither. The logical batch is
     per-device batch × gradient accumulation × processes; with Poisson sampling it is the expected size.
+    Every ``TrainingArguments`` field is honoured, mapped or refused here (hf_dp.compat, docs/trainer-arguments.md).
     """
 
     target_epsilon: float | None = field(
@@ -70,8 +73,12 @@ class DPTrainingArguments(TrainingArguments):
             "accounted AS IF Poisson (the model card says so)."
         },
     )
-    dp_optimizer: str = field(
-        default="adamw", metadata={"help": "The DP update rule: one of the registered names (hf_dp.optim.registry)."}
+    dp_optimizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "The DP update rule: a registered name (hf_dp.optim.registry). Default: from `optim` "
+            "(adamw_torch → 'adamw', sgd → 'sgd'), so 'adamw' unless you change optim."
+        },
     )
     dp_optimizer_kwargs: dict | str | None = field(
         default=None,
@@ -123,7 +130,46 @@ class DPTrainingArguments(TrainingArguments):
         self.dp_optimizer_kwargs = dict(self.dp_optimizer_kwargs or {})
         self._validate_privacy()
         super().__post_init__()
-        self._validate_trainer_options()
+        compat.check_fields(self)
+        self._resolve_optimizer()
+
+    @property
+    def has_privacy_budget(self) -> bool:
+        """Whether the arguments say how private training is (one of target_epsilon, noise_multiplier)."""
+        return self.disable_dp or self.target_epsilon is not None or self.noise_multiplier is not None
+
+    def _resolve_optimizer(self) -> None:
+        """dp_optimizer from HF's ``optim``, HF's ``adam_*`` into its kwargs; the rule is built once on a dummy
+        parameter so that a kwarg it does not take is refused here, in one line."""
+        self.dp_optimizer = compat.resolve_dp_optimizer(self.dp_optimizer, self.optim)
+        if self.dp_optimizer not in dp_optimizer_names():
+            raise ValueError(
+                f"DPTrainingArguments: dp_optimizer={self.dp_optimizer!r} is unknown; use one of "
+                f"{list(dp_optimizer_names())}"
+            )
+        user_kwargs = self.dp_optimizer_kwargs
+        from_adam = compat.adam_kwargs(self)
+        self.dp_optimizer_kwargs = {**from_adam, **user_kwargs}
+        try:
+            self._build_rule_on_dummy(self.dp_optimizer_kwargs)
+        except ValueError as error:
+            if from_adam and self._builds(user_kwargs):
+                raise ValueError(
+                    f"DPTrainingArguments: adam_beta1/adam_beta2/adam_epsilon are set, but dp_optimizer="
+                    f"{self.dp_optimizer!r} takes no {' or '.join(map(repr, from_adam))}; leave them at their defaults"
+                ) from None
+            raise ValueError(f"DPTrainingArguments: {error}") from None
+
+    def _build_rule_on_dummy(self, kwargs: dict) -> None:
+        dummy = [torch.nn.Parameter(torch.zeros(1))]
+        make_dp_optimizer(self.dp_optimizer, dummy, mean_noise_std=1.0, **{"lr": self.learning_rate, **kwargs})
+
+    def _builds(self, kwargs: dict) -> bool:
+        try:
+            self._build_rule_on_dummy(kwargs)
+        except ValueError:
+            return False
+        return True
 
     def _validate_privacy(self) -> None:
         def fail(message: str) -> None:
@@ -135,20 +181,13 @@ class DPTrainingArguments(TrainingArguments):
             fail(f"clipping_fn={self.clipping_fn!r} is unknown; use one of {CLIPPING_FNS}")
         if self.accountant not in ACCOUNTANTS:
             fail(f"accountant={self.accountant!r} is unknown; use one of {ACCOUNTANTS}")
-        if self.dp_optimizer not in dp_optimizer_names():
-            fail(f"dp_optimizer={self.dp_optimizer!r} is unknown; use one of {list(dp_optimizer_names())}")
-        if self.max_grad_norm:
-            fail(
-                f"max_grad_norm={self.max_grad_norm} would clip the noisy aggregate gradient; set it to 0 and use "
-                "per_sample_max_grad_norm for the per-example clip norm"
-            )
         if self.disable_dp:
             if self.target_epsilon is not None or self.noise_multiplier is not None:
                 fail("disable_dp=True trains without privacy; drop target_epsilon and noise_multiplier")
             return
         if not (self.per_sample_max_grad_norm > 0 and math.isfinite(self.per_sample_max_grad_norm)):
             fail(f"per_sample_max_grad_norm must be > 0 and finite, got {self.per_sample_max_grad_norm}")
-        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+        if self.target_epsilon is not None and self.noise_multiplier is not None:
             fail("give exactly one of target_epsilon (σ is then calibrated) and noise_multiplier")
         if self.target_epsilon is not None and not (self.target_epsilon > 0 and _finite(self.target_epsilon)):
             fail(f"target_epsilon must be > 0 and finite, got {self.target_epsilon}")
@@ -173,22 +212,4 @@ class DPTrainingArguments(TrainingArguments):
                 "poisson_sampling=False: fixed-size shuffled batches; epsilon is accounted as if batches were "
                 "Poisson-sampled, which they are not",
                 stacklevel=3,
-            )
-
-    def _validate_trainer_options(self) -> None:
-        if self.disable_dp:
-            return
-        if self.fp16:
-            raise ValueError(
-                "DPTrainingArguments: fp16 loss scaling is not supported under DP; use bf16 or fp32"
-            )
-        if self.gradient_checkpointing:
-            raise ValueError(
-                "DPTrainingArguments: gradient_checkpointing re-runs forwards inside backward, which per-example "
-                "clipping does not support yet; turn it off"
-            )
-        if self.ignore_data_skip:
-            raise ValueError(
-                "DPTrainingArguments: ignore_data_skip=True would replay the epoch's first Poisson batches on resume, "
-                "which the accountant counts as fresh draws; leave it False"
             )

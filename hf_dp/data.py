@@ -77,4 +77,17 @@ def dp_dataloader(
         collate_fn=MaskingCollator(collator, dataset),
         num_workers=args.dataloader_num_workers,
         pin_memory=args.dataloader_pin_memory,
+        **_worker_options(args),
     )
+
+
+def _worker_options(args) -> dict[str, Any]:
+    """The Trainer's data-loader options that torch accepts only with worker processes."""
+    if not args.dataloader_num_workers:
+        return {}
+    return {
+        "persistent_workers": args.dataloader_persistent_workers,
+        "prefetch_factor": args.dataloader_prefetch_factor,
+        "multiprocessing_context": args.dataloader_multiprocessing_context,
+        "in_order": args.dataloader_in_order,
+    }

@@ -44,8 +44,13 @@ def is_causal_lm(model: nn.Module) -> bool:
     return name in _CAUSAL_LM_CLASSES or name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
 
 
-def token_loss_per_example(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
+def token_loss_per_example(
+    logits: torch.Tensor, labels: torch.Tensor, shift: bool, label_smoothing: float = 0.0
+) -> torch.Tensor:
     """L_i = mean over t with labels_{i,t} != -100 of CE(logits_{i,t}, labels_{i,t}); 0 if none.
+
+    With label smoothing ε each token's CE is (1 − ε)·NLL + ε·mean_v(−log p_v) (Szegedy et al. 2016), the
+    Trainer's ``LabelSmoother`` applied to each example alone.
 
     For causal LMs position t predicts labels_{t+1}: the LABELS are shifted (one -100 column appended),
     never the logits, which would copy the B·T·V logit tensor.
@@ -57,15 +62,17 @@ def token_loss_per_example(logits: torch.Tensor, labels: torch.Tensor, shift: bo
         labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="none",
+        label_smoothing=label_smoothing,
     ).view(labels.shape)
     counts = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
     return token_losses.sum(dim=1) / counts
 
 
 def sequence_loss_per_example(
-    logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None
+    logits: torch.Tensor, labels: torch.Tensor, problem_type: str | None, label_smoothing: float = 0.0
 ) -> torch.Tensor:
-    """Classification losses per example, with HF's rule for inferring ``problem_type``."""
+    """Classification losses per example, with HF's rule for inferring ``problem_type``; label smoothing
+    applies to single-label cross-entropy and is refused for the other problem types."""
     num_labels = logits.shape[-1]
     if problem_type is None:
         if num_labels == 1:
@@ -74,6 +81,11 @@ def sequence_loss_per_example(
             problem_type = "single_label_classification"
         else:
             problem_type = "multi_label_classification"
+    if label_smoothing and problem_type != "single_label_classification":
+        raise ValueError(
+            f"label_smoothing_factor={label_smoothing} applies to cross-entropy over classes, not to "
+            f"problem_type={problem_type!r}; set it to 0"
+        )
     if problem_type == "regression":
         return F.mse_loss(
             logits.float().view(labels.shape[0], -1),
@@ -81,11 +93,13 @@ def sequence_loss_per_example(
             reduction="none",
         ).mean(dim=1)
     if problem_type == "single_label_classification":
-        return F.cross_entropy(logits.float().view(-1, num_labels), labels.view(-1), reduction="none")
+        return F.cross_entropy(
+            logits.float().view(-1, num_labels), labels.view(-1), reduction="none", label_smoothing=label_smoothing
+        )
     return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(dim=1)
 
 
-def per_example_loss(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+def per_example_loss(model: nn.Module, inputs: dict[str, Any], label_smoothing: float = 0.0) -> torch.Tensor:
     """Run ``model`` on a batch (without letting it compute its batch loss) and return L_i, shape (B,)."""
     inputs = dict(inputs)
     labels = inputs.pop("labels", None)
@@ -101,5 +115,5 @@ def per_example_loss(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
     outputs = model(**inputs)
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
     if logits.dim() == 3 and labels.dim() == 2:
-        return token_loss_per_example(logits, labels, shift=is_causal_lm(model))
-    return sequence_loss_per_example(logits, labels, getattr(base.config, "problem_type", None))
+        return token_loss_per_example(logits, labels, shift=is_causal_lm(model), label_smoothing=label_smoothing)
+    return sequence_loss_per_example(logits, labels, getattr(base.config, "problem_type", None), label_smoothing)

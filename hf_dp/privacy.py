@@ -55,6 +55,11 @@ def plan_privacy(args, dataset) -> PrivacyPlan:
             "DPTrainer needs a map-style train_dataset (random access and a length): Poisson sampling draws each "
             "of the N examples independently; convert an IterableDataset with datasets' to_list/from_list"
         )
+    if not args.has_privacy_budget:
+        raise ValueError(
+            "DPTrainer: to train, give one of target_epsilon (σ is then calibrated) and noise_multiplier in "
+            "DPTrainingArguments, or disable_dp=True for a non-private baseline"
+        )
     num_examples = len(dataset)
     expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     if expected_batch_size > num_examples:
@@ -112,7 +117,9 @@ def epsilon_spent(plan: PrivacyPlan, accountant) -> float:
     return accountant.get_epsilon()
 
 
-def privacy_report(plan: PrivacyPlan, accountant, args, steps: int, randomness: str) -> dict[str, Any]:
+def privacy_report(
+    plan: PrivacyPlan, accountant, args, steps: int, randomness: str, optimizer: str | None = None
+) -> dict[str, Any]:
     """The guarantee of a run as plain values: what model cards, logs and results state (hf_dp.hub)."""
     return {
         "epsilon": epsilon_spent(plan, accountant),
@@ -127,7 +134,7 @@ def privacy_report(plan: PrivacyPlan, accountant, args, steps: int, randomness: 
         "expected_batch_size": plan.expected_batch_size,
         "num_train_examples": plan.num_examples,
         "steps": steps,
-        "optimizer": args.dp_optimizer,
+        "optimizer": optimizer or args.dp_optimizer,
         "optimizer_kwargs": dict(args.dp_optimizer_kwargs),
         "clipping_mode": args.clipping_mode,
         "clipping_fn": args.clipping_fn,

@@ -13,6 +13,7 @@ Trainer's hooks:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import weakref
 from typing import Any
@@ -38,8 +39,10 @@ from hf_dp.losses import per_example_loss
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.optim.plan import StepPlanner
 from hf_dp.optim.registry import decay_groups, make_dp_optimizer
-from hf_dp.privacy import epsilon_spent, plan_privacy, plan_record, privacy_report
+from hf_dp.privacy import PrivacyPlan, epsilon_spent, plan_privacy, plan_record, privacy_report
 from hf_dp.randomness import shared_secret
+
+logger = logging.getLogger(__name__)
 
 
 class DPTrainerMixin:
@@ -55,10 +58,26 @@ class DPTrainerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Arguments and data
         if not isinstance(self.args, DPTrainingArguments):
             raise TypeError("DPTrainer needs DPTrainingArguments (from hf_dp), not TrainingArguments")
-        # Privacy plan, ledger and the run's secret
+        if self.compute_loss_func is not None:
+            raise ValueError(
+                "DPTrainer: compute_loss_func computes one loss for the whole batch; override "
+                "compute_per_example_loss(model, inputs) to return one loss per example instead"
+            )
+        self.privacy_plan: PrivacyPlan | None = None
+        self.clipping_engine: ClippingEngine | None = None
+        self._mechanism: GaussianMechanism | None = None
+        self._dp_optimizer: torch.optim.Optimizer | None = None
+        self._micro_batch: MicroBatch | None = None
+        self._optimizer_name: str | None = None  # the dp_optimizer, or the class of the user's optimizer
+        self._drawn_examples = 0  # real examples in the logical batch in progress, over all processes
+        self._trained = False
+        if self.train_dataset is not None:  # evaluation and prediction need no privacy machinery
+            self._prepare_privacy()
+
+    def _prepare_privacy(self) -> None:
+        """The plan, the ledger and the run's secret; the clipping strategy this backend needs; the callbacks."""
         self.privacy_plan = plan_privacy(self.args, self.train_dataset)
         self.accountant = PrivacyAccountant(self.args.accountant, self.privacy_plan.delta)
         self._privacy_state = checkpoint.RunPrivacyState(
@@ -67,21 +86,33 @@ class DPTrainerMixin:
         self._zero_stage = None
         if self.is_deepspeed_enabled:
             self._zero_stage = check_deepspeed(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
-        # Clipping: the strategy this backend needs, fed by one planner
         self._planner = StepPlanner(self.privacy_plan.clip_norm)
-        self.clipping_engine = None
+        self._hook_clipping(self.model)
+        self.add_callback(PrivacyBudgetCallback(self))
+
+    def _hook_clipping(self, model: nn.Module) -> None:
+        if self.clipping_engine is not None:
+            self.clipping_engine.remove_hooks()
+            self.clipping_engine = None
         if self.privacy_plan.private:
-            self.clipping_engine = ClippingEngine(self.model, self.args.clipping_fn, self.args.clipping_mode)
+            self.clipping_engine = ClippingEngine(model, self.args.clipping_fn, self.args.clipping_mode)
             weakref.finalize(self, self.clipping_engine.remove_hooks)
         self._clipping = clipping_strategy(
-            self.clipping_engine, self.model, self.args.world_size, deepspeed=self.is_deepspeed_enabled
+            self.clipping_engine, model, self.args.world_size, deepspeed=self.is_deepspeed_enabled
         )
-        # Mechanism (built with the optimizer) and callbacks
-        self._mechanism: GaussianMechanism | None = None
-        self._dp_optimizer: torch.optim.Optimizer | None = None
-        self._micro_batch: MicroBatch | None = None
-        self._trained = False
-        self.add_callback(PrivacyBudgetCallback(self))
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """``model_init``'s fresh model (``train()`` builds one): the clipping hooks move to it."""
+        model = super().call_model_init(trial)
+        if getattr(self, "privacy_plan", None) is not None:
+            self._hook_clipping(model)
+        return model
+
+    def hyperparameter_search(self, *args: Any, **kwargs: Any):
+        raise ValueError(
+            "DPTrainer.hyperparameter_search trains once per trial on the private data and keeps the best, which "
+            "one run's guarantee does not cover (Papernot & Steinke 2022); tune on public data, then train once"
+        )
 
     # the plan's numbers under the names the Trainer's users know
     num_train_examples = property(lambda self: self.privacy_plan.num_examples)
@@ -107,18 +138,40 @@ class DPTrainerMixin:
     # ---- training ---------------------------------------------------------------------------------
 
     def train(self, *args: Any, **kwargs: Any):
-        """The Trainer's ``train``, once per DPTrainer: a second call would redraw the same batches."""
+        """The Trainer's ``train``, once per DPTrainer (a second call would redraw the same batches). Its metrics
+        (hence ``train_results.json``) carry the guarantee: ε, δ, σ, the privacy unit and the steps."""
+        if self.privacy_plan is None:
+            raise ValueError(
+                "DPTrainer.train needs a train_dataset (evaluate and predict work without one): pass train_dataset"
+            )
         if self._trained:
             raise RuntimeError(
                 "train() was already called on this DPTrainer and would redraw its batches from the same secret; "
                 "continue with a new DPTrainer and resume_from_checkpoint"
             )
         self._trained = True
+        logger.info(
+            "hf_dp: the logged training loss is the mean per-example loss of each drawn batch, without noise: it "
+            "is NOT private (the released model and ε are)"
+        )
         try:
-            return super().train(*args, **kwargs)
+            output = super().train(*args, **kwargs)
         finally:
             if self.clipping_engine is not None:
                 self.clipping_engine.remove_hooks()
+        output.metrics.update(self.privacy_metrics())
+        return output
+
+    def privacy_metrics(self) -> dict[str, float | int | str]:
+        """The guarantee as metrics (``train_results.json``, ``all_results.json``)."""
+        report = self.privacy_report()
+        return {
+            "epsilon": report["epsilon"],
+            "delta": report["delta"],
+            "noise_multiplier": report["noise_multiplier"],
+            "privacy_unit": report["unit"],
+            "dp_steps": report["steps"],
+        }
 
     def get_train_dataloader(self) -> DataLoader:
         dataset, collator = self.train_dataset, self.data_collator
@@ -137,10 +190,18 @@ class DPTrainerMixin:
         if self.optimizer is None:
             model = model if model is not None else self.model
             groups = decay_groups(model, self.get_decay_parameter_names(model), self.args.weight_decay)
-            kwargs = {"lr": self.args.learning_rate, **self.args.dp_optimizer_kwargs}
-            self.optimizer = make_dp_optimizer(
-                self.args.dp_optimizer, groups, mean_noise_std=self.privacy_plan.mean_noise_std, **kwargs
-            )
+            if self.optimizer_cls_and_kwargs is not None:
+                rule, kwargs = self.optimizer_cls_and_kwargs
+                self.optimizer = rule(groups, **{"lr": self.args.learning_rate, **kwargs})
+            else:
+                kwargs = {"lr": self.args.learning_rate, **self.args.dp_optimizer_kwargs}
+                self.optimizer = make_dp_optimizer(
+                    self.args.dp_optimizer, groups, mean_noise_std=self.privacy_plan.mean_noise_std, **kwargs
+                )
+            if self.optimizer_cls_and_kwargs is None:
+                self._optimizer_name = self.args.dp_optimizer
+        if self._optimizer_name is None:  # passed in optimizers=(...) or optimizer_cls_and_kwargs
+            self._optimizer_name = f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}"
         if self._dp_optimizer is None:
             self._dp_optimizer = self.optimizer  # before accelerate or DeepSpeed wrap it
             self._planner.bind(self.optimizer)
@@ -158,7 +219,8 @@ class DPTrainerMixin:
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
-        """The parent's ``training_step``, whose ``compute_loss`` runs the clipping strategy; returns Σ_i L_i / B̄.
+        """The parent's ``training_step``, whose ``compute_loss`` runs the clipping strategy; returns this
+        micro-batch's share of the mean per-example loss of the drawn logical batch (what the Trainer logs).
 
         ``num_items_in_batch`` is dropped: normalising by the tokens of the whole logical batch would mix
         examples. The value is scaled by the number of processes, because the Trainer logs their mean.
@@ -175,7 +237,22 @@ class DPTrainerMixin:
                 "clipped: call super().training_step() and super().compute_loss()"
             )
         real = micro.mask.to(micro.losses.dtype)
-        return (micro.losses * real).sum() * self.args.world_size / self.privacy_plan.expected_batch_size
+        return (micro.losses * real).sum() * self.args.world_size / max(self._drawn_examples, 1)
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """The Trainer fetches a logical batch's micro-batches before the first backward: count its real examples
+        over all processes, so that the logged loss is their mean (not private: no noise)."""
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._count_drawn_examples(batches)
+        return batches, None
+
+    def _count_drawn_examples(self, batches: list[dict[str, Any]]) -> None:
+        drawn = torch.tensor(
+            [float(split_example_mask(batch)[1].sum()) for batch in batches] or [0.0], device=self.args.device
+        ).sum()
+        if self.args.world_size > 1:
+            drawn = self.accelerator.reduce(drawn, reduction="sum")
+        self._drawn_examples = int(drawn.item())
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """In a DP training step: runs the clipping strategy (or, inside it, the per-example loss). Elsewhere
@@ -189,7 +266,7 @@ class DPTrainerMixin:
 
     def compute_per_example_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """L_i for each example of the micro-batch, shape (B,): the extension point for your own loss."""
-        return per_example_loss(model, inputs)
+        return per_example_loss(model, inputs, label_smoothing=self.args.label_smoothing_factor)
 
     def _dp_backward(self, model: nn.Module, inputs: dict[str, Any], micro: MicroBatch) -> torch.Tensor:
         """The clipping strategy on this micro-batch; returns what the parent's training_step back-propagates."""
@@ -208,6 +285,7 @@ class DPTrainerMixin:
             raise ValueError("train_one_step drives the optimizer itself, which DeepSpeed's engine owns; use train()")
         if self.optimizer is None:
             self.create_optimizer()
+        self._count_drawn_examples(micro_batches)
         loss = sum(float(self.training_step(self.model, batch)) for batch in micro_batches)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -221,23 +299,28 @@ class DPTrainerMixin:
         return epsilon_spent(self.privacy_plan, self.accountant)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        super().log({**logs, "epsilon": self.get_epsilon()}, *args, **kwargs)
+        if self.privacy_plan is not None:
+            logs = {**logs, "epsilon": self.get_epsilon()}
+        super().log(logs, *args, **kwargs)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> float | None:
         """Under DP the Trainer would log the norm of the clipped sum BEFORE noise, an unprivatised statistic."""
-        if self.privacy_plan.private:
+        if self.privacy_plan is not None and self.privacy_plan.private:
             return None
         norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         return None if norm is None else norm / self.privacy_plan.expected_batch_size
 
     def privacy_report(self) -> dict[str, Any]:
+        if self.privacy_plan is None:
+            raise ValueError("this DPTrainer has no train_dataset, so it trains nothing and has no guarantee")
         steps = self.accountant.steps if self.privacy_plan.private else self.state.global_step
         randomness = "secure_mode" if self.args.secure_mode else self._secret.source
-        return privacy_report(self.privacy_plan, self.accountant, self.args, steps, randomness)
+        optimizer = self._optimizer_name or self.args.dp_optimizer
+        return privacy_report(self.privacy_plan, self.accountant, self.args, steps, randomness, optimizer)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         super().create_model_card(*args, **kwargs)
-        if self.is_world_process_zero():
+        if self.is_world_process_zero() and self.privacy_plan is not None:
             dataset = kwargs.get("dataset") or kwargs.get("dataset_tags") or kwargs.get("dataset_args")
             add_privacy_to_model_card(os.path.join(self.args.output_dir, "README.md"), self.privacy_report(), dataset)
 
