@@ -223,27 +223,6 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "do_predict": _honoured("read by training scripts; predict-only runs need no train set"),
 }
 
-# Trainer entry points and constructor arguments (docs/trainer-arguments.md lists them with the fields).
-ENTRY_POINTS: dict[str, FieldPolicy] = {
-    "train": _honoured("once per DPTrainer; ε, δ, σ, the unit and the steps are in its metrics"),
-    "evaluate / predict": _honoured("with or without a train set: " + _EVAL),
-    "hyperparameter_search": _refused(
-        "trains once per trial on the private data and keeps the best, which one run's guarantee does not cover "
-        "(Papernot & Steinke 2022); tune on public data, then train once with DPTrainer"
-    ),
-    "push_to_hub": _honoured("the model card states the guarantee; the privacy state is never uploaded"),
-    "callbacks": _honoured("logs carry epsilon"),
-    "compute_metrics / preprocess_logits_for_metrics": _honoured(_EVAL),
-    "model_init": _honoured("the clipping hooks move to the model that train() builds"),
-    "optimizers=(optimizer, scheduler)": _honoured(
-        "your optimizer receives the privatised gradient (noised, ÷ B̄) through the mechanism"
-    ),
-    "optimizer_cls_and_kwargs": _honoured("built on the decay groups and fed the privatised gradient"),
-    "compute_loss_func": _refused(
-        "computes one batch loss; override compute_per_example_loss instead", lambda v: v is None
-    ),
-}
-
 # HF's optim names that mean a DP rule here (the rule then runs on the privatised gradient)
 OPTIM_TO_DP = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd"}
 _DEFAULT_OPTIMS = ("adamw_torch", "adamw_torch_fused")

@@ -20,7 +20,14 @@ from hf_dp.data import dp_dataloader
 from hf_dp.losses import per_example_loss
 from hf_dp.optim.registry import decay_groups
 from tests import models
-from tests.trainer_utils import TokenRows, make_args, make_trainer, pad_collate, sampled_logical_batches, snapshot
+from tests.trainer_utils import (
+    TokenRows,
+    make_args,
+    make_trainer,
+    pad_collate,
+    sampled_logical_batches,
+    snapshot,
+)
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "trainer-arguments.md"
 
