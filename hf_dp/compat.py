@@ -46,7 +46,6 @@ def _no_effect(why: str, accepts: Callable[[Any], bool]) -> FieldPolicy:
     return FieldPolicy("no_effect", why, accepts)
 
 
-_FLOW = "run by the Trainer unchanged; it does not touch the private gradient"
 _EVAL = "evaluation only: the eval set is not protected by the guarantee (use held-out or public data)"
 _DATALOADER = "passed to the DP data loader"
 _NOT_PRIVATE_LOG = "logged; computed from the drawn batch WITHOUT noise, so it is not private (docs/privacy.md)"

@@ -118,9 +118,10 @@ def epsilon_spent(plan: PrivacyPlan, accountant) -> float:
 
 
 def privacy_report(
-    plan: PrivacyPlan, accountant, args, steps: int, randomness: str, optimizer: str | None = None
+    plan: PrivacyPlan, accountant, args, steps: int, randomness: str, update_rule: tuple[str, dict[str, Any]]
 ) -> dict[str, Any]:
-    """The guarantee of a run as plain values: what model cards, logs and results state (hf_dp.hub)."""
+    """The guarantee of a run as plain values: what model cards, logs and results state (hf_dp.hub).
+    ``update_rule``: the name and kwargs of the rule fed the privatised gradient."""
     return {
         "epsilon": epsilon_spent(plan, accountant),
         "delta": plan.delta,
@@ -134,8 +135,8 @@ def privacy_report(
         "expected_batch_size": plan.expected_batch_size,
         "num_train_examples": plan.num_examples,
         "steps": steps,
-        "optimizer": optimizer or args.dp_optimizer,
-        "optimizer_kwargs": dict(args.dp_optimizer_kwargs),
+        "optimizer": update_rule[0],
+        "optimizer_kwargs": dict(update_rule[1]),
         "clipping_mode": args.clipping_mode,
         "clipping_fn": args.clipping_fn,
         "noise_randomness": randomness,

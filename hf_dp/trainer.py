@@ -70,7 +70,7 @@ class DPTrainerMixin:
         self._mechanism: GaussianMechanism | None = None
         self._dp_optimizer: torch.optim.Optimizer | None = None
         self._micro_batch: MicroBatch | None = None
-        self._optimizer_name: str | None = None  # the dp_optimizer, or the class of the user's optimizer
+        self._optimizer_passed_in = self.optimizer  # optimizers=(optimizer, scheduler), or None
         self._drawn_examples = 0  # real examples in the logical batch in progress, over all processes
         self._trained = False
         if self.train_dataset is not None:  # evaluation and prediction need no privacy machinery
@@ -198,10 +198,6 @@ class DPTrainerMixin:
                 self.optimizer = make_dp_optimizer(
                     self.args.dp_optimizer, groups, mean_noise_std=self.privacy_plan.mean_noise_std, **kwargs
                 )
-            if self.optimizer_cls_and_kwargs is None:
-                self._optimizer_name = self.args.dp_optimizer
-        if self._optimizer_name is None:  # passed in optimizers=(...) or optimizer_cls_and_kwargs
-            self._optimizer_name = f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}"
         if self._dp_optimizer is None:
             self._dp_optimizer = self.optimizer  # before accelerate or DeepSpeed wrap it
             self._planner.bind(self.optimizer)
@@ -315,8 +311,17 @@ class DPTrainerMixin:
             raise ValueError("this DPTrainer has no train_dataset, so it trains nothing and has no guarantee")
         steps = self.accountant.steps if self.privacy_plan.private else self.state.global_step
         randomness = "secure_mode" if self.args.secure_mode else self._secret.source
-        optimizer = self._optimizer_name or self.args.dp_optimizer
-        return privacy_report(self.privacy_plan, self.accountant, self.args, steps, randomness, optimizer)
+        return privacy_report(self.privacy_plan, self.accountant, self.args, steps, randomness, self._update_rule())
+
+    def _update_rule(self) -> tuple[str, dict[str, Any]]:
+        """The name and kwargs of the rule fed ĝ: the user's optimizer (class or instance) or the dp_optimizer."""
+        if self.optimizer_cls_and_kwargs is not None:
+            rule, kwargs = self.optimizer_cls_and_kwargs
+            return f"{rule.__module__}.{rule.__qualname__}", dict(kwargs)
+        if self._optimizer_passed_in is not None:
+            rule = type(self._optimizer_passed_in)
+            return f"{rule.__module__}.{rule.__qualname__}", {}
+        return self.args.dp_optimizer, dict(self.args.dp_optimizer_kwargs)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         super().create_model_card(*args, **kwargs)

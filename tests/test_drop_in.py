@@ -201,13 +201,17 @@ def test_an_optimizer_passed_in_receives_the_privatised_gradient(tmp_path):
     )
     assert torch.equal(reference, _trained_weights(passed))
     assert passed.privacy_report()["optimizer"] == "torch.optim.sgd.SGD"
+    assert passed.privacy_report()["optimizer_kwargs"] == {}
 
     torch.manual_seed(3)
     by_class = DPTrainer(
         model=models.gpt2(), args=make_args(tmp_path / "c", **common), train_dataset=TokenRows(32),
-        data_collator=pad_collate, optimizer_cls_and_kwargs=(torch.optim.SGD, {}),
+        data_collator=pad_collate, optimizer_cls_and_kwargs=(torch.optim.SGD, {"momentum": 0.0}),
     )
     assert torch.equal(reference, _trained_weights(by_class))
+    assert (by_class.privacy_report()["optimizer"], by_class.privacy_report()["optimizer_kwargs"]) == (
+        "torch.optim.sgd.SGD", {"momentum": 0.0}
+    )
 
 
 def test_hyperparameter_search_and_a_batch_loss_function_are_refused(tmp_path):
