@@ -158,6 +158,12 @@ def main() -> None:
     trainer.accelerator.wait_for_everyone()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Leave without interpreter teardown: DeepSpeed and DDP keep process groups that destroy_process_group
+    # does not release, and freeing their gloo threads at interpreter exit sometimes aborts the process
+    # ("terminate called without an active exception", pytorch/pytorch#179291) after the results are written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
