@@ -370,7 +370,9 @@ class PrivacyAccountant:
         history = _append(self._history, noise_multiplier, sample_rate, extra_steps)
         return _cached_epsilon(self.accountant, tuple(history), self.delta)
 
-    def steps_within(self, target_epsilon: float, noise_multiplier: float, sample_rate: float, limit: int) -> int:
+    def steps_within(
+        self, target_epsilon: float, noise_multiplier: float, sample_rate: float, limit: int
+    ) -> int:
         """The most extra steps k ≤ ``limit`` with ε after k more steps ≤ ``target_epsilon`` (bisection over the
         accountant, ε being non-decreasing in k)."""
         if self.epsilon_after(noise_multiplier, sample_rate, limit) <= target_epsilon:

@@ -58,9 +58,7 @@ class DPTrainingArguments(TrainingArguments):
     )
     clipping_fn: ClippingFn = field(
         default="abadi",
-        metadata={
-            "help": "'abadi': min(1, C/‖g‖); 'automatic': C/(‖g‖ + 0.01) (Bu et al. 2022)."
-        },
+        metadata={"help": "'abadi': min(1, C/‖g‖); 'automatic': C/(‖g‖ + 0.01) (Bu et al. 2022)."},
     )
     accountant: AccountantName = field(
         default="prv",
@@ -162,7 +160,9 @@ class DPTrainingArguments(TrainingArguments):
 
     def _build_rule_on_dummy(self, kwargs: dict) -> None:
         dummy = [torch.nn.Parameter(torch.zeros(1))]
-        make_dp_optimizer(self.dp_optimizer, dummy, mean_noise_std=1.0, **{"lr": self.learning_rate, **kwargs})
+        make_dp_optimizer(
+            self.dp_optimizer, dummy, mean_noise_std=1.0, **{"lr": self.learning_rate, **kwargs}
+        )
 
     def _builds(self, kwargs: dict) -> bool:
         try:
@@ -191,7 +191,9 @@ class DPTrainingArguments(TrainingArguments):
             fail("give exactly one of target_epsilon (σ is then calibrated) and noise_multiplier")
         if self.target_epsilon is not None and not (self.target_epsilon > 0 and _finite(self.target_epsilon)):
             fail(f"target_epsilon must be > 0 and finite, got {self.target_epsilon}")
-        if self.noise_multiplier is not None and not (self.noise_multiplier >= 0 and _finite(self.noise_multiplier)):
+        if self.noise_multiplier is not None and not (
+            self.noise_multiplier >= 0 and _finite(self.noise_multiplier)
+        ):
             fail(f"noise_multiplier must be >= 0 and finite, got {self.noise_multiplier}")
         if self.secure_mode and self.insecure_dp_seed is not None:
             fail("secure_mode and insecure_dp_seed contradict each other; drop one")

@@ -37,7 +37,9 @@ def noise_state_file(process_index: int) -> str:
 
 def is_private_file(name: str) -> bool:
     """Files that must never leave the machine (the secret and the noise streams)."""
-    return name == PRIVACY_STATE_FILE or (name.startswith("hf_dp_noise_state_process") and name.endswith(".pt"))
+    return name == PRIVACY_STATE_FILE or (
+        name.startswith("hf_dp_noise_state_process") and name.endswith(".pt")
+    )
 
 
 class CheckpointMismatch(ValueError):
@@ -57,7 +59,9 @@ def public_ledger(ledger: dict[str, Any]) -> dict[str, Any]:
     return {"args": {}, "attributes": {"dp_steps": sum(n for _, _, n in ledger["history"]), **ledger}}
 
 
-def save(folder: str, state: PrivacyCheckpoint, noise_state: dict | None, process_index: int, main: bool) -> None:
+def save(
+    folder: str, state: PrivacyCheckpoint, noise_state: dict | None, process_index: int, main: bool
+) -> None:
     os.makedirs(folder, exist_ok=True)
     if noise_state is not None:
         torch.save(noise_state, os.path.join(folder, noise_state_file(process_index)))
@@ -83,7 +87,10 @@ def load(folder: str, expected_plan: dict[str, Any], global_step: int) -> Privac
     """The checkpoint's privacy state, checked against this run's plan and the Trainer's own state."""
     path = os.path.join(folder, PRIVACY_STATE_FILE)
     if not os.path.isfile(path):
-        raise _fail(path, "missing: this checkpoint has no privacy state to resume from (was it written by DPTrainer?)")
+        raise _fail(
+            path,
+            "missing: this checkpoint has no privacy state to resume from (was it written by DPTrainer?)",
+        )
     try:
         with open(path) as f:
             raw = json.load(f)
@@ -99,7 +106,10 @@ def load(folder: str, expected_plan: dict[str, Any], global_step: int) -> Privac
     except CheckpointMismatch:
         raise
     except (ValueError, KeyError, TypeError) as error:
-        raise _fail(path, f"corrupt or truncated privacy state ({type(error).__name__}: {error}); resume from an intact checkpoint") from None
+        raise _fail(
+            path,
+            f"corrupt or truncated privacy state ({type(error).__name__}: {error}); resume from an intact checkpoint",
+        ) from None
     for key in ("num_examples", "expected_batch_size", "sampling", "unit", "accountant"):
         if state.plan.get(key) != expected_plan[key]:
             raise _fail(
@@ -110,9 +120,13 @@ def load(folder: str, expected_plan: dict[str, Any], global_step: int) -> Privac
     dp_steps = sum(n for _, _, n in history)
     trainer_state = _trainer_ledger(folder)
     if trainer_state is not None and (
-        trainer_state.get("history") != state.ledger["history"] or trainer_state.get("delta") != state.ledger["delta"]
+        trainer_state.get("history") != state.ledger["history"]
+        or trainer_state.get("delta") != state.ledger["delta"]
     ):
-        raise _fail(path, "the privacy ledger disagrees with trainer_state.json: the privacy state was edited or mixed in from another run")
+        raise _fail(
+            path,
+            "the privacy ledger disagrees with trainer_state.json: the privacy state was edited or mixed in from another run",
+        )
     if expected_plan["private"] and dp_steps != global_step:
         raise _fail(
             path,
@@ -134,7 +148,9 @@ def _trainer_ledger(folder: str) -> dict[str, Any] | None:
     except (ValueError, OSError) as error:
         raise _fail(path, f"unreadable ({type(error).__name__}: {error})") from None
     if entry is None:
-        raise _fail(path, "has no privacy ledger: this checkpoint was not written by DPTrainer, or it was edited")
+        raise _fail(
+            path, "has no privacy ledger: this checkpoint was not written by DPTrainer, or it was edited"
+        )
     return entry.get("attributes", {})
 
 
@@ -145,7 +161,9 @@ def load_noise_state(folder: str, process_index: int) -> dict:
     try:
         return torch.load(path, weights_only=False)
     except Exception as error:  # torch raises many types for a truncated file
-        raise _fail(path, f"corrupt noise state ({type(error).__name__}); resume from an intact checkpoint") from None
+        raise _fail(
+            path, f"corrupt noise state ({type(error).__name__}); resume from an intact checkpoint"
+        ) from None
 
 
 STAGING_FOLDER = "_hf_dp_hub_staging"  # "_*": the Trainer's upload of the output folder skips it

@@ -30,7 +30,9 @@ def _off(value: Any) -> bool:
 class FieldPolicy:
     status: Status
     why: str = ""
-    accepts: Callable[[Any], bool] = lambda value: True  # values allowed (refused) / without warning (no_effect)
+    accepts: Callable[[Any], bool] = lambda value: (
+        True
+    )  # values allowed (refused) / without warning (no_effect)
     private_only: bool = False  # refused only when training privately (allowed with disable_dp)
 
 
@@ -48,7 +50,9 @@ def _no_effect(why: str, accepts: Callable[[Any], bool]) -> FieldPolicy:
 
 _EVAL = "evaluation only: the eval set is not protected by the guarantee (use held-out or public data)"
 _DATALOADER = "passed to the DP data loader"
-_NOT_PRIVATE_LOG = "logged; computed from the drawn batch WITHOUT noise, so it is not private (docs/privacy.md)"
+_NOT_PRIVATE_LOG = (
+    "logged; computed from the drawn batch WITHOUT noise, so it is not private (docs/privacy.md)"
+)
 _LLM_MEMORY = "is not supported with exact per-example clipping yet (the LLM-memory work); turn it off"
 
 FIELD_POLICIES: dict[str, FieldPolicy] = {
@@ -57,21 +61,31 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "per_device_train_batch_size": _honoured("× accumulation × processes = the expected Poisson batch B̄"),
     "num_train_epochs": _honoured("planned steps = epochs × ⌈N/B̄⌉, for which σ is calibrated"),
     "max_steps": _honoured("planned steps, for which σ is calibrated"),
-    "gradient_accumulation_steps": _honoured("micro-batches of one logical batch; one release per logical batch"),
+    "gradient_accumulation_steps": _honoured(
+        "micro-batches of one logical batch; one release per logical batch"
+    ),
     "learning_rate": _honoured("the DP rule's lr"),
     "lr_scheduler_type": _honoured("schedules the DP rule's lr (post-processing)"),
     "lr_scheduler_kwargs": _honoured("schedules the DP rule's lr (post-processing)"),
     "warmup_steps": _honoured("schedules the DP rule's lr (post-processing)"),
     "weight_decay": _honoured("decoupled decay on the decay group of the DP rule (post-processing)"),
     # the update rule
-    "optim": FieldPolicy("mapped", "adamw_torch(_fused) → dp_optimizer 'adamw', sgd → 'sgd'; other names refused"),
-    "optim_args": _refused("is not read by the DP rules; put the options in dp_optimizer_kwargs", lambda v: v is None),
+    "optim": FieldPolicy(
+        "mapped", "adamw_torch(_fused) → dp_optimizer 'adamw', sgd → 'sgd'; other names refused"
+    ),
+    "optim_args": _refused(
+        "is not read by the DP rules; put the options in dp_optimizer_kwargs", lambda v: v is None
+    ),
     "optim_target_modules": _refused(
         "selects GaLore/APOLLO-style projected optimizers, which have no DP version here; use dp_optimizer",
         lambda v: v is None,
     ),
-    "adam_beta1": FieldPolicy("mapped", "betas[0] of a DP rule that has betas (refused for one that has none)"),
-    "adam_beta2": FieldPolicy("mapped", "betas[1] of a DP rule that has betas (refused for one that has none)"),
+    "adam_beta1": FieldPolicy(
+        "mapped", "betas[0] of a DP rule that has betas (refused for one that has none)"
+    ),
+    "adam_beta2": FieldPolicy(
+        "mapped", "betas[1] of a DP rule that has betas (refused for one that has none)"
+    ),
     "adam_epsilon": FieldPolicy("mapped", "eps of a DP rule that has eps (refused for one that has none)"),
     "max_grad_norm": _refused(
         "would clip the noisy aggregate gradient; set it to 0 and use per_sample_max_grad_norm for the per-example clip"
@@ -94,7 +108,9 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "torch_compile": _refused(
         "would compile the model, but the DP step runs the bare module with per-layer hooks; leave it False"
     ),
-    "torch_compile_backend": _refused("turns torch_compile on, which is refused under DP", lambda v: v is None),
+    "torch_compile_backend": _refused(
+        "turns torch_compile on, which is refused under DP", lambda v: v is None
+    ),
     "torch_compile_mode": _refused("turns torch_compile on, which is refused under DP", lambda v: v is None),
     "use_liger_kernel": _refused(
         "fuses the LM head and the loss into kernels that bypass per-example clipping; leave it False"
@@ -139,7 +155,9 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "include_for_metrics": _honoured(_EVAL),
     "batch_eval_metrics": _honoured(_EVAL),
     # checkpoints and the Hub
-    "save_only_model": _honoured("the privacy state is still saved, but without the optimizer you cannot resume"),
+    "save_only_model": _honoured(
+        "the privacy state is still saved, but without the optimizer you cannot resume"
+    ),
     "save_strategy": _honoured("every checkpoint carries the privacy state"),
     "save_steps": _honoured("every checkpoint carries the privacy state"),
     "save_on_each_node": _honoured(),
@@ -159,7 +177,9 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
         "would replay the epoch's first Poisson batches on resume, which the accountant counts as fresh draws"
     ),
     "restore_callback_states_from_checkpoint": _honoured(),
-    "resume_from_checkpoint": _honoured("restores and checks the privacy state (ledger, secret, sampler epoch)"),
+    "resume_from_checkpoint": _honoured(
+        "restores and checks the privacy state (ledger, secret, sampler epoch)"
+    ),
     # randomness
     "full_determinism": _honoured("model init and dropout; the noise and batches come from the run's secret"),
     "seed": _honoured("model init and dropout only; the noise and batches come from the run's secret"),

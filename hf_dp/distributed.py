@@ -8,6 +8,8 @@ to the partition it owns. See docs/distributed.md.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -32,6 +34,17 @@ def sum_across_processes(tensors: list[torch.Tensor]) -> None:
 
 def zero_stage(config: dict[str, Any]) -> int:
     return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+def check_launched_world(args, environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse a job whose processes each train alone: on CPU without ``use_cpu`` the Trainer ignores the launcher's
+    process group, so every process would draw its own batches and noise and write its own model."""
+    launched = int(environ.get("WORLD_SIZE", "1"))
+    if launched != args.world_size:
+        raise ValueError(
+            f"DPTrainer: the launcher started {launched} processes (WORLD_SIZE) but the Trainer sees "
+            f"{args.world_size}; on CPU pass use_cpu=True (--use_cpu) so that they train together"
+        )
 
 
 def check_deepspeed(config: dict[str, Any], args) -> int:

@@ -51,6 +51,8 @@ def per_example_under_dp(compute_loss: Callable[..., Any]) -> Callable[..., Any]
         micro = self._micro_batch
         if micro is not None and not micro.evaluating:
             return self._dp_backward(model, inputs, micro)
-        return compute_loss(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        return compute_loss(
+            self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
 
     return wrapped

@@ -94,7 +94,10 @@ def sequence_loss_per_example(
         ).mean(dim=1)
     if problem_type == "single_label_classification":
         return F.cross_entropy(
-            logits.float().view(-1, num_labels), labels.view(-1), reduction="none", label_smoothing=label_smoothing
+            logits.float().view(-1, num_labels),
+            labels.view(-1),
+            reduction="none",
+            label_smoothing=label_smoothing,
         )
     return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(dim=1)
 
@@ -115,5 +118,9 @@ def per_example_loss(model: nn.Module, inputs: dict[str, Any], label_smoothing: 
     outputs = model(**inputs)
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
     if logits.dim() == 3 and labels.dim() == 2:
-        return token_loss_per_example(logits, labels, shift=is_causal_lm(model), label_smoothing=label_smoothing)
-    return sequence_loss_per_example(logits, labels, getattr(base.config, "problem_type", None), label_smoothing)
+        return token_loss_per_example(
+            logits, labels, shift=is_causal_lm(model), label_smoothing=label_smoothing
+        )
+    return sequence_loss_per_example(
+        logits, labels, getattr(base.config, "problem_type", None), label_smoothing
+    )

@@ -42,7 +42,9 @@ class GaussianMechanism:
         if expected_batch_size <= 0:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
         if (noise is None) != (accountant is None):
-            raise ValueError("a private mechanism needs both a noise source and an accountant, a non-private one neither")
+            raise ValueError(
+                "a private mechanism needs both a noise source and an accountant, a non-private one neither"
+            )
         self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
         self.sample_rate = sample_rate
@@ -52,7 +54,9 @@ class GaussianMechanism:
         self._accounted: StepPlan | None = None
 
     @classmethod
-    def for_run(cls, plan, accountant: PrivacyAccountant, secret, args, partitioned: bool) -> GaussianMechanism:
+    def for_run(
+        cls, plan, accountant: PrivacyAccountant, secret, args, partitioned: bool
+    ) -> GaussianMechanism:
         """The mechanism of a training run: noise keyed by the run's secret, one key for all processes when
         their gradients are replicated (summed here first), one per process when they are partitioned."""
         private = plan.private

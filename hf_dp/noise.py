@@ -50,7 +50,9 @@ class GaussianNoise:
             return torch.from_numpy(pair.sum(axis=0) * (std / math.sqrt(2.0))).to(device=device, dtype=dtype)
         if device.type != "cpu":
             generator = torch.Generator(device=device).manual_seed(int(self._stream.integers(2**63)))
-            return torch.empty(shape, device=device, dtype=work).normal_(generator=generator).mul_(std).to(dtype)
+            return (
+                torch.empty(shape, device=device, dtype=work).normal_(generator=generator).mul_(std).to(dtype)
+            )
         numpy_dtype = np.float64 if work == torch.float64 else np.float32
         out = np.empty(math.prod(shape), dtype=numpy_dtype)
         if out.size < _CHUNKED_ABOVE:

@@ -61,7 +61,9 @@ def plan_privacy(args, dataset) -> PrivacyPlan:
             "DPTrainingArguments, or disable_dp=True for a non-private baseline"
         )
     num_examples = len(dataset)
-    expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    expected_batch_size = (
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    )
     if expected_batch_size > num_examples:
         raise ValueError(
             f"the logical batch ({expected_batch_size} = per-device batch x accumulation x processes) exceeds the "

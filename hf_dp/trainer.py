@@ -32,7 +32,7 @@ from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.strategies import Bookkeeping, clipping_strategy
 from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.data import dp_dataloader, split_example_mask
-from hf_dp.distributed import check_deepspeed
+from hf_dp.distributed import check_deepspeed, check_launched_world
 from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
 from hf_dp.losses import per_example_loss
@@ -78,14 +78,19 @@ class DPTrainerMixin:
 
     def _prepare_privacy(self) -> None:
         """The plan, the ledger and the run's secret; the clipping strategy this backend needs; the callbacks."""
+        check_launched_world(self.args)
         self.privacy_plan = plan_privacy(self.args, self.train_dataset)
         self.accountant = PrivacyAccountant(self.args.accountant, self.privacy_plan.delta)
         self._privacy_state = checkpoint.RunPrivacyState(
-            shared_secret(self.args.insecure_dp_seed), self.accountant, plan_record(self.privacy_plan, self.args)
+            shared_secret(self.args.insecure_dp_seed),
+            self.accountant,
+            plan_record(self.privacy_plan, self.args),
         )
         self._zero_stage = None
         if self.is_deepspeed_enabled:
-            self._zero_stage = check_deepspeed(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
+            self._zero_stage = check_deepspeed(
+                self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args
+            )
         self._planner = StepPlanner(self.privacy_plan.clip_norm)
         self._hook_clipping(self.model)
         self.add_callback(PrivacyBudgetCallback(self))
@@ -278,7 +283,9 @@ class DPTrainerMixin:
         """One logical batch outside ``Trainer.train`` (benchmarks, audits): every micro-batch's DP backward, the
         release (noised AND accounted), the update. Returns the logged loss. Not under DeepSpeed."""
         if self.is_deepspeed_enabled:
-            raise ValueError("train_one_step drives the optimizer itself, which DeepSpeed's engine owns; use train()")
+            raise ValueError(
+                "train_one_step drives the optimizer itself, which DeepSpeed's engine owns; use train()"
+            )
         if self.optimizer is None:
             self.create_optimizer()
         self._count_drawn_examples(micro_batches)
@@ -311,7 +318,9 @@ class DPTrainerMixin:
             raise ValueError("this DPTrainer has no train_dataset, so it trains nothing and has no guarantee")
         steps = self.accountant.steps if self.privacy_plan.private else self.state.global_step
         randomness = "secure_mode" if self.args.secure_mode else self._secret.source
-        return privacy_report(self.privacy_plan, self.accountant, self.args, steps, randomness, self._update_rule())
+        return privacy_report(
+            self.privacy_plan, self.accountant, self.args, steps, randomness, self._update_rule()
+        )
 
     def _update_rule(self) -> tuple[str, dict[str, Any]]:
         """The name and kwargs of the rule fed ĝ: the user's optimizer (class or instance) or the dp_optimizer."""
@@ -327,14 +336,20 @@ class DPTrainerMixin:
         super().create_model_card(*args, **kwargs)
         if self.is_world_process_zero() and self.privacy_plan is not None:
             dataset = kwargs.get("dataset") or kwargs.get("dataset_tags") or kwargs.get("dataset_args")
-            add_privacy_to_model_card(os.path.join(self.args.output_dir, "README.md"), self.privacy_report(), dataset)
+            add_privacy_to_model_card(
+                os.path.join(self.args.output_dir, "README.md"), self.privacy_report(), dataset
+            )
 
     # ---- checkpoints: the privacy state, private ------------------------------------------------------
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        self.state.stateful_callbacks[checkpoint.LEDGER_KEY] = checkpoint.public_ledger(self.accountant.state_dict())
+        self.state.stateful_callbacks[checkpoint.LEDGER_KEY] = checkpoint.public_ledger(
+            self.accountant.state_dict()
+        )
         super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
         self._privacy_state.save(folder, self.args.process_index, main=self.args.should_save)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:

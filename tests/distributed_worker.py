@@ -82,7 +82,9 @@ def main() -> None:
     parser.add_argument("--resume_from", default=None)
     parser.add_argument("--record_noise", action="store_true")
     parser.add_argument(
-        "--secret", action="store_true", help="the default: a secret key from OS entropy, not insecure_dp_seed"
+        "--secret",
+        action="store_true",
+        help="the default: a secret key from OS entropy, not insecure_dp_seed",
     )
     parser.add_argument(
         "--snapshot_step", type=int, default=0, help="also save the parameters after this step"

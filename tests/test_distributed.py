@@ -13,12 +13,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hf_dp import calibrate_noise_multiplier, compute_epsilon
-from hf_dp.distributed import check_deepspeed_config
+from hf_dp.distributed import check_deepspeed_config, check_launched_world
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "distributed_worker.py")
@@ -256,3 +257,12 @@ def test_deepspeed_norm_and_gradient_passes_see_the_same_dropout(runs):
 def test_deepspeed_settings_that_break_dp_are_refused(config, message):
     with pytest.raises(ValueError, match=message):
         check_deepspeed_config(config)
+
+
+def test_processes_that_would_each_train_alone_are_refused():
+    """On CPU without use_cpu the Trainer ignores torchrun's process group (ENVIRONMENT: each process trains
+    alone, with its own batches and noise); the launcher's WORLD_SIZE must match the Trainer's world size."""
+    check_launched_world(SimpleNamespace(world_size=2), {"WORLD_SIZE": "2"})
+    check_launched_world(SimpleNamespace(world_size=1), {})
+    with pytest.raises(ValueError, match="started 2 processes .* sees 1; on CPU pass use_cpu=True"):
+        check_launched_world(SimpleNamespace(world_size=1), {"WORLD_SIZE": "2"})

@@ -34,7 +34,9 @@ DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "trainer-arguments
 
 def test_every_training_arguments_field_has_a_policy_and_a_docs_row():
     fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
-    assert fields - set(compat.FIELD_POLICIES) == set(), "classify the new TrainingArguments fields in hf_dp.compat"
+    assert fields - set(compat.FIELD_POLICIES) == set(), (
+        "classify the new TrainingArguments fields in hf_dp.compat"
+    )
     assert set(compat.FIELD_POLICIES) - fields == set(), "hf_dp.compat lists fields TrainingArguments lacks"
     table = DOCS.read_text()
     missing = sorted(name for name in fields if f"`{name}`" not in table)
@@ -100,7 +102,9 @@ def test_label_smoothing_is_applied_to_each_example_as_the_trainer_applies_it(tm
     for i in range(3):
         row = {k: v[i : i + 1] for k, v in batch.items()}
         outputs = model(input_ids=row["input_ids"], attention_mask=row["attention_mask"])
-        assert ours[i].item() == pytest.approx(smoother(outputs, row["labels"], shift_labels=True).item(), rel=1e-5)
+        assert ours[i].item() == pytest.approx(
+            smoother(outputs, row["labels"], shift_labels=True).item(), rel=1e-5
+        )
     assert not torch.allclose(ours, per_example_loss(model, batch))
 
     classifier = models.bert_classifier().eval()
@@ -181,7 +185,9 @@ def test_model_init_trains_the_fresh_model_with_its_clipping_hooks(tmp_path):
     common = dict(noise_multiplier=0.7, insecure_dp_seed=5, per_sample_max_grad_norm=0.05)
     direct = make_trainer(tmp_path / "a", model=model_init(), **common)
     fresh = DPTrainer(
-        model_init=model_init, args=make_args(tmp_path / "b", **common), train_dataset=TokenRows(32),
+        model_init=model_init,
+        args=make_args(tmp_path / "b", **common),
+        train_dataset=TokenRows(32),
         data_collator=pad_collate,
     )
     assert torch.equal(_trained_weights(direct), _trained_weights(fresh))
@@ -194,9 +200,14 @@ def test_an_optimizer_passed_in_receives_the_privatised_gradient(tmp_path):
 
     torch.manual_seed(3)
     model = models.gpt2()
-    groups = decay_groups(model, Trainer.get_decay_parameter_names(None, model), 0.0)  # the noise follows this order
+    groups = decay_groups(
+        model, Trainer.get_decay_parameter_names(None, model), 0.0
+    )  # the noise follows this order
     passed = DPTrainer(
-        model=model, args=make_args(tmp_path / "b", **common), train_dataset=TokenRows(32), data_collator=pad_collate,
+        model=model,
+        args=make_args(tmp_path / "b", **common),
+        train_dataset=TokenRows(32),
+        data_collator=pad_collate,
         optimizers=(torch.optim.SGD(groups, lr=0.5), None),
     )
     assert torch.equal(reference, _trained_weights(passed))
@@ -205,12 +216,16 @@ def test_an_optimizer_passed_in_receives_the_privatised_gradient(tmp_path):
 
     torch.manual_seed(3)
     by_class = DPTrainer(
-        model=models.gpt2(), args=make_args(tmp_path / "c", **common), train_dataset=TokenRows(32),
-        data_collator=pad_collate, optimizer_cls_and_kwargs=(torch.optim.SGD, {"momentum": 0.0}),
+        model=models.gpt2(),
+        args=make_args(tmp_path / "c", **common),
+        train_dataset=TokenRows(32),
+        data_collator=pad_collate,
+        optimizer_cls_and_kwargs=(torch.optim.SGD, {"momentum": 0.0}),
     )
     assert torch.equal(reference, _trained_weights(by_class))
     assert (by_class.privacy_report()["optimizer"], by_class.privacy_report()["optimizer_kwargs"]) == (
-        "torch.optim.sgd.SGD", {"momentum": 0.0}
+        "torch.optim.sgd.SGD",
+        {"momentum": 0.0},
     )
 
 
@@ -220,21 +235,31 @@ def test_hyperparameter_search_and_a_batch_loss_function_are_refused(tmp_path):
         trainer.hyperparameter_search()
     with pytest.raises(ValueError, match="override compute_per_example_loss"):
         DPTrainer(
-            model=models.gpt2(), args=make_args(tmp_path, noise_multiplier=1.0), train_dataset=TokenRows(8),
-            data_collator=pad_collate, compute_loss_func=lambda outputs, labels, num_items_in_batch: outputs.loss,
+            model=models.gpt2(),
+            args=make_args(tmp_path, noise_multiplier=1.0),
+            train_dataset=TokenRows(8),
+            data_collator=pad_collate,
+            compute_loss_func=lambda outputs, labels, num_items_in_batch: outputs.loss,
         )
 
 
 def test_data_loader_options_reach_the_dp_loader(tmp_path):
     trainer = make_trainer(
-        tmp_path, noise_multiplier=1.0, dataloader_num_workers=2, dataloader_prefetch_factor=3,
-        dataloader_persistent_workers=True, dataloader_pin_memory=False,
+        tmp_path,
+        noise_multiplier=1.0,
+        dataloader_num_workers=2,
+        dataloader_prefetch_factor=3,
+        dataloader_persistent_workers=True,
+        dataloader_pin_memory=False,
     )
     loader = dp_dataloader(
         trainer.train_dataset, pad_collate, plan=trainer.privacy_plan, sampling_key=1, args=trainer.args
     )
     assert (loader.num_workers, loader.prefetch_factor, loader.persistent_workers, loader.pin_memory) == (
-        2, 3, True, False
+        2,
+        3,
+        True,
+        False,
     )
 
 

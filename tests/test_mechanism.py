@@ -51,7 +51,9 @@ def test_a_scaled_geometry_gets_noise_isotropic_in_the_scaled_space():
     param.grad = torch.zeros_like(param)
     mechanism.release([param], StepPlan(clip_norm=1.0, clip_scale={param: scale}))
     stds = param.grad.std(dim=1)
-    assert stds[0].item() == pytest.approx(2.0 / 8, rel=0.02) and stds[1].item() == pytest.approx(2.0 / 32, rel=0.02)
+    assert stds[0].item() == pytest.approx(2.0 / 8, rel=0.02) and stds[1].item() == pytest.approx(
+        2.0 / 32, rel=0.02
+    )
 
 
 def test_without_dp_nothing_is_noised_or_accounted():
@@ -60,7 +62,13 @@ def test_without_dp_nothing_is_noised_or_accounted():
     mechanism.release([param], StepPlan(clip_norm=1.0))
     assert torch.equal(param.grad, torch.ones(10)) and not mechanism.private
     with pytest.raises(ValueError, match="both a noise source and an accountant"):
-        GaussianMechanism(noise_multiplier=1.0, expected_batch_size=1, sample_rate=1.0, noise=GaussianNoise(0), accountant=None)
+        GaussianMechanism(
+            noise_multiplier=1.0,
+            expected_batch_size=1,
+            sample_rate=1.0,
+            noise=GaussianNoise(0),
+            accountant=None,
+        )
 
 
 def test_the_release_runs_before_every_optimizer_step_with_the_planners_plan():

@@ -20,7 +20,9 @@ from tests import models
 
 
 def disk(params, base: str = "sgd", kappa: float = 0.7, gamma: float = 0.5, **base_kwargs) -> DiSK:
-    return build(params, mean_noise_std=0.0, kappa=kappa, gamma=gamma, base=base, **{"lr": 0.1, **base_kwargs})
+    return build(
+        params, mean_noise_std=0.0, kappa=kappa, gamma=gamma, base=base, **{"lr": 0.1, **base_kwargs}
+    )
 
 
 def _offsets(shift) -> dict | None:

@@ -49,6 +49,7 @@ FINITE_T_STEPS = (0, 1, 4, 9, 49)
 
 # Analysis of a filter (DOPPLER §3–5), used only to check the paper's tables.
 
+
 def frequency_response(b: Sequence[float], a: Sequence[float], omega: float | np.ndarray) -> np.ndarray:
     """H(e^{jω}) = Σ_k b_k e^{−jωk} / (1 + Σ_k a_k e^{−jωk})."""
     omega = np.asarray(omega, dtype=float)

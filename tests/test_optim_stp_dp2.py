@@ -279,7 +279,12 @@ def test_dp2_refusals_and_factory() -> None:
     with pytest.raises(ValueError, match="does not accept"):
         make_dp_optimizer("dp2", [param], lr=0.1, delay=3)
     default = make_dp_optimizer("dp2", [param], lr=0.1)  # Li et al. 2023's C2 = 5, ε = 1e-7, β = 0.9
-    assert (default.sgd_steps, default.adaptive_steps, default.adaptive_clip_norm, default.beta) == (50, 50, 5.0, 0.9)
+    assert (default.sgd_steps, default.adaptive_steps, default.adaptive_clip_norm, default.beta) == (
+        50,
+        50,
+        5.0,
+        0.9,
+    )
     built = make_dp_optimizer(
         "dp2", [param], lr=0.1, sgd_steps=2, adaptive_steps=2, adaptive_clip_norm=3.0, lr_adaptive=1.0
     )

@@ -53,7 +53,11 @@ def _saved_files(folder: Path) -> dict[str, bytes]:
 
 def _assert_no_secret(files: dict[str, bytes], key_hex: str) -> None:
     assert not [name for name in files if is_private_file(os.path.basename(name))], sorted(files)
-    assert not [name for name, data in files.items() if key_hex.encode() in data or str(int(key_hex, 16)).encode() in data]
+    assert not [
+        name
+        for name, data in files.items()
+        if key_hex.encode() in data or str(int(key_hex, 16)).encode() in data
+    ]
 
 
 @pytest.mark.parametrize("strategy", ["end", "every_save", "checkpoint", "all_checkpoints"])
@@ -74,11 +78,15 @@ def test_no_upload_and_no_saved_model_carries_the_secret(tmp_path, fake_hub, str
     trainer.push_to_hub()
     key = trainer._secret.to_dict()["key"]
     checkpoint = Path(trainer.args.output_dir) / "checkpoint-2"
-    assert (checkpoint / PRIVACY_STATE_FILE).is_file() and key in (checkpoint / PRIVACY_STATE_FILE).read_text()
+    assert (checkpoint / PRIVACY_STATE_FILE).is_file() and key in (
+        checkpoint / PRIVACY_STATE_FILE
+    ).read_text()
     uploaded = {f"{c['path']}:{name}": data for c in fake_hub.commits for name, data in c["files"].items()}
     assert uploaded and fake_hub.unexpected == []
     if strategy in ("checkpoint", "all_checkpoints"):
-        assert any("trainer_state.json" in name for name in uploaded)  # checkpoints were uploaded, minus the secret
+        assert any(
+            "trainer_state.json" in name for name in uploaded
+        )  # checkpoints were uploaded, minus the secret
     _assert_no_secret(uploaded, key)
     trainer.save_model(str(tmp_path / "saved"))
     _assert_no_secret(_saved_files(tmp_path / "saved"), key)
@@ -151,7 +159,10 @@ def test_an_edited_privacy_state_is_refused(tmp_path, edit, message):
 def test_a_ledger_edited_in_both_files_still_disagrees_with_the_step_count(tmp_path):
     folder = _checkpointed(tmp_path)
     _edit(folder / PRIVACY_STATE_FILE, lambda s: s["ledger"].update(history=[]))
-    _edit(folder / "trainer_state.json", lambda s: s["stateful_callbacks"]["hf_dp_privacy_ledger"]["attributes"].update(history=[]))
+    _edit(
+        folder / "trainer_state.json",
+        lambda s: s["stateful_callbacks"]["hf_dp_privacy_ledger"]["attributes"].update(history=[]),
+    )
     with pytest.raises(ValueError, match="has 0 steps but trainer_state.json has 2"):
         _resume(tmp_path, folder)
 
@@ -171,12 +182,21 @@ def test_a_corrupt_or_truncated_state_file_is_one_clear_line(tmp_path, content):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.inf}, "per_sample_max_grad_norm must be > 0 and finite"),
-        ({"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.nan}, "per_sample_max_grad_norm must be > 0 and finite"),
+        (
+            {"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.inf},
+            "per_sample_max_grad_norm must be > 0 and finite",
+        ),
+        (
+            {"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.nan},
+            "per_sample_max_grad_norm must be > 0 and finite",
+        ),
         ({"noise_multiplier": math.inf}, "noise_multiplier must be >= 0 and finite"),
         ({"noise_multiplier": math.nan}, "noise_multiplier must be >= 0 and finite"),
         ({"target_epsilon": math.inf}, "target_epsilon must be > 0 and finite"),
-        ({"noise_multiplier": 1.0, "dp_optimizer_kwargs": "{kappa: 1"}, "dp_optimizer_kwargs is not valid JSON"),
+        (
+            {"noise_multiplier": 1.0, "dp_optimizer_kwargs": "{kappa: 1"},
+            "dp_optimizer_kwargs is not valid JSON",
+        ),
         ({"noise_multiplier": 1.0, "ignore_data_skip": True}, "ignore_data_skip=True would replay"),
         ({"noise_multiplier": 1.0, "insecure_dp_seed": 1, "secure_mode": True}, "contradict"),
     ],
@@ -192,7 +212,9 @@ def test_a_delta_not_below_one_over_n_is_refused_unless_allowed(tmp_path):
     with pytest.raises(ValueError, match="is not below 1/N") as info:
         make_trainer(tmp_path, noise_multiplier=1.0, target_delta=0.05)
     assert "\n" not in str(info.value)
-    trainer = make_trainer(tmp_path, noise_multiplier=1.0, target_delta=0.05, allow_large_delta=True, max_steps=1)
+    trainer = make_trainer(
+        tmp_path, noise_multiplier=1.0, target_delta=0.05, allow_large_delta=True, max_steps=1
+    )
     trainer.train()
     trainer.create_model_card()
     text = (Path(trainer.args.output_dir) / "README.md").read_text()
@@ -240,4 +262,6 @@ def test_every_optimizer_trains_without_kwargs(tmp_path, name):
     trainer.train()
     assert trainer.accountant.steps == 2
     after = snapshot(model)
-    assert all(torch.isfinite(after[n]).all() for n in after) and any(not torch.equal(before[n], after[n]) for n in after)
+    assert all(torch.isfinite(after[n]).all() for n in after) and any(
+        not torch.equal(before[n], after[n]) for n in after
+    )

@@ -212,7 +212,9 @@ def test_empty_logical_batches_train_and_add_only_noise(tmp_path):
     seed = next(
         s
         for s in range(1000)
-        if sampled_logical_batches(make_trainer(tmp_path, noise_multiplier=0.0, insecure_dp_seed=s, **settings), 1)
+        if sampled_logical_batches(
+            make_trainer(tmp_path, noise_multiplier=0.0, insecure_dp_seed=s, **settings), 1
+        )
         == [[]]
     )
     for sigma in (0.0, 1.0):
@@ -252,7 +254,9 @@ def test_subclass_compute_loss_keeps_per_example_clipping(tmp_path):
     for cls in (DPTrainer, PerExampleLossTrainer):
         torch.manual_seed(4)
         model = models.gpt2()
-        make_trainer(tmp_path, model=model, trainer_class=cls, noise_multiplier=0.5, insecure_dp_seed=2).train()
+        make_trainer(
+            tmp_path, model=model, trainer_class=cls, noise_multiplier=0.5, insecure_dp_seed=2
+        ).train()
         results.append(snapshot(model))
     for name in results[0]:
         torch.testing.assert_close(results[0][name], results[1][name], msg=name)
@@ -329,7 +333,12 @@ def test_the_mixin_composes_with_another_trainer_subclass(tmp_path):
         torch.manual_seed(4)
         model = models.gpt2()
         trainer = make_trainer(
-            tmp_path, model=model, trainer_class=cls, noise_multiplier=0.5, insecure_dp_seed=2, eval_strategy="no"
+            tmp_path,
+            model=model,
+            trainer_class=cls,
+            noise_multiplier=0.5,
+            insecure_dp_seed=2,
+            eval_strategy="no",
         )
         trainer.train()
         results.append(snapshot(model))

@@ -164,7 +164,9 @@ def test_parameter_shifter_evaluates_at_the_shift_and_restores_theta_exactly():
 def test_a_users_registered_rule_trains_through_dptrainer(tmp_path, monkeypatch):
     from hf_dp.optim import registry
 
-    monkeypatch.setattr(registry, "_BUILDERS", dict(registry._BUILDERS))  # the registration ends with the test
+    monkeypatch.setattr(
+        registry, "_BUILDERS", dict(registry._BUILDERS)
+    )  # the registration ends with the test
     seen = {}
 
     @registry.register_dp_optimizer("sign_sgd")

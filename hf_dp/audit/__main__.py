@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -161,6 +162,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(result)
         with open(os.path.join(audit.audit_dir, "audit.json"), "w") as f:
             json.dump({name: result.summary() for name, result in results.items()}, f, indent=2)
+        scores = {}  # the raw scores, to re-plot or re-test: they come from random rows, not the user's data
+        if "step" in results:
+            scores.update(without=results["step"].scores_without, **{"with": results["step"].scores_with})
+        if "one_run" in results:
+            scores.update(
+                canary_scores=results["one_run"].scores, canary_included=results["one_run"].included
+            )
+        np.savez(os.path.join(audit.audit_dir, "scores.npz"), **scores)
         if "step" in results and not plot_scores(
             results["step"], os.path.join(audit.audit_dir, "scores.png")
         ):

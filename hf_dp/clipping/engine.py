@@ -255,7 +255,10 @@ class ClippingEngine:
         return EvaluationGradients(parts, per_example_loss.shape[0])
 
     def per_example_norms(
-        self, evaluations: Sequence[tuple[EvaluationGradients, float]], *, clip_scale: ClipScales | None = None
+        self,
+        evaluations: Sequence[tuple[EvaluationGradients, float]],
+        *,
+        clip_scale: ClipScales | None = None,
     ) -> torch.Tensor:
         """‖s ⊙ u_i‖ with u_i = Σ_e w_e g_i^e (s = 1 for a parameter without a scale), shape (B,); no ``.grad``."""
         return self._norms_and_terms(evaluations, clip_scale)[0]
@@ -323,7 +326,9 @@ class ClippingEngine:
                 parts.setdefault(id(param), (param, []))[1].append(found[name])
         return parts
 
-    def _fallback(self, call: _RecordedForward, grads: list, names: list[str]) -> dict[str, PerExampleGradient]:
+    def _fallback(
+        self, call: _RecordedForward, grads: list, names: list[str]
+    ) -> dict[str, PerExampleGradient]:
         was_recording, self._recording = self._recording, False
         try:
             with torch.enable_grad():

@@ -114,7 +114,9 @@ class TwoPass:
 
     def run(self, losses_of: LossFn, mask: torch.Tensor, plan: StepPlan, model: nn.Module) -> MicroStep:
         if plan.requires_bookkeeping:
-            raise ValueError("a scaled clip geometry or shifted evaluations need the book-keeping clipping strategy")
+            raise ValueError(
+                "a scaled clip geometry or shifted evaluations need the book-keeping clipping strategy"
+            )
         batch_size = mask.shape[0]
         state = rng_state()
         with self.engine.record(batch_size):

@@ -59,7 +59,9 @@ def make_dp_optimizer(
         ) from None
 
 
-def decay_groups(model: torch.nn.Module, decay_names: Iterable[str], weight_decay: float) -> list[dict[str, Any]]:
+def decay_groups(
+    model: torch.nn.Module, decay_names: Iterable[str], weight_decay: float
+) -> list[dict[str, Any]]:
     """The trainable parameters in two groups, as the Trainer makes them: with and without weight decay."""
     decay = set(decay_names)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
