@@ -9,6 +9,7 @@ scipy's exact binomial intervals, dp_accounting's Gaussian ε(δ), and Monte-Car
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -160,6 +161,9 @@ def test_the_real_step_stays_below_and_its_scores_are_what_the_step_releases(tmp
     assert abs(result.scores_without.mean()) < 5 * stderr
     assert result.ideal_epsilon <= result.threshold.claimed_epsilon
     assert result.run_epsilon > 0
+    assert "note:" not in str(result)  # q ≈ 1: the audit has power, no hint
+    powerless = dataclasses.replace(result, sample_rate=0.001, ideal_epsilon=0.0)
+    assert f"rerun with --num_examples {batch} (q ≈ 1)" in str(powerless)
 
 
 def _zero_noise(self, shape, std, device, dtype):
