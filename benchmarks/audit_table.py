@@ -20,13 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from hf_dp.audit.faults import fault
 from hf_dp.optim.registry import requires_bookkeeping
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIMIZERS = ("sgd", "adam", "adamw", "adam_bc", "stp", "dp2", "disk", "doppler")
-BUGS = {
-    "no noise": "noise",
-    "clipping skipped": "clipping",
+BUGS = {  # name in the table → hf_dp.audit.faults
+    "no noise": "no_noise",
+    "clipping skipped": "no_clipping",
     "noise halved": "half_noise",
     "canary in every batch (q < 1 claimed)": "always_sampled",
 }
@@ -35,35 +36,6 @@ COMMON = [
     "1.0", "--target_delta", "1e-5", "--learning_rate", "1e-3", "--max_steps", "100", "--use_cpu",
     "--report_to", "none",
 ]  # fmt: skip
-
-
-def inject(bug: str) -> None:
-    """Break hf_dp in one place, as the DP bugs libraries have shipped do."""
-    import torch
-
-    from hf_dp.clipping.engine import ClippingEngine
-    from hf_dp.noise import GaussianNoise
-    from hf_dp.sampling import PoissonBatchSampler
-
-    draw = GaussianNoise.sample
-    if bug == "noise":
-        GaussianNoise.sample = lambda self, shape, std, device, dtype: torch.zeros(shape, dtype=dtype)
-    elif bug == "half_noise":
-        GaussianNoise.sample = lambda self, shape, std, device, dtype: draw(
-            self, shape, std / 2, device, dtype
-        )
-    elif bug == "clipping":
-        ClippingEngine.clip_factors = lambda self, norms, clip: torch.ones_like(norms)
-    elif bug == "always_sampled":  # the canary is the last row: draw it in every batch
-        batches = PoissonBatchSampler._logical_batches
-
-        def always(self, generator):
-            for batch in batches(self, generator):
-                yield sorted(set(batch) | {self.num_samples - 1})
-
-        PoissonBatchSampler._logical_batches = always
-    else:
-        raise ValueError(f"unknown bug {bug!r}")
 
 
 def command(launcher: str, optimizer: str, trials: int, audit_dir: str, bug: str | None) -> list[str]:
@@ -163,8 +135,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if "--inject" in sys.argv:  # python audit_table.py --inject BUG -- <hf_dp.audit flags>
-        bug = sys.argv[sys.argv.index("--inject") + 1]
-        inject(bug)
+        setattr(*fault(sys.argv[sys.argv.index("--inject") + 1]))
         from hf_dp.audit.__main__ import main as audit_main
 
         audit_main(sys.argv[sys.argv.index("--") + 1 :])

@@ -26,9 +26,7 @@ from torch.utils.data import Dataset
 
 from hf_dp import DPTrainer
 from hf_dp.audit import audit_one_run, audit_step, bounds
-from hf_dp.clipping.engine import ClippingEngine
-from hf_dp.noise import GaussianNoise
-from hf_dp.sampling import PoissonBatchSampler
+from hf_dp.audit.faults import fault
 from tests.trainer_utils import make_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,43 +162,30 @@ def test_the_real_step_stays_below_and_its_scores_are_what_the_step_releases(tmp
     assert "note:" not in str(result)  # q ≈ 1: the audit has power, no hint
     powerless = dataclasses.replace(result, sample_rate=0.001, ideal_epsilon=0.0)
     assert f"rerun with --num_examples {batch} (q ≈ 1)" in str(powerless)
-
-
-def _zero_noise(self, shape, std, device, dtype):
-    return torch.zeros(shape, dtype=dtype)
+    too_few_trials = dataclasses.replace(result, ideal_epsilon=0.0)
+    assert "raise --trials" in str(too_few_trials) and "--num_examples" not in str(too_few_trials)
 
 
 def test_the_audit_catches_a_step_without_noise(tmp_path, monkeypatch):
-    monkeypatch.setattr(GaussianNoise, "sample", _zero_noise)
+    monkeypatch.setattr(*fault("no_noise"))
     result = run_step_audit(tmp_path, trials=200)
     assert result.flagged, str(result)
 
 
 def test_the_audit_catches_a_step_that_skips_clipping(tmp_path, monkeypatch):
-    monkeypatch.setattr(ClippingEngine, "clip_factors", lambda self, norms, clip: torch.ones_like(norms))
+    monkeypatch.setattr(*fault("no_clipping"))
     result = run_step_audit(tmp_path, trials=200)
     assert result.flagged, str(result)
 
 
 def test_the_audit_catches_halved_noise(tmp_path, monkeypatch):
-    draw = GaussianNoise.sample
-    monkeypatch.setattr(
-        GaussianNoise,
-        "sample",
-        lambda self, shape, std, device, dtype: draw(self, shape, std / 2, device, dtype),
-    )
+    monkeypatch.setattr(*fault("half_noise"))
     result = run_step_audit(tmp_path, trials=2000)
     assert result.flagged, str(result)
 
 
 def test_the_audit_catches_a_canary_sampled_every_step_while_q_below_1_is_claimed(tmp_path, monkeypatch):
-    logical_batches = PoissonBatchSampler._logical_batches
-
-    def always_with_the_last_row(self, generator):
-        for batch in logical_batches(self, generator):
-            yield sorted(set(batch) | {self.num_samples - 1})
-
-    monkeypatch.setattr(PoissonBatchSampler, "_logical_batches", always_with_the_last_row)
+    monkeypatch.setattr(*fault("always_sampled"))
     result = run_step_audit(tmp_path, n=32, trials=2000)
     assert result.sample_rate < 0.5
     assert result.flagged, str(result)
@@ -227,7 +212,7 @@ def test_clipping_modes_sampling_and_accumulation_stay_below_and_are_caught_with
 ):
     result = run_step_audit(tmp_path, trials=600, **setting)
     assert not result.flagged, str(result)
-    monkeypatch.setattr(GaussianNoise, "sample", _zero_noise)
+    monkeypatch.setattr(*fault("no_noise"))
     assert run_step_audit(tmp_path, trials=200, **setting).flagged
 
 
@@ -255,7 +240,7 @@ def test_one_run_audit_stays_below_a_real_run_and_catches_one_without_noise(tmp_
     assert not real.flagged, str(real)
     # included canaries were drawn ~T·q times each, excluded ones never: their scores must say so on average
     assert real.scores[real.included].mean() > real.scores[~real.included].mean()
-    monkeypatch.setattr(GaussianNoise, "sample", _zero_noise)
+    monkeypatch.setattr(*fault("no_noise"))
     leaky = run_one_run_audit(tmp_path)
     assert leaky.flagged, str(leaky)
 

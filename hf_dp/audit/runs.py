@@ -36,6 +36,8 @@ from hf_dp.audit.canary import CanaryCollator, WithCanaries, attach_probe, audit
 from hf_dp.privacy import plan_privacy
 from hf_dp.trainer import DPTrainer
 
+POWERLESS_EPSILON = 0.05  # an exact step's median bound below this: the audit cannot see the canary
+
 
 @dataclass
 class StepAudit:
@@ -102,13 +104,16 @@ class StepAudit:
         )
 
     def _power_hint(self) -> str:
-        """A step that samples the canary rarely cannot be told apart in a few thousand trials, even if exact."""
-        if self.ideal_epsilon >= 0.05:
+        """What to change when even an exact step would show nothing: q (the canary is rarely drawn) or trials."""
+        if self.ideal_epsilon >= POWERLESS_EPSILON:
             return ""
-        return (
-            f"\n  note: at q={self.sample_rate:.3g} even an exact step shows nothing in {self.trials} trials; to test "
-            f"the clipping, noise and update rule, rerun with --num_examples {self.expected_batch_size} (q ≈ 1)"
-        )
+        if self.sample_rate < 0.5:
+            return (
+                f"\n  note: at q={self.sample_rate:.3g} even an exact step shows nothing in {self.trials} trials; "
+                f"to test the clipping, noise and update rule, rerun with --num_examples {self.expected_batch_size} "
+                "(q ≈ 1)"
+            )
+        return f"\n  note: even an exact step shows nothing in {self.trials} trials; raise --trials"
 
 
 class _ProbeRecorder(TrainerCallback):

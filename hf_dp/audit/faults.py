@@ -1,0 +1,56 @@
+"""The DP bugs the audit must catch, injectable one at a time: its tests and its results table use them.
+
+Each is a single wrong line of the kind DP libraries have shipped: the noise dropped or halved, clipping
+skipped, or a sampler that draws one row in every batch while the accountant is told q < 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.noise import GaussianNoise
+from hf_dp.sampling import PoissonBatchSampler
+
+
+def _no_noise() -> Callable:
+    return lambda self, shape, std, device, dtype: torch.zeros(shape, dtype=dtype)
+
+
+def _half_noise() -> Callable:
+    draw = GaussianNoise.sample
+    return lambda self, shape, std, device, dtype: draw(self, shape, std / 2, device, dtype)
+
+
+def _no_clipping() -> Callable:
+    return lambda self, norms, clip: torch.ones_like(norms)
+
+
+def _last_row_always_sampled() -> Callable:
+    """The last row (where the audit puts its canary) joins every logical batch."""
+    batches = PoissonBatchSampler._logical_batches
+
+    def always(self, generator):
+        for batch in batches(self, generator):
+            yield sorted(set(batch) | {self.num_samples - 1})
+
+    return always
+
+
+FAULTS: dict[str, tuple[type, str, Callable[[], Callable]]] = {
+    "no_noise": (GaussianNoise, "sample", _no_noise),
+    "half_noise": (GaussianNoise, "sample", _half_noise),
+    "no_clipping": (ClippingEngine, "clip_factors", _no_clipping),
+    "always_sampled": (PoissonBatchSampler, "_logical_batches", _last_row_always_sampled),
+}
+
+
+def fault(name: str) -> tuple[type, str, Any]:
+    """``(owner, attribute, broken replacement)`` for ``setattr`` or pytest's ``monkeypatch.setattr``."""
+    if name not in FAULTS:
+        raise ValueError(f"hf_dp.audit: unknown fault {name!r}; known: {', '.join(FAULTS)}")
+    owner, attribute, make = FAULTS[name]
+    return owner, attribute, make()
