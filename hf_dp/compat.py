@@ -53,7 +53,9 @@ _DATALOADER = "passed to the DP data loader"
 _NOT_PRIVATE_LOG = (
     "logged; computed from the drawn batch WITHOUT noise, so it is not private (docs/privacy.md)"
 )
-_LLM_MEMORY = "is not supported with exact per-example clipping yet (the LLM-memory work); turn it off"
+_CHECKPOINTING = (
+    "exact: per-example norms inside a first backward, then Σ_i c_i L_i back-propagated (docs/clipping.md)"
+)
 
 FIELD_POLICIES: dict[str, FieldPolicy] = {
     # what is trained, for how long, at which rate
@@ -97,14 +99,18 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     ),
     # precision, memory, kernels
     "bf16": _honoured("autocast; per-example norms and the noisy sum stay fp32"),
-    "fp16": _refused("loss scaling " + _LLM_MEMORY + " (use bf16)", private_only=True),
+    "fp16": _refused(
+        "(autocast with GradScaler loss scaling) is not supported yet: use bf16=True, or fp16 weights "
+        "(model.half()), whose clipped sum and noise stay float32",
+        private_only=True,
+    ),
     "bf16_full_eval": _honoured(_EVAL),
     "fp16_full_eval": _honoured(_EVAL),
     "tf32": _honoured(),
-    "activation_checkpointing": _refused("(gradient checkpointing) " + _LLM_MEMORY, private_only=True),
-    "activation_checkpointing_kwargs": _honoured("read only with activation_checkpointing, which is refused"),
-    "gradient_checkpointing": _refused("(activation checkpointing) " + _LLM_MEMORY, private_only=True),
-    "gradient_checkpointing_kwargs": _honoured("read only with gradient_checkpointing, which is refused"),
+    "activation_checkpointing": _honoured(_CHECKPOINTING),
+    "activation_checkpointing_kwargs": _honoured("reentrant or not, every_n_layers, offload: all exact"),
+    "gradient_checkpointing": _honoured("deprecated alias of activation_checkpointing; " + _CHECKPOINTING),
+    "gradient_checkpointing_kwargs": _honoured("deprecated alias of activation_checkpointing_kwargs"),
     "torch_compile": _refused(
         "would compile the model, but the DP step runs the bare module with per-layer hooks; leave it False"
     ),

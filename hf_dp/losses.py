@@ -13,9 +13,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 IGNORE_INDEX = -100
+_LOGITS_PER_CHUNK = 1 << 24  # low-precision logits upcast to float32 at a time (64 MB)
 
 
 def _names(mapping: dict) -> set[str]:
@@ -53,19 +55,47 @@ def token_loss_per_example(
     Trainer's ``LabelSmoother`` applied to each example alone.
 
     For causal LMs position t predicts labels_{t+1}: the LABELS are shifted (one -100 column appended),
-    never the logits, which would copy the B·T·V logit tensor.
+    never the logits, which would copy the B·T·V logit tensor. bf16/fp16 logits are upcast a chunk of rows
+    at a time, each chunk recomputed in the backward, so no float32 copy of all the logits is ever held.
     """
     if shift:
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    token_losses = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
-        labels.reshape(-1),
+    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if flat_logits.dtype in (torch.float32, torch.float64):
+        token_losses = _cross_entropy(flat_logits, flat_labels, label_smoothing)
+    else:
+        # F.cross_entropy on low-precision logits would need a float32 copy of all B·T·V of them, kept for the
+        # backward; HF's own loss has the same copy and averages over the batch, mixing examples
+        rows = max(1, _LOGITS_PER_CHUNK // flat_logits.shape[-1])
+        token_losses = torch.cat(
+            [
+                checkpoint(
+                    _cross_entropy,
+                    flat_logits[start : start + rows],
+                    flat_labels[start : start + rows],
+                    label_smoothing,
+                    use_reentrant=False,
+                )
+                for start in range(0, flat_labels.shape[0], rows)
+            ]
+        )
+    counts = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+    return token_losses.view(labels.shape).sum(dim=1) / counts
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """Per-token cross-entropy in at least float32; 0 for ignored tokens."""
+    return F.cross_entropy(
+        _at_least_float32(logits),
+        labels,
         ignore_index=IGNORE_INDEX,
         reduction="none",
         label_smoothing=label_smoothing,
-    ).view(labels.shape)
-    counts = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
-    return token_losses.sum(dim=1) / counts
+    )
 
 
 def sequence_loss_per_example(
@@ -86,20 +116,18 @@ def sequence_loss_per_example(
             f"label_smoothing_factor={label_smoothing} applies to cross-entropy over classes, not to "
             f"problem_type={problem_type!r}; set it to 0"
         )
+    logits = _at_least_float32(logits)
     if problem_type == "regression":
         return F.mse_loss(
-            logits.float().view(labels.shape[0], -1),
-            labels.float().view(labels.shape[0], -1),
+            logits.view(labels.shape[0], -1),
+            labels.to(logits.dtype).view(labels.shape[0], -1),
             reduction="none",
         ).mean(dim=1)
     if problem_type == "single_label_classification":
         return F.cross_entropy(
-            logits.float().view(-1, num_labels),
-            labels.view(-1),
-            reduction="none",
-            label_smoothing=label_smoothing,
+            logits.view(-1, num_labels), labels.view(-1), reduction="none", label_smoothing=label_smoothing
         )
-    return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(dim=1)
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(dim=1)
 
 
 def per_example_loss(model: nn.Module, inputs: dict[str, Any], label_smoothing: float = 0.0) -> torch.Tensor:

@@ -38,6 +38,7 @@ class GaussianMechanism:
         noise: GaussianNoise | None,
         accountant: PrivacyAccountant | None,
         sum_across_processes: Callable[[list[torch.Tensor]], None] | None = None,
+        low_precision_sums: dict[nn.Parameter, torch.Tensor] | None = None,
     ) -> None:
         if expected_batch_size <= 0:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
@@ -51,11 +52,18 @@ class GaussianMechanism:
         self.noise = noise
         self.accountant = accountant
         self.sum_across_processes = sum_across_processes
+        self.low_precision_sums = low_precision_sums if low_precision_sums is not None else {}
         self._accounted: StepPlan | None = None
 
     @classmethod
     def for_run(
-        cls, plan, accountant: PrivacyAccountant, secret, args, partitioned: bool
+        cls,
+        plan,
+        accountant: PrivacyAccountant,
+        secret,
+        args,
+        partitioned: bool,
+        low_precision_sums: dict[nn.Parameter, torch.Tensor] | None = None,
     ) -> GaussianMechanism:
         """The mechanism of a training run: noise keyed by the run's secret, one key for all processes when
         their gradients are replicated (summed here first), one per process when they are partitioned."""
@@ -68,6 +76,7 @@ class GaussianMechanism:
             noise=GaussianNoise(key, secure_mode=args.secure_mode) if private else None,
             accountant=accountant if private else None,
             sum_across_processes=sum_across_processes if args.world_size > 1 and not partitioned else None,
+            low_precision_sums=low_precision_sums,
         )
 
     @property
@@ -86,25 +95,36 @@ class GaussianMechanism:
         """.grad ← (.grad + N(0, σ²C²/s²)) / B̄ for every trainable parameter, then one accountant step per plan.
 
         A missing ``.grad`` counts as a zero clipped sum (an empty batch still gets noise: skipping it would
-        reveal that the batch was empty). Several releases of one plan (DeepSpeed ZeRO-3 steps its client
-        optimizer once per parameter sub-group) are one logical batch, accounted once.
+        reveal that the batch was empty). A bf16/fp16 parameter's clipped sum arrives in float32
+        (``low_precision_sums``) and is noised in float32; only the released ĝ is cast to its dtype, which is
+        post-processing (a noise draw in bf16 would itself be quantised to 8 significant bits). Several releases
+        of one plan (DeepSpeed ZeRO-3 steps its client optimizer once per parameter sub-group) are one logical
+        batch, accounted once.
         """
         params = [p for p in params if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        sums = [self._clipped_sum(p) for p in params]
         if self.sum_across_processes is not None:
-            self.sum_across_processes([p.grad for p in params])
+            self.sum_across_processes(sums)
         std = self.sum_noise_std(plan)
-        for p in params:
+        for p, total in zip(params, sums, strict=True):
             if std > 0:
-                noise = self.noise.sample(p.shape, std, p.device, p.grad.dtype)
+                noise = self.noise.sample(p.shape, std, p.device, total.dtype)
                 scale = plan.clip_scale.get(p) if plan.clip_scale else None
-                p.grad.add_(noise if scale is None else noise / dense_scale(scale).to(noise))
-            p.grad.div_(self.expected_batch_size)
+                total.add_(noise if scale is None else noise / dense_scale(scale).to(noise))
+            total.div_(self.expected_batch_size)
+            p.grad = total if total.dtype == p.dtype else total.to(p.dtype)
         if self.private and plan is not self._accounted:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
             self._accounted = plan
+
+    def _clipped_sum(self, p: nn.Parameter) -> torch.Tensor:
+        """The parameter's clipped sum in at least float32: its float32 sum (bf16/fp16), its ``.grad``, or zeros."""
+        wide = self.low_precision_sums.pop(p, None)
+        if wide is not None:
+            return wide if p.grad is None else wide.add_(p.grad.float())
+        if p.grad is not None:
+            return p.grad if p.grad.dtype == torch.promote_types(p.dtype, torch.float32) else p.grad.float()
+        return torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
 
     def attach(self, optimizer: torch.optim.Optimizer, planner: StepPlanner) -> None:
         """Release the planner's current plan before every ``optimizer.step()``; the update rule stays stock."""

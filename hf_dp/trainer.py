@@ -35,7 +35,7 @@ from hf_dp.data import dp_dataloader, split_example_mask
 from hf_dp.distributed import check_deepspeed, check_launched_world
 from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
-from hf_dp.losses import per_example_loss
+from hf_dp.losses import per_example_loss, unwrap_model
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.optim.plan import StepPlanner
 from hf_dp.optim.registry import decay_groups, make_dp_optimizer
@@ -102,8 +102,15 @@ class DPTrainerMixin:
         if self.privacy_plan.private:
             self.clipping_engine = ClippingEngine(model, self.args.clipping_fn, self.args.clipping_mode)
             weakref.finalize(self, self.clipping_engine.remove_hooks)
+        checkpointing = bool(self.args.activation_checkpointing) or getattr(
+            unwrap_model(model), "is_activation_checkpointing", False
+        )
         self._clipping = clipping_strategy(
-            self.clipping_engine, model, self.args.world_size, deepspeed=self.is_deepspeed_enabled
+            self.clipping_engine,
+            model,
+            self.args.world_size,
+            deepspeed=self.is_deepspeed_enabled,
+            checkpointing=checkpointing,
         )
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
@@ -210,9 +217,22 @@ class DPTrainerMixin:
                 self.optimizer.register_step_pre_hook(lambda *_: self._clipping.check_untouched())
             partitioned = bool(self._zero_stage)  # ZeRO: each process noises the partition it owns
             self._mechanism = self._privacy_state.mechanism = GaussianMechanism.for_run(
-                self.privacy_plan, self.accountant, self._secret, self.args, partitioned=partitioned
+                self.privacy_plan,
+                self.accountant,
+                self._secret,
+                self.args,
+                partitioned=partitioned,
+                low_precision_sums=self.clipping_engine.low_precision_sums if self.clipping_engine else None,
             )
             self._mechanism.attach(self.optimizer, self._planner)
+            if getattr(self.optimizer, "evaluations_per_step", 1) > 1 and getattr(
+                self._clipping, "norms_in_backward", False
+            ):
+                raise ValueError(
+                    f"{self._update_rule()[0]} evaluates each example at two parameter points (DiSK), which "
+                    "activation checkpointing does not support yet: turn activation_checkpointing off or pick "
+                    "another dp_optimizer"
+                )
             if getattr(self.optimizer, "evaluations_per_step", 1) > 1 and self.args.device.type == "cpu":
                 keep_freed_memory()  # two evaluations' buffers are reused, not re-mapped every step (cpu_heap.py)
         return self.optimizer
@@ -304,6 +324,9 @@ class DPTrainerMixin:
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.privacy_plan is not None:
             logs = {**logs, "epsilon": self.get_epsilon()}
+        if self.clipping_engine is not None and self.clipping_engine.nonfinite_examples:
+            # like the loss, a count over the drawn batches without noise: NOT private
+            logs["nonfinite_examples"] = self.clipping_engine.nonfinite_examples
         super().log(logs, *args, **kwargs)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> float | None:

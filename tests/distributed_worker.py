@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--clipping_mode", choices=["ghost", "per_sample"], default="ghost")
+    parser.add_argument("--checkpointing", choices=["off", "reentrant", "non_reentrant"], default="off")
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume_from", default=None)
     parser.add_argument("--record_noise", action="store_true")
@@ -119,6 +120,8 @@ def main() -> None:
         # every run draws the same batches, so one and two processes can be compared (unless --secret)
         insecure_dp_seed=None if cli.secret else 7,
         deepspeed=deepspeed_config(cli.zero) if cli.zero is not None else None,
+        activation_checkpointing=cli.checkpointing != "off",
+        activation_checkpointing_kwargs={"use_reentrant": cli.checkpointing == "reentrant"},
         **privacy,
     )
     trainer = DPTrainer(
@@ -147,6 +150,8 @@ def main() -> None:
             "distributed_type": str(trainer.accelerator.distributed_type),
             "deepspeed": trainer.is_deepspeed_enabled,
             "zero_stage": trainer._zero_stage,
+            "norms_in_backward": getattr(trainer._clipping, "norms_in_backward", None),
+            "checkpointing": trainer.model.is_activation_checkpointing,
             "epsilon": trainer.get_epsilon(),
             "noise_multiplier": trainer.noise_multiplier,
             "sample_rate": trainer.sample_rate,

@@ -117,12 +117,16 @@ def test_reference_clips(runs):
         ("zero2_accelerate", "deepspeed_zero2.yaml", ("--snapshot_step", "1"), "DEEPSPEED", 2),
         ("zero3", "torchrun", ("--zero", "3"), "DEEPSPEED", 3),
         ("zero3_per_sample", "torchrun", ("--zero", "3", "--clipping_mode", "per_sample"), "DEEPSPEED", 3),
+        ("ddp_checkpointing", "torchrun", ("--checkpointing", "non_reentrant"), "MULTI_CPU", None),
+        ("zero3_checkpointing", "torchrun", ("--zero", "3", "--checkpointing", "reentrant"), "DEEPSPEED", 3),
     ],
 )
 def test_two_processes_match_one_process_without_noise(runs, name, launcher, extra, distributed_type, stage):
+    """The reference runs without activation checkpointing: with it, the norms come from inside a backward."""
     reference = one_process_reference(runs)
     out = runs(name, launcher, *extra)
     run = assert_world(out, distributed_type, stage)
+    assert run["checkpointing"] == run["norms_in_backward"] == ("--checkpointing" in extra)
     assert run["expected_batch_size"] == info(reference)["expected_batch_size"] == 16
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
     # the logged loss is the mean over the whole logical batch, not one process's share

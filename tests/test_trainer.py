@@ -380,7 +380,6 @@ def test_a_gradient_written_outside_clipping_is_refused(tmp_path):
         ({"noise_multiplier": 1.0, "dp_optimizer": "lion"}, "dp_optimizer='lion' is unknown"),
         ({"noise_multiplier": 1.0, "max_grad_norm": 1.0}, "would clip the noisy aggregate"),
         ({"disable_dp": True, "noise_multiplier": 1.0}, "disable_dp=True trains without privacy"),
-        ({"noise_multiplier": 1.0, "gradient_checkpointing": True}, "checkpointing=True .* not supported"),
     ],
 )
 def test_invalid_arguments_raise_one_clear_line(tmp_path, overrides, message):

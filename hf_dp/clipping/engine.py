@@ -30,6 +30,12 @@ from hf_dp.clipping.geometry import (
 )
 from hf_dp.clipping.per_example import PerExampleGradient, Weighted, combined_squared_norm
 from hf_dp.clipping.rules import functorch_per_example_grads, rule_for
+from hf_dp.clipping.taps import NormCollector, frozen, is_checkpointing
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+# With checkpointing, explicit per-example gradients replace the second pass when all B of them take at most
+# this share of the model's parameter count (LoRA adapters: ~1%; full fine-tuning never qualifies).
+KEPT_GRADIENTS_SHARE = 0.05
 
 
 class UnsupportedModuleError(ValueError):
@@ -100,6 +106,12 @@ class ClippingEngine:
         self._calls: list[_RecordedForward] = []
         self._batch_size: int | None = None
         self._recording = False
+        self._collector: NormCollector | None = None
+        self.saw_checkpointing = False  # a recorded forward ran under torch.utils.checkpoint
+        self.nonfinite_examples = 0  # examples clipped to zero because their gradient overflowed
+        self.low_precision_sums: dict[
+            nn.Parameter, torch.Tensor
+        ] = {}  # float32 clipped sums of bf16/fp16 params
         self._handles = []
         for module in self._owned:
             self._handles.append(
@@ -149,6 +161,9 @@ class ClippingEngine:
                 owned.setdefault(module, []).append(pname)
         return owned
 
+    def parameter_name(self, param: nn.Parameter) -> str:
+        return self._names.get(id(param), "?")
+
     def remove_hooks(self) -> None:
         """Leave the user's model as it was (the trainer calls this when training ends)."""
         for handle in self._handles:
@@ -172,8 +187,64 @@ class ClippingEngine:
         finally:
             self._recording = False
 
+    def keeps_gradients(self, batch_size: int) -> bool:
+        """B explicit per-example gradients cost at most KEPT_GRADIENTS_SHARE of the model's weights (LoRA)."""
+        total = sum(p.numel() for p in self.model.parameters())
+        return batch_size * sum(p.numel() for p in self.parameters) <= KEPT_GRADIENTS_SHARE * total
+
+    @contextlib.contextmanager
+    def norms_in_backward(
+        self,
+        batch_size: int,
+        clip_scale: ClipScales | None = None,
+        probe: bool = False,
+        keep_gradients: bool = False,
+    ) -> Iterator[NormCollector]:
+        """Tap the forward of one micro-batch; ``backward()`` of Σ_i L_i then fills ``collector.norms()`` without
+        keeping any layer input alive and without touching ``.grad`` (the clipped parameters are frozen).
+        ``keep_gradients``: the collector also keeps each example's explicit gradient (see ``keeps_gradients``)."""
+        missing = [self._module_names.get(m, "?") for m, rule in self._rules.items() if rule is None]
+        if missing:
+            raise UnsupportedModuleError(
+                f"{missing[0]} has no per-example rule, which activation checkpointing needs (the torch.func "
+                "fallback re-runs the module outside the checkpoint): register one with "
+                "hf_dp.clipping.rules.register_rule, freeze it, or turn checkpointing off"
+            )
+        device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.parameters) else torch.float32
+        directions = None
+        if probe:
+            generator = torch.Generator().manual_seed(0)
+            directions = {
+                id(p): torch.randn(p.shape, generator=generator, dtype=dtype).to(device)
+                for p in self.parameters
+            }
+        collector = NormCollector(
+            self._rules,
+            self._owned,
+            batch_size,
+            _scales_by_id(clip_scale, self.parameters),
+            self.materialise,
+            dtype,
+            device,
+            directions,
+            keep_gradients,
+        )
+        self._collector, self._batch_size = collector, batch_size
+        try:
+            with frozen(self.parameters):
+                yield collector
+        finally:
+            self._collector = None
+
     def _active(self) -> bool:
-        return self._recording and torch.is_grad_enabled()
+        return (self._recording or self._collector is not None) and torch.is_grad_enabled()
+
+    def _stop_recording_if_checkpointed(self) -> None:
+        """Book-keeping would keep the inputs a checkpoint drops (non-reentrant) or never sees them (reentrant, run
+        under no_grad): stop recording and let the strategy switch to norms in the backward."""
+        if self._recording and (not torch.is_grad_enabled() or is_checkpointing()):
+            self.saw_checkpointing, self._recording, self._calls = True, False, []
 
     def _expand_broadcast_batch(self, module: nn.Module, args: tuple, kwargs: dict):
         """HF models pass position_ids of batch size 1 and broadcast the output; expand the input to B
@@ -185,16 +256,19 @@ class ClippingEngine:
             return (x.expand(self._batch_size, *x.shape[1:]), *args[1:]), kwargs
         return None
 
-    def _record(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        self._stop_recording_if_checkpointed()
+        if self._collector is not None and self._collector.counting and not torch.is_grad_enabled():
+            self._collector.count(module)  # reentrant checkpointing: tapped when recomputed in the backward
         if not self._active():
-            return
+            return None
         outputs = [
             o
             for o in (output if isinstance(output, tuple | list) else (output,))
             if isinstance(o, torch.Tensor)
         ]
-        if not any(o.requires_grad for o in outputs):
-            return
+        if self._collector is None and not any(o.requires_grad for o in outputs):
+            return None
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if first is not None and first.dim() > 0 and first.shape[0] != self._batch_size:
             raise UnsupportedModuleError(
@@ -202,7 +276,16 @@ class ClippingEngine:
                 f"input of shape {tuple(first.shape)} has no batch dimension of {self._batch_size} (it is shared "
                 "by all examples, like T5's relative_attention_bias): freeze it"
             )
+        if self._collector is not None:
+            if first is None or not isinstance(output, torch.Tensor):
+                raise UnsupportedModuleError(
+                    f"{self._module_names.get(module, '?')} ({type(module).__name__}) must take a tensor first "
+                    "and return one tensor for its norm to be computed inside the backward (activation "
+                    "checkpointing): register a rule for a module that does, or turn checkpointing off"
+                )
+            return self._collector.tap(module, first, output)
         self._calls.append(_RecordedForward(module, tuple(args), dict(kwargs), outputs))
+        return None
 
     # ---- per-example gradients, then the clipped sum ----------------------------------------------
 
@@ -264,10 +347,35 @@ class ClippingEngine:
         return self._norms_and_terms(evaluations, clip_scale)[0]
 
     def clip_factors(self, norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
-        """c_i at ``clip_norm`` with this engine's clipping function."""
+        """c_i at ``clip_norm`` with this engine's clipping function; c_i = 0 for an example whose gradient is not
+        finite (an overflow in low precision): it then contributes nothing, within the sensitivity C. Counted in
+        ``nonfinite_examples``."""
         if not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
-        return clip_factors(norms, clip_norm, self.clipping_fn)
+        finite = torch.isfinite(norms)
+        self.nonfinite_examples += int((~finite).sum())
+        return torch.where(finite, clip_factors(norms.nan_to_num(), clip_norm, self.clipping_fn), 0.0)
+
+    def add_to_sum(self, param: nn.Parameter, part: PerExampleGradient, weights: torch.Tensor) -> None:
+        """The clipped sum += Σ_i w_i G_i: in ``.grad``, or for a bf16/fp16 parameter in its float32 sum
+        (``low_precision_sums``), which the mechanism noises in float32 before the one cast."""
+        if param.dtype not in LOW_PRECISION:
+            param.grad = part.accumulate(param.grad, weights, param)
+            return
+        wide = self.low_precision_sums.get(param)
+        like = (
+            wide if wide is not None else torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        )
+        self.low_precision_sums[param] = part.accumulate(wide, weights, like)
+
+    def move_to_low_precision_sums(self) -> None:
+        """After autograd wrote a micro-batch's clipped sum into a bf16/fp16 ``.grad``: add it to the float32 sum."""
+        for param in self.parameters:
+            if param.dtype in LOW_PRECISION and param.grad is not None:
+                wide = self.low_precision_sums.get(param)
+                grad = param.grad.float()
+                self.low_precision_sums[param] = grad if wide is None else wide.add_(grad)
+                param.grad = None
 
     def clip_and_accumulate(
         self,
@@ -288,11 +396,12 @@ class ClippingEngine:
             factors = self.clip_factors(norms, clip_norm)
             if example_mask is not None:
                 factors = factors * example_mask.to(factors.dtype)
+            overflowed = ~torch.isfinite(norms)
             for param, weighted in terms.values():
-                grad = param.grad
                 for weight, part in weighted:
-                    grad = part.accumulate(grad, factors if weight == 1 else weight * factors, param)
-                param.grad = grad
+                    if overflowed.any():  # 0 · inf would be nan: their rows go, not just their weights
+                        part = part.without_examples(overflowed)
+                    self.add_to_sum(param, part, factors if weight == 1 else weight * factors)
         return norms
 
     def _norms_and_terms(self, evaluations, clip_scale):

@@ -102,6 +102,18 @@ class OuterProductSum:
             return OuterProductSum(self.left, self.right * scale.to(self.right)[self.left], self.rows)
         return None
 
+    def without_examples(self, drop: torch.Tensor) -> OuterProductSum:
+        """The same sum with G_i = 0 for the examples in ``drop`` (B,), bool."""
+        right = self.right.masked_fill(drop[:, None, None], 0.0)
+        left = self.left if self.is_index else self.left.masked_fill(drop[:, None, None], 0.0)
+        return OuterProductSum(left, right, self.rows)
+
+    def project(self, direction: torch.Tensor) -> torch.Tensor:
+        """⟨G_i, V⟩ = Σ_t left_tᵀ V right_t per example, V shaped like the parameter."""
+        v = direction.reshape(self.rows, -1).to(self.right)
+        along = v[self.left] if self.is_index else self.left @ v
+        return (along * self.right).sum(dim=(1, 2))
+
     def accumulate(
         self, grad: torch.Tensor | None, weights: torch.Tensor, like: torch.Tensor
     ) -> torch.Tensor:
@@ -144,6 +156,14 @@ class Materialised:
 
     def materialise(self, start: int, stop: int) -> torch.Tensor:
         return self.grads[start:stop]
+
+    def without_examples(self, drop: torch.Tensor) -> Materialised:
+        """G_i = 0 for the examples in ``drop`` (B,), bool."""
+        return Materialised(self.grads.masked_fill(drop.view(-1, *[1] * (self.grads.dim() - 1)), 0.0))
+
+    def project(self, direction: torch.Tensor) -> torch.Tensor:
+        """⟨G_i, V⟩ per example."""
+        return self.grads.flatten(1) @ direction.flatten().to(self.grads)
 
     def scaled(self, scale: ClipScale) -> Materialised:
         return Materialised(self.grads * dense_scale(scale).to(self.grads))

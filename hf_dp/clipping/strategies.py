@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.evaluate import ParameterShifter, evaluate_at_points, replay_rng, rng_state
+from hf_dp.clipping.taps import NormCollector
 from hf_dp.optim.plan import StepPlan
 
 LossFn = Callable[[nn.Module], torch.Tensor]
@@ -36,6 +37,24 @@ def require_per_example(losses, batch_size: int, source: str) -> torch.Tensor:
             "or override compute_per_example_loss instead"
         )
     return losses
+
+
+def norm_pass(
+    engine: ClippingEngine,
+    module: nn.Module,
+    losses_of: LossFn,
+    batch_size: int,
+    plan: StepPlan,
+    probe: bool = False,
+    keep_gradients: bool = False,
+) -> tuple[NormCollector, torch.Tensor]:
+    """One tapped forward and backward of Σ_i L_i: the collector holds the per-example norms, no ``.grad``
+    is written (activation checkpointing; ``ClippingEngine.norms_in_backward``)."""
+    with engine.norms_in_backward(batch_size, plan.clip_scale, probe, keep_gradients) as collector:
+        losses = losses_of(module)
+        collector.counting = False  # the backward's recomputations are not uses
+        losses.sum().backward()
+    return collector, losses
 
 
 @dataclass
@@ -56,8 +75,9 @@ class Bookkeeping:
     exactly as this strategy left it (same tensor, same version), or training stops before any noise is added.
     """
 
-    def __init__(self, engine: ClippingEngine, module: nn.Module) -> None:
+    def __init__(self, engine: ClippingEngine, module: nn.Module, norms_in_backward: bool = False) -> None:
         self.engine, self.module = engine, module
+        self.norms_in_backward = norms_in_backward  # activation checkpointing: two passes, see _two_passes
         self.shifter = ParameterShifter()
         self._verified = False
         self._left: list | None = None  # the gradients' (identity, version) after this strategy's last write
@@ -85,12 +105,20 @@ class Bookkeeping:
         if not mask.any():  # nothing to add; the release still adds noise to the zero sum
             self._left = self._versions()
             return MicroStep(mask.new_zeros(batch_size), None)
-        if len(plan.evaluations) == 1 and plan.evaluations[0].shift is None:
+        if self.norms_in_backward:
+            losses = self._two_passes(losses_of, mask, plan, verify)
+        elif len(plan.evaluations) == 1 and plan.evaluations[0].shift is None:
+            state = rng_state()
             with self.engine.record(batch_size):
                 losses = losses_of(self.module)
-            self.engine.clipped_backward(
-                losses, plan.clip_norm, mask, verify=verify, clip_scale=plan.clip_scale
-            )
+            if self.engine.saw_checkpointing:  # the user's own torch.utils.checkpoint: switch for good
+                self.norms_in_backward = True
+                replay_rng(state)
+                losses = self._two_passes(losses_of, mask, plan, verify)
+            else:
+                self.engine.clipped_backward(
+                    losses, plan.clip_norm, mask, verify=verify, clip_scale=plan.clip_scale
+                )
         else:
             evaluated, losses = evaluate_at_points(
                 self.engine, self.module, losses_of, plan.evaluations, batch_size, self.shifter, verify
@@ -100,17 +128,89 @@ class Bookkeeping:
         self._left = self._versions()
         return MicroStep(losses.detach(), None)
 
+    def _two_passes(
+        self, losses_of: LossFn, mask: torch.Tensor, plan: StepPlan, verify: bool
+    ) -> torch.Tensor:
+        """Activation checkpointing: norms inside a first backward, then Σ_i c_i L_i back-propagated into ``.grad``
+        (same dropout masks); both on the bare module. With few trainable weights (LoRA) the first backward also
+        keeps each example's explicit gradient and the clipped sum is formed from them: one pass. The first
+        step always takes two passes, to check the taps against autograd."""
+        if len(plan.evaluations) > 1 or plan.evaluations[0].shift is not None:
+            raise ValueError(
+                "this dp_optimizer evaluates each example at two parameter points (DiSK), which activation "
+                "checkpointing does not support yet: turn activation_checkpointing off or pick another dp_optimizer"
+            )
+        batch_size = mask.shape[0]
+        one_pass = not verify and self.engine.keeps_gradients(batch_size)
+        state = rng_state()
+        collector, losses = norm_pass(
+            self.engine, self.module, losses_of, batch_size, plan, probe=verify, keep_gradients=one_pass
+        )
+        if not torch.isfinite(losses[mask.bool()]).all():
+            raise FloatingPointError(
+                "an example's loss overflowed in the forward; with activation checkpointing its zero clip weight "
+                "cannot keep inf out of the weighted backward: train in bf16 or float32, or turn checkpointing off"
+            )
+        norms = collector.norms()
+        factors = self.engine.clip_factors(norms, plan.clip_norm) * mask.to(torch.float32)
+        if one_pass:
+            overflowed = ~torch.isfinite(norms)
+            with torch.no_grad():
+                for param, part in collector.kept_gradients():
+                    part = part.without_examples(overflowed) if overflowed.any() else part
+                    self.engine.add_to_sum(param, part, factors)
+            return losses
+        replay_rng(state)
+        before = self._projections(collector) if verify else None
+        losses = losses_of(self.module)
+        (factors.detach().to(losses.dtype) * losses).sum().backward()
+        if verify:
+            self._check_projections(collector, factors, before)
+        self.engine.move_to_low_precision_sums()
+        return losses
+
+    def _projections(self, collector: NormCollector) -> dict[int, float]:
+        return {
+            id(p): 0.0 if p.grad is None else float((p.grad.double() * collector.probe[id(p)].double()).sum())
+            for p in self.engine.parameters
+        }
+
+    def _check_projections(
+        self, collector: NormCollector, factors: torch.Tensor, before: dict[int, float]
+    ) -> None:
+        """⟨Σ_i c_i g_i, V_p⟩ from autograd must equal Σ_i c_i ⟨G_i, V_p⟩ from the norm pass for every parameter p:
+        otherwise some use of p escaped the taps and its norm would be too small."""
+        after = self._projections(collector)
+        low_precision = any(p.dtype in (torch.float16, torch.bfloat16) for p in self.engine.parameters)
+        tolerance = 2e-2 if low_precision or torch.is_autocast_enabled(factors.device.type) else 1e-3
+        for param in self.engine.parameters:
+            pid = id(param)
+            projection = collector.projections.get(pid)
+            ours = 0.0 if projection is None else float((factors.double() * projection.double()).sum())
+            scale = 0.0 if projection is None else float((factors.double() * projection.double()).abs().sum())
+            theirs = after[pid] - before[pid]
+            if abs(ours - theirs) > tolerance * max(scale, abs(theirs), 1e-6):
+                raise UnsupportedModuleError(
+                    f"parameter {self.engine.parameter_name(param)} gets gradient from outside the forward of the "
+                    f"module that owns it (norm pass {ours:.4g} vs autograd {theirs:.4g} along a probe), so its "
+                    "per-example norm would be wrong: freeze it or call it through its module"
+                )
+
 
 class TwoPass:
     """Norm pass on the bare module (no ``.grad`` touched), then W·Σ_i c_i L_i through the wrapped model.
 
     DeepSpeed averages gradients over the W processes, so the factor W leaves this rank's partition of the
     plain sum Σ_i c_i g_i for the mechanism. Every process runs both passes even with no real example, so the
-    framework's collectives match.
+    framework's collectives match. With activation checkpointing the norms come from inside the norm pass's
+    backward (``ClippingEngine.norms_in_backward``), else by book-keeping.
     """
 
-    def __init__(self, engine: ClippingEngine, module: nn.Module, world_size: int) -> None:
+    def __init__(
+        self, engine: ClippingEngine, module: nn.Module, world_size: int, norms_in_backward: bool = False
+    ) -> None:
         self.engine, self.module, self.world_size = engine, module, world_size
+        self.norms_in_backward = norms_in_backward
 
     def run(self, losses_of: LossFn, mask: torch.Tensor, plan: StepPlan, model: nn.Module) -> MicroStep:
         if plan.requires_bookkeeping:
@@ -119,9 +219,13 @@ class TwoPass:
             )
         batch_size = mask.shape[0]
         state = rng_state()
-        with self.engine.record(batch_size):
-            losses = losses_of(self.module)
-        norms = self.engine.per_example_norms([(self.engine.per_example_gradients(losses), 1.0)])
+        if self.norms_in_backward:
+            collector, losses = norm_pass(self.engine, self.module, losses_of, batch_size, plan)
+            norms = collector.norms()
+        else:
+            with self.engine.record(batch_size):
+                losses = losses_of(self.module)
+            norms = self.engine.per_example_norms([(self.engine.per_example_gradients(losses), 1.0)])
         factors = self.engine.clip_factors(norms, plan.clip_norm) * mask
         replay_rng(state)
         losses = losses_of(model)
@@ -143,9 +247,12 @@ class NonPrivate:
 
 
 def clipping_strategy(
-    engine: ClippingEngine | None, module: nn.Module, world_size: int, deepspeed: bool
+    engine: ClippingEngine | None, module: nn.Module, world_size: int, deepspeed: bool, checkpointing: bool
 ) -> Bookkeeping | TwoPass | NonPrivate:
-    """What the run needs: no engine means no DP; DeepSpeed owns the gradients, so it gets the two passes."""
+    """What the run needs: no engine means no DP; DeepSpeed owns the gradients, so it gets the two passes;
+    activation checkpointing gets its norms inside a backward."""
     if engine is None:
         return NonPrivate(None, world_size) if deepspeed else NonPrivate(module)
-    return TwoPass(engine, module, world_size) if deepspeed else Bookkeeping(engine, module)
+    if deepspeed:
+        return TwoPass(engine, module, world_size, norms_in_backward=checkpointing)
+    return Bookkeeping(engine, module, norms_in_backward=checkpointing)

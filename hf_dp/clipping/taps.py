@@ -1,0 +1,195 @@
+"""Per-example norms computed INSIDE the backward, for models with activation checkpointing.
+
+Book-keeping keeps every layer's input until one backward has produced all output gradients, which is what
+activation checkpointing exists to avoid. Here each parameter-owning module's output passes through an
+identity ``_NormTap`` that saves the module's input through autograd (so checkpointing drops and recomputes
+it like any other saved activation) and, when the output gradient arrives, turns (input, output gradient)
+into this module's contribution to ‖s ⊙ g_i‖² with the layer's rule, then lets both go. A parameter used
+several times in one forward (tied embeddings, a shared layer) keeps its parts until its last use arrives
+and gets the norm of the sum, cross terms included.
+
+Recomputation runs the forward hooks again; uses are counted in the first forward only and norms are added
+only in backward, where each tap fires exactly once (non-reentrant checkpointing runs the ORIGINAL graph's
+nodes; reentrant checkpointing runs the forward under no_grad, untapped, and taps its recomputation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from hf_dp.clipping.geometry import ClipScale
+from hf_dp.clipping.per_example import (
+    Materialised,
+    OuterProductSum,
+    PerExampleGradient,
+    combined_squared_norm,
+)
+
+Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
+
+
+class _NormTap(torch.autograd.Function):
+    """y ↦ y whose backward hands (the module's input x, ∂L/∂y) to the collector. ``anchor`` requires grad, so y
+    does even while the parameters are frozen for the norm pass."""
+
+    @staticmethod
+    def forward(ctx, output, anchor, collector, module, x):
+        ctx.collector, ctx.module = collector, module
+        ctx.save_for_backward(x)
+        return output.detach()  # a fresh tensor, not a view: the model may modify it in place
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        ctx.collector.add(ctx.module, x, grad_output)
+        return grad_output, None, None, None, None
+
+
+class _AgainstIds:
+    """A dense use G = Σ_t left_t ⊗ right_t kept only as ⟨left_t, onehot(ids_s)⟩ (B, T, S) and right: all the
+    cross term with a later embedding use of those ids needs (a tied LM head: B·T·S floats instead of B·T·V)."""
+
+    def __init__(self, part: OuterProductSum, ids: torch.Tensor) -> None:
+        self.gram = part.left_gram(OuterProductSum(ids, part.right, part.rows))
+        self.right = part.right
+
+    def inner(self, embedding: OuterProductSum) -> torch.Tensor:
+        return (self.gram * torch.bmm(self.right, embedding.right.transpose(1, 2))).sum(dim=(1, 2))
+
+
+class NormCollector:
+    """Σ over parameters of ‖s ⊙ G_i‖², filled by the taps during one backward of Σ_i L_i.
+
+    ``probe`` (the first step): also ⟨G_i, V_p⟩ for a fixed random V_p per parameter, so the strategy can check
+    the norm pass saw every use of every parameter against autograd's gradient (``probe_directions``).
+    """
+
+    def __init__(
+        self,
+        rules: dict[nn.Module, Rule],
+        owned: dict[nn.Module, list[str]],
+        batch_size: int,
+        scales: dict[int, ClipScale],
+        materialise: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        probe: dict[int, torch.Tensor] | None = None,
+        keep_gradients: bool = False,
+    ) -> None:
+        self.rules, self.owned, self.scales, self.materialise = rules, owned, scales, materialise
+        self.batch_size = batch_size
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
+        self.squared = torch.zeros(batch_size, dtype=dtype, device=device)
+        self.uses: dict[int, int] = {}  # per parameter, in the first forward
+        self.counting = True
+        self._waiting: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]] = {}
+        self._ids: dict[int, torch.Tensor | None] = {}  # an embedding's ids, per parameter used once as one
+        self._tied_heads: dict[int, _AgainstIds] = {}
+        self.probe = probe
+        self.projections: dict[int, torch.Tensor] = {}
+        # few trainable weights (LoRA): keep each example's explicit gradient, so no second pass is needed
+        self.kept: dict[int, tuple[nn.Parameter, torch.Tensor]] | None = {} if keep_gradients else None
+
+    def count(self, module: nn.Module) -> None:
+        """One more use of the module's parameters in the forward (not in a recomputation)."""
+        for name in self.owned[module]:
+            pid = id(getattr(module, name))
+            self.uses[pid] = self.uses.get(pid, 0) + 1
+
+    def tap(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        if self.counting:
+            self.count(module)
+            if isinstance(module, nn.Embedding):
+                pid = id(module.weight)
+                self._ids[pid] = None if pid in self._ids else x.reshape(x.shape[0], -1)
+        return _NormTap.apply(output, self.anchor, self, module, x)
+
+    def add(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        found = self.rules[module](module, x, grad_output)
+        for name in self.owned[module]:
+            param = getattr(module, name)
+            pid, part = id(param), found[name]
+            if self.probe is not None:
+                projection = part.project(self.probe[pid])
+                self.projections[pid] = self.projections.get(pid, 0) + projection
+            if self.kept is not None:
+                grads = part.materialise(0, self.batch_size).reshape(self.batch_size, *param.shape)
+                if pid in self.kept:
+                    self.kept[pid][1].add_(grads)  # another use: the per-example gradient is the sum
+                else:
+                    self.kept[pid] = (param, grads)
+                continue
+            if self.uses.get(pid, 1) <= 1:
+                self._add_norm(param, [part])
+                continue
+            if pid in self._tied_heads and isinstance(part, OuterProductSum) and part.is_index:
+                head = self._tied_heads.pop(
+                    pid
+                )  # ‖G_head + G_emb‖² = ‖G_head‖² + ‖G_emb‖² + 2⟨G_head, G_emb⟩
+                self.squared += (part.squared_norm(False) + 2 * head.inner(part)).to(self.squared)
+                continue
+            if self._is_tied_head(pid, part):
+                self._tied_heads[pid] = _AgainstIds(part, self._ids[pid])
+                self.squared += part.squared_norm(False).to(self.squared)
+                continue
+            _, parts = self._waiting.setdefault(pid, (param, []))
+            parts.append(part)
+            if len(parts) == self.uses[pid]:
+                self._add_norm(*self._waiting.pop(pid))
+
+    def _is_tied_head(self, pid: int, part: PerExampleGradient) -> bool:
+        """The first of exactly two uses, dense, and the other one an embedding whose ids the forward showed."""
+        return (
+            self.uses[pid] == 2
+            and pid not in self._waiting
+            and self._ids.get(pid) is not None
+            and pid not in self.scales
+            and not self.materialise
+            and isinstance(part, OuterProductSum)
+            and not part.is_index
+        )
+
+    def _add_norm(self, param: nn.Parameter, parts: list[PerExampleGradient]) -> None:
+        shape = getattr(param, "ds_shape", param.shape)  # DeepSpeed ZeRO-3 partitions to shape (0,)
+        terms = [(1.0, part) for part in parts]
+        self.squared += combined_squared_norm(terms, self.scales.get(id(param)), shape, self.materialise).to(
+            self.squared
+        )
+
+    def norms(self) -> torch.Tensor:
+        """‖s ⊙ g_i‖, shape (B,), once the backward is done (call once); a use whose output got no gradient
+        simply contributed nothing."""
+        for param, parts in self._waiting.values():
+            self._add_norm(param, parts)
+        self._waiting.clear()
+        self._tied_heads.clear()  # its embedding use got no gradient: ‖G_head‖² is already in
+        for param, grads in (self.kept or {}).values():
+            self._add_norm(param, [Materialised(grads)])
+        return self.squared.clamp(min=0).sqrt()
+
+    def kept_gradients(self) -> list[tuple[nn.Parameter, Materialised]]:
+        """The explicit per-example gradients (``keep_gradients``), to be summed with the clip factors."""
+        return [(param, Materialised(grads)) for param, grads in (self.kept or {}).values()]
+
+
+@contextlib.contextmanager
+def frozen(params: list[nn.Parameter]) -> Iterator[None]:
+    """The norm pass computes no weight gradient and writes no ``.grad``: the clipped parameters are frozen."""
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)
+
+
+def is_checkpointing() -> bool:
+    """Inside a non-reentrant ``torch.utils.checkpoint`` forward (its saved-tensor hooks are on top)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")

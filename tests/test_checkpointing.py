@@ -1,0 +1,270 @@
+"""Activation checkpointing with exact per-example clipping: the norms come from inside a first backward.
+
+Compared with brute force (one backward per example, checkpointing off) in float64, for HF's reentrant and
+non-reentrant checkpointing and for a model checkpointed by its user with torch.utils.checkpoint.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
+from hf_dp.clipping.strategies import Bookkeeping
+from hf_dp.losses import per_example_loss, unwrap_model
+from hf_dp.optim.plan import Evaluation, Shift, StepPlan
+from tests import models
+from tests.test_clipping_geometry import factored_scales
+from tests.test_engine import assert_close
+from tests.trainer_utils import make_trainer, snapshot
+
+
+def llama_lora() -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(
+        models.llama(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    )
+
+
+MODELS = {
+    "gpt2_tied": (models.gpt2, lambda: models.token_batch()),
+    "bert_classifier": (models.bert_classifier, lambda: models.classification_batch(3)),
+    "roberta_classifier": (models.roberta_classifier, lambda: models.classification_batch(2, pad=1)),
+    "llama": (models.llama, lambda: models.token_batch()),
+    "llama_lora": (llama_lora, lambda: models.token_batch()),
+}
+
+
+@pytest.fixture(autouse=True)
+def float64_rms_norm(monkeypatch):
+    """HF's LlamaRMSNorm computes in float32 whatever the model's dtype; in float64 here, so that a float64
+    Llama is float64 throughout and brute force can be compared to 1e-9 (our RMSNorm rule runs the module's
+    own forward, so it follows)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
+
+
+def checkpointed_step(
+    model, batch, max_norm, plan=None, strategy=None, loss_fn=per_example_loss
+) -> dict[str, torch.Tensor]:
+    """One micro-batch through the book-keeping strategy with norms in the backward; the clipped sum per name."""
+    engine = strategy.engine if strategy else ClippingEngine(model)
+    strategy = strategy or Bookkeeping(engine, model, norms_in_backward=True)
+    model.zero_grad(set_to_none=True)
+    mask = torch.ones(batch["input_ids"].shape[0])
+    strategy.run(lambda module: loss_fn(module, batch), mask, plan or StepPlan(max_norm), model)
+    engine.remove_hooks()
+    return {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_checkpointed_clipped_sum_matches_brute_force(name: str, reentrant: bool) -> None:
+    build, make_batch = MODELS[name]
+    model = build().double().train()  # HF checkpoints only in training mode; dropout is off in these models
+    batch = make_batch()
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()  # every example clipped
+    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
+    unwrap_model(model).activation_checkpointing_enable({"use_reentrant": reentrant})
+    assert unwrap_model(model).is_activation_checkpointing
+    ours = checkpointed_step(model, batch, max_norm)
+    assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+
+
+def test_checkpointed_scaled_geometry_matches_brute_force() -> None:
+    """Scale-then-privatize and DP² clip ‖s ⊙ g_i‖: the scale is folded into each layer's norm in the backward."""
+    torch.manual_seed(0)
+    model = models.llama().double().train()
+    batch = models.token_batch()
+    scale = factored_scales(model)
+    reference, _ = models.brute_force_combined(model, batch, 0.3, scale=scale)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    ours = checkpointed_step(model, batch, 0.3, plan=StepPlan(0.3, clip_scale=scale))
+    assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+
+
+class _UserCheckpointed(nn.Module):
+    """A model its user checkpointed by hand, block by block, with a tied input/output embedding."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.embed = nn.Embedding(models.VOCAB, 8)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(2)
+        )
+        self.head = nn.Linear(8, models.VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            if self.reentrant is None:
+                h = h + block(h)
+            else:
+                h = h + torch_checkpoint.checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _next_token_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Per-example mean next-token cross-entropy, in the model's own dtype."""
+    logits, labels = model(batch["input_ids"])[:, :-1], batch["labels"][:, 1:]
+    losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", ignore_index=-100)
+    return losses.sum(dim=1) / (labels != -100).sum(dim=1)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_model_checkpointed_by_its_user_is_detected_and_exact(reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model = _UserCheckpointed(None).double()  # brute force runs it without checkpoints
+    batch = models.token_batch()
+    reference, norms = models.brute_force(model, batch, max_norm=0.5, loss_fn=_next_token_loss)
+    assert norms.min() > 0.5
+    model.reentrant = reentrant
+    engine = ClippingEngine(model)
+    strategy = Bookkeeping(engine, model)  # nothing told it about checkpointing
+    ours = checkpointed_step(model, batch, 0.5, strategy=strategy, loss_fn=_next_token_loss)
+    assert engine.saw_checkpointing and strategy.norms_in_backward
+    assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+
+
+def _live_inner_inputs(model, engine, batch, checkpointing: bool) -> tuple[int, int]:
+    """How many inputs of the decoder layers' Linear modules are still alive after the forward of a norm pass."""
+    refs = []
+    handles = [
+        module.register_forward_hook(lambda m, args, out: refs.append(weakref.ref(args[0])))
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and ".layers." in name
+    ]
+    if checkpointing:
+        with engine.norms_in_backward(batch["input_ids"].shape[0]) as collector:
+            losses = per_example_loss(model, batch)
+            collector.counting = False
+            gc.collect()
+            alive = sum(r() is not None for r in refs)
+            losses.sum().backward()
+    else:
+        with engine.record(batch["input_ids"].shape[0]):
+            losses = per_example_loss(model, batch)
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+    for handle in handles:
+        handle.remove()
+    return alive, len(refs)
+
+
+def test_the_norm_pass_keeps_no_checkpointed_activation_alive() -> None:
+    """Book-keeping keeps every layer input until its single backward; with checkpointing the inputs of the
+    checkpointed layers are gone after the forward (the taps save them through autograd, which drops them)."""
+    model = models.llama().train()
+    batch = models.token_batch(batch=4, length=16)
+    engine = ClippingEngine(model)
+    alive, total = _live_inner_inputs(model, engine, batch, checkpointing=False)
+    assert total > 0 and alive == total  # the check can fail: book-keeping holds them
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    alive, total = _live_inner_inputs(model, engine, batch, checkpointing=True)
+    assert total > 0 and alive == 0
+
+
+class _SideUse(nn.Module):
+    """Uses its Linear's weight directly as well: a path no tap sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x) + x @ self.head.weight
+
+
+def test_a_parameter_used_outside_its_module_is_caught_with_checkpointing() -> None:
+    model = _SideUse().double()
+    batch = {"input_ids": torch.randn(3, 4, dtype=torch.float64)}
+    with pytest.raises(UnsupportedModuleError, match="head.weight gets gradient from outside"):
+        checkpointed_step(model, batch, 1.0, loss_fn=lambda m, b: m(b["input_ids"]).pow(2).sum(dim=1))
+
+
+def test_shifted_evaluations_are_refused_with_checkpointing() -> None:
+    model = models.llama().double().train()
+    shift = Shift(0.1, {p: torch.zeros_like(p) for p in model.parameters()})
+    plan = StepPlan(1.0, evaluations=(Evaluation(0.5, shift), Evaluation(0.5)))
+    with pytest.raises(ValueError, match="DiSK.*turn activation_checkpointing off") as info:
+        checkpointed_step(model, models.token_batch(), 1.0, plan=plan)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}])
+def test_trainer_with_activation_checkpointing_takes_the_same_step(tmp_path, kwargs) -> None:
+    """DPTrainer(activation_checkpointing=True) takes the noise-free step of the run without it, in float64."""
+    steps = []
+    for checkpointing in (False, True):
+        torch.manual_seed(3)
+        model = models.gpt2().double()
+        before = snapshot(model)
+        trainer = make_trainer(
+            tmp_path,
+            model=model,
+            noise_multiplier=0.0,
+            max_steps=1,
+            insecure_dp_seed=5,
+            activation_checkpointing=checkpointing,
+            activation_checkpointing_kwargs=kwargs if checkpointing else None,
+        )
+        assert trainer._clipping.norms_in_backward == checkpointing
+        trainer.train()
+        assert model.is_activation_checkpointing == checkpointing
+        steps.append(torch.cat([(before[n] - p.detach()).flatten() for n, p in model.named_parameters()]))
+    assert steps[0].norm() > 0
+    torch.testing.assert_close(steps[1], steps[0], rtol=1e-9, atol=1e-13)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_few_trainable_weights_take_one_pass_after_the_checked_first_step(
+    monkeypatch, reentrant: bool
+) -> None:
+    """LoRA: each example's explicit adapter gradient is kept from the norm pass, so no second pass is needed
+    (the tiny test model's adapters are not small relative to it: the threshold is lifted for the test)."""
+    monkeypatch.setattr("hf_dp.clipping.engine.KEPT_GRADIENTS_SHARE", 1e9)
+    torch.manual_seed(0)
+    model = llama_lora().double().train()
+    batch = models.token_batch()
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
+    unwrap_model(model).activation_checkpointing_enable({"use_reentrant": reentrant})
+    engine = ClippingEngine(model)
+    strategy = Bookkeeping(engine, model, norms_in_backward=True)
+    forwards = []
+    for _ in range(2):  # the first step checks the taps with two passes; the second takes one
+        model.zero_grad(set_to_none=True)
+        forwards.append(0)
+
+        def losses_of(module):
+            forwards[-1] += 1
+            return per_example_loss(module, batch)
+
+        strategy.run(losses_of, torch.ones(batch["input_ids"].shape[0]), StepPlan(max_norm), model)
+        ours = {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+        strategy.check_untouched()  # what the release does before the gradients are consumed
+    assert forwards == [2, 1]
+
+
+def test_disk_with_activation_checkpointing_is_refused_before_training(tmp_path) -> None:
+    trainer = make_trainer(tmp_path, noise_multiplier=1.0, dp_optimizer="disk", activation_checkpointing=True)
+    with pytest.raises(ValueError, match="disk evaluates each example at two parameter points") as info:
+        trainer.train()
+    assert "\n" not in str(info.value)
