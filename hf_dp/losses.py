@@ -8,16 +8,17 @@ over all tokens in the batch, which mixes examples). Sequence classification fol
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 IGNORE_INDEX = -100
-_LOGITS_PER_CHUNK = 1 << 24  # low-precision logits upcast to float32 at a time (64 MB)
+_LOGITS_PER_CHUNK = 1 << 24  # logits taken into the cross-entropy at a time (64 MB in float32)
 
 
 def _names(mapping: dict) -> set[str]:
@@ -55,32 +56,60 @@ def token_loss_per_example(
     Trainer's ``LabelSmoother`` applied to each example alone.
 
     For causal LMs position t predicts labels_{t+1}: the LABELS are shifted (one -100 column appended),
-    never the logits, which would copy the B·T·V logit tensor. bf16/fp16 logits are upcast a chunk of rows
-    at a time, each chunk recomputed in the backward, so no float32 copy of all the logits is ever held.
+    never the logits, which would copy the B·T·V logit tensor. The CE runs over the labelled tokens a chunk
+    at a time (``_TokenCrossEntropy``), so no float32 copy or log-softmax of all the logits is ever held.
     """
     if shift:
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    if flat_logits.dtype in (torch.float32, torch.float64):
-        token_losses = _cross_entropy(flat_logits, flat_labels, label_smoothing)
-    else:
-        # F.cross_entropy on low-precision logits would need a float32 copy of all B·T·V of them, kept for the
-        # backward; HF's own loss has the same copy and averages over the batch, mixing examples
-        rows = max(1, _LOGITS_PER_CHUNK // flat_logits.shape[-1])
-        token_losses = torch.cat(
-            [
-                checkpoint(
-                    _cross_entropy,
-                    flat_logits[start : start + rows],
-                    flat_labels[start : start + rows],
-                    label_smoothing,
-                    use_reentrant=False,
-                )
-                for start in range(0, flat_labels.shape[0], rows)
-            ]
-        )
+    token_losses = _TokenCrossEntropy.apply(logits, labels, label_smoothing)
     counts = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
-    return token_losses.view(labels.shape).sum(dim=1) / counts
+    return token_losses.sum(dim=1) / counts
+
+
+class _TokenCrossEntropy(torch.autograd.Function):
+    """CE(logits_{i,t}, labels_{i,t}) in at least float32, shape ``labels.shape``, 0 where labels_{i,t} = -100.
+
+    Our own chunking because F.cross_entropy on all B·T·V logits keeps their log-softmax for the backward
+    (and upcasts nothing, so bf16/fp16 logits would first need a float32 copy of all of them), and HF's loss,
+    which makes that copy, averages over the batch, mixing examples. Here only rows whose label is not -100
+    are gathered, ``_LOGITS_PER_CHUNK`` logits at a time; the backward saves just the logits themselves and
+    recomputes each chunk's CE to write its gradient into one B·T·V buffer.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+        batch, position = (labels != IGNORE_INDEX).nonzero(as_tuple=True)
+        targets = labels[batch, position]
+        ctx.save_for_backward(logits, batch, position, targets)
+        ctx.label_smoothing = label_smoothing
+        losses = torch.zeros(
+            labels.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device
+        )
+        for rows in _chunks(targets.shape[0], logits.shape[-1]):
+            index = (batch[rows], position[rows])
+            losses[index] = _cross_entropy(logits[index], targets[rows], label_smoothing)
+        return losses
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, batch, position, targets = ctx.saved_tensors
+        logits = logits.detach()
+        grad = torch.zeros_like(logits)
+        for rows in _chunks(targets.shape[0], logits.shape[-1]):
+            index = (batch[rows], position[rows])
+            with torch.enable_grad():
+                chunk = _at_least_float32(logits[index]).requires_grad_()
+                losses = _cross_entropy(chunk, targets[rows], ctx.label_smoothing)
+                (chunk_grad,) = torch.autograd.grad(losses, chunk, grad_losses[index])
+            grad[index] = chunk_grad.to(grad.dtype)
+        return grad, None, None
+
+
+def _chunks(rows: int, vocab: int) -> Iterator[slice]:
+    """Consecutive slices of ``rows`` rows of ``vocab`` logits each, ``_LOGITS_PER_CHUNK`` logits (≥ 1 row) a slice."""
+    step = max(1, _LOGITS_PER_CHUNK // vocab)
+    return (slice(start, start + step) for start in range(0, rows, step))
 
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
@@ -88,13 +117,9 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    """Per-token cross-entropy in at least float32; 0 for ignored tokens."""
+    """Per-row cross-entropy in at least float32."""
     return F.cross_entropy(
-        _at_least_float32(logits),
-        labels,
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-        label_smoothing=label_smoothing,
+        _at_least_float32(logits), labels, reduction="none", label_smoothing=label_smoothing
     )
 
 

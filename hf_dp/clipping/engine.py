@@ -109,9 +109,8 @@ class ClippingEngine:
         self._collector: NormCollector | None = None
         self.saw_checkpointing = False  # a recorded forward ran under torch.utils.checkpoint
         self.nonfinite_examples = 0  # examples clipped to zero because their gradient overflowed
-        self.low_precision_sums: dict[
-            nn.Parameter, torch.Tensor
-        ] = {}  # float32 clipped sums of bf16/fp16 params
+        # the float32 clipped sums of bf16/fp16 parameters, which the mechanism noises and casts
+        self.low_precision_sums: dict[nn.Parameter, torch.Tensor] = {}
         self._handles = []
         for module in self._owned:
             self._handles.append(
@@ -212,13 +211,6 @@ class ClippingEngine:
             )
         device = self.parameters[0].device if self.parameters else torch.device("cpu")
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.parameters) else torch.float32
-        directions = None
-        if probe:
-            generator = torch.Generator().manual_seed(0)
-            directions = {
-                id(p): torch.randn(p.shape, generator=generator, dtype=dtype).to(device)
-                for p in self.parameters
-            }
         collector = NormCollector(
             self._rules,
             self._owned,
@@ -227,7 +219,7 @@ class ClippingEngine:
             self.materialise,
             dtype,
             device,
-            directions,
+            probe,
             keep_gradients,
         )
         self._collector, self._batch_size = collector, batch_size

@@ -171,7 +171,7 @@ class Bookkeeping:
 
     def _projections(self, collector: NormCollector) -> dict[int, float]:
         return {
-            id(p): 0.0 if p.grad is None else float((p.grad.double() * collector.probe[id(p)].double()).sum())
+            id(p): 0.0 if p.grad is None else float((p.grad.double() * collector.direction(p).double()).sum())
             for p in self.engine.parameters
         }
 

@@ -64,8 +64,9 @@ class _AgainstIds:
 class NormCollector:
     """Σ over parameters of ‖s ⊙ G_i‖², filled by the taps during one backward of Σ_i L_i.
 
-    ``probe`` (the first step): also ⟨G_i, V_p⟩ for a fixed random V_p per parameter, so the strategy can check
-    the norm pass saw every use of every parameter against autograd's gradient (``probe_directions``).
+    ``probe`` (the first step): also ⟨G_i, V_p⟩ for a random V_p per parameter (``direction``, regenerated from
+    its seed when needed, never stored), so the strategy can check that the norm pass saw every use of every
+    parameter against autograd's gradient.
     """
 
     def __init__(
@@ -77,7 +78,7 @@ class NormCollector:
         materialise: bool,
         dtype: torch.dtype,
         device: torch.device,
-        probe: dict[int, torch.Tensor] | None = None,
+        probe: bool = False,
         keep_gradients: bool = False,
     ) -> None:
         self.rules, self.owned, self.scales, self.materialise = rules, owned, scales, materialise
@@ -93,6 +94,12 @@ class NormCollector:
         self.projections: dict[int, torch.Tensor] = {}
         # few trainable weights (LoRA): keep each example's explicit gradient, so no second pass is needed
         self.kept: dict[int, tuple[nn.Parameter, torch.Tensor]] | None = {} if keep_gradients else None
+
+    def direction(self, param: nn.Parameter) -> torch.Tensor:
+        """The probe V_p of a parameter: N(0, I), the same values at every call (one seed; each parameter is checked
+        on its own)."""
+        generator = torch.Generator(device=param.device).manual_seed(0)
+        return torch.randn(param.shape, generator=generator, dtype=self.squared.dtype, device=param.device)
 
     def count(self, module: nn.Module) -> None:
         """One more use of the module's parameters in the forward (not in a recomputation)."""
@@ -113,8 +120,8 @@ class NormCollector:
         for name in self.owned[module]:
             param = getattr(module, name)
             pid, part = id(param), found[name]
-            if self.probe is not None:
-                projection = part.project(self.probe[pid])
+            if self.probe:
+                projection = part.project(self.direction(param))
                 self.projections[pid] = self.projections.get(pid, 0) + projection
             if self.kept is not None:
                 grads = part.materialise(0, self.batch_size).reshape(self.batch_size, *param.shape)
