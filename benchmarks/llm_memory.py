@@ -1,32 +1,64 @@
 """Peak memory and step time of private LLM fine-tuning, with and without activation checkpointing.
 
-A Llama-shaped model (default 8 layers × 512, intermediate 1408, 8 heads, 2 KV heads, vocab 32000, untied
-head, random weights) trains one step on B random sequences of T tokens, per setting (T, full fine-tuning or
-LoRA r = 8 on every linear layer, fp32 or bf16 autocast, checkpointing off or on). Variants, side by side:
+What it measures. A Llama-shaped model (``LlamaConfig``: by default 8 layers, hidden 512, intermediate 1408,
+8 heads, 2 KV heads (GQA), vocab 32000, untied head, random weights) trains one logical batch of B random
+sequences of T tokens (labels = input ids) per step, for every setting of
 
-- ``stock``: ``transformers.Trainer.training_step`` (the model's own loss) + AdamW step;
-- ``dp_off``: ``DPTrainer(disable_dp=True)``, the same DP code path without clipping or noise;
-- ``dp``: ``DPTrainer`` (σ = 1, C = 1, AdamW): per-example clipping, noise, accounting;
-- ``opacus``: Opacus ghost clipping (``grad_sample_mode="ghost"``), per-example mean loss, same AdamW.
+    T (--seq-lens, default 512 1024 2048) x tuning {full, lora (peft r=8, target_modules="all-linear")}
+    x precision {fp32, bf16 (bf16=True: autocast, fp32 weights)} x activation checkpointing {off, on}.
 
-Step times: every variant of a setting in one process, interleaved rounds, paired and min-time ratios
-(benchmarks/_timing.py). Peak memory: each variant in its own subprocess, the process's peak RSS over two
-steady-state steps after a warm-up step (VmHWM reset; on CUDA, ``max_memory_allocated``).
+Side by side in each setting (``--variants``):
 
-    python benchmarks/llm_memory.py [--settings full-fp32-ckpt-T512 ...] [--rounds 3] [--quick]
+- ``stock``: ``transformers.Trainer.training_step`` (the model's own loss) + ``optimizer.step()``;
+- ``dp_off``: ``hf_dp.DPTrainer`` with ``disable_dp=True`` through ``train_one_step`` (no clipping, no noise);
+- ``dp``: ``hf_dp.DPTrainer`` (sigma = 1, C = 1) through ``train_one_step``: clipping, noise, accounting;
+- ``opacus``: Opacus ghost clipping (``make_private(grad_sample_mode="ghost", poisson_sampling=False)``) in a
+  plain loop: per-example next-token losses (``reduction="none"``) fed to ``DPTensorFastGradientClipping``.
+
+Every variant uses torch AdamW with the Trainer's default hyper-parameters. The Trainer variants are prepared as
+``Trainer.train()`` would prepare them (checkpointing enabled on the model with the arguments' kwargs, non-reentrant
+by default; the model passed through ``accelerator.prepare_model``, which installs the bf16 autocast). The stock
+Trainer and Opacus get the DPTrainer's collated batch (its ``data_collator`` on the first B rows of a dataset of
+100 x B random rows). A variant that is refused or fails records its error's first line; the others go on.
+
+- Peak memory: each variant in its own subprocess (started through step_speed.py's launcher, so it does not
+  inherit this process's peak): build, one warm-up step, then the peak of two steps. CPU: the process's peak
+  RSS (VmHWM reset through /proc/self/clear_refs after the warm-up), with glibc told to mmap every block of
+  64 KiB or more so that freed tensors leave the RSS (``--malloc-default`` keeps glibc's defaults, as
+  step_speed.py does); CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
+- Step time: all variants of a setting in this process, one warm-up step each, then ``--rounds`` rounds of one
+  step per variant in rotated order (benchmarks/_timing.py); min and median, and paired-median and min-time
+  ratios against the stock Trainer of the same setting (and DP vs dp_off, DP vs Opacus).
+
+Writes ``--out`` (JSON: every number, the environment) and the same name with ``.md`` (a table per setting,
+the issue's bars as met / not met). Run it on an otherwise idle machine:
+
+    .venv/bin/python benchmarks/llm_memory.py                       # the full grid (hours on 2 CPU cores)
+    .venv/bin/python benchmarks/llm_memory.py --settings 'full-*-T512' --rounds 3
+    .venv/bin/python benchmarks/llm_memory.py --device cuda --batch 4
+    .venv/bin/python benchmarks/llm_memory.py --quick --out /tmp/llm_memory_quick.json   # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import gc
 import json
+import os
+import re
+import resource
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+# The repository root first, so that the script measures this checkout's hf_dp (and this benchmarks package,
+# not the one Opacus installs into site-packages).
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
@@ -39,114 +71,230 @@ from benchmarks.step_speed import _LAUNCHER, _reset_peak_rss, _vm_hwm_kb  # noqa
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 
 VARIANTS = ("stock", "dp_off", "dp", "opacus")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "llm_memory.json"
 MEMORY_MARKER = "LLM_MEMORY_JSON "
-# the issue's bars: (DP peak / non-private peak, DP time / non-private time), checkpointing on
-BARS = {"full": (1.1, 2.1), "lora": (1.1, 1.3)}
-NO_CHECKPOINT_PEAK_BAR = (2048, 1.0)  # without checkpointing, full FT at this T: DP peak ≤ 1.0 × non-private
+SEED = 0
+NOISE_MULTIPLIER = 1.0
+MAX_GRAD_NORM = 1.0
+LORA_R = 8
+DATASET_BATCHES = 100  # N = 100 x B examples (the sample rate the DPTrainer plans with: 1 / 100)
+WARMUP_STEPS = (
+    1  # DPTrainer verifies its engine against autograd on its first step: never timed, never peaked
+)
+MEMORY_STEPS = 2
+IGNORE_INDEX = -100
+# Every block of 64 KiB or more gets its own mmap (unmapped when freed), the heap top is trimmed: the RSS then
+# follows the live tensors instead of what glibc keeps after the warm-up step.
+TIGHT_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+# The issue's bars. Checkpointing on: DP peak / non-private peak and DP time / non-private time.
+CKPT_PEAK_BAR = 1.1
+CKPT_TIME_BARS = {"full": 2.1, "lora": 1.3}
+# Checkpointing off, full fine-tuning at T = 2048: DP peak / non-private peak.
+NO_CKPT_PEAK_BAR = {"tuning": "full", "seq": 2048, "limit": 1.0}
+# The ratios reported for each setting: (numerator, denominator).
+RATIO_PAIRS = (("dp", "stock"), ("dp_off", "stock"), ("opacus", "stock"), ("dp", "dp_off"), ("dp", "opacus"))
+# Trainer.train() enables checkpointing through this argument; transformers 5 renamed gradient_checkpointing.
+CKPT_ARG = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
 
 
 @dataclass(frozen=True)
-class Setting:
-    tuning: str  # "full" or "lora"
-    precision: str  # "fp32" or "bf16" (autocast, fp32 weights)
-    checkpointing: bool
-    seq: int
-    batch: int = 2
+class Shape:
+    """The Llama shape."""
+
     layers: int = 8
-    width: int = 512
+    hidden: int = 512
     intermediate: int = 1408
     heads: int = 8
     kv_heads: int = 2
     vocab: int = 32000
 
+
+QUICK_SHAPE = Shape(layers=2, hidden=64, intermediate=176, heads=4, kv_heads=2, vocab=1000)
+QUICK_SEQ = 64
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One cell of the grid; its variants are compared with each other."""
+
+    tuning: str  # "full" or "lora"
+    precision: str  # "fp32" or "bf16" (autocast, fp32 weights)
+    checkpointing: bool
+    seq: int
+    batch: int
+    shape: Shape
+
     @property
     def name(self) -> str:
         return f"{self.tuning}-{self.precision}-{'ckpt' if self.checkpointing else 'nockpt'}-T{self.seq}"
 
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
 
-def default_settings() -> list[Setting]:
-    """What 2 CPU cores can run in about an hour; pass --settings for others."""
-    settings = [Setting("full", "fp32", ckpt, seq) for seq in (512, 1024) for ckpt in (False, True)]
-    settings += [Setting("full", "fp32", ckpt, 2048) for ckpt in (False, True)]
-    settings += [Setting("lora", "fp32", ckpt, 1024) for ckpt in (False, True)]
-    settings += [Setting("full", "bf16", True, 512), Setting("lora", "bf16", True, 512)]
-    return settings
+    @classmethod
+    def from_json(cls, text: str) -> Setting:
+        fields = json.loads(text)
+        return cls(**{**fields, "shape": Shape(**fields["shape"])})
 
 
-def quick_settings() -> list[Setting]:
-    tiny = dict(layers=2, width=64, intermediate=128, heads=4, kv_heads=2, vocab=1000, seq=64)
+def grid(seq_lens: list[int], batch: int, shape: Shape) -> list[Setting]:
+    """Every setting, grouped by T, checkpointing off and on next to each other."""
     return [
-        Setting(t, p, c, **tiny) for t in ("full", "lora") for p in ("fp32", "bf16") for c in (False, True)
+        Setting(tuning, precision, ckpt, seq, batch, shape)
+        for seq in seq_lens
+        for tuning in ("full", "lora")
+        for precision in ("fp32", "bf16")
+        for ckpt in (False, True)
     ]
 
 
-def parse_setting(name: str) -> Setting:
-    """``full-fp32-ckpt-T512`` back into a Setting (batch 2)."""
-    tuning, precision, checkpointing, seq = name.split("-")
-    return Setting(tuning, precision, checkpointing == "ckpt", int(seq[1:]))
+# ---- model, data, variants ------------------------------------------------------------------------------
 
 
-# ---- model, batch, variants ----------------------------------------------------------------------------
-
-
-def build_model(s: Setting) -> torch.nn.Module:
-    torch.manual_seed(0)
+def build_model(s: Setting, device: str) -> nn.Module:
+    """The seeded random Llama (fp32 weights), LoRA-wrapped for ``lora``; the same weights in every variant."""
+    torch.manual_seed(SEED)
     config = LlamaConfig(
-        num_hidden_layers=s.layers,
-        hidden_size=s.width,
-        intermediate_size=s.intermediate,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads,
-        vocab_size=s.vocab,
-        max_position_embeddings=max(s.seq, 64),
+        num_hidden_layers=s.shape.layers,
+        hidden_size=s.shape.hidden,
+        intermediate_size=s.shape.intermediate,
+        num_attention_heads=s.shape.heads,
+        num_key_value_heads=s.shape.kv_heads,
+        vocab_size=s.shape.vocab,
+        max_position_embeddings=max(s.seq, 128),
         tie_word_embeddings=False,
         attention_dropout=0.0,
+        use_cache=False,  # training: no KV cache
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
-    model = LlamaForCausalLM(config).train()
-    if s.checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+    model: nn.Module = LlamaForCausalLM(config)
     if s.tuning == "lora":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(
-            model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+        lora = LoraConfig(
+            r=LORA_R,
+            lora_alpha=2 * LORA_R,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
         )
-    return model
+        model = get_peft_model(model, lora)
+    return model.to(device).train()
 
 
-def _args(s: Setting, folder: str, **extra) -> DPTrainingArguments:
-    return DPTrainingArguments(
+def make_rows(s: Setting) -> list[dict[str, torch.Tensor]]:
+    """N = 100 x B examples of T random token ids, labels = input ids (every token a target)."""
+    ids = torch.randint(
+        0,
+        s.shape.vocab,
+        (DATASET_BATCHES * s.batch, s.seq),
+        generator=torch.Generator().manual_seed(SEED + 1),
+    )
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def enable_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:
+    """What ``Trainer.train()`` does for ``activation_checkpointing=True`` (non-reentrant unless kwargs say)."""
+    kwargs = dict(kwargs or {})
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+        )
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+
+
+def _is_checkpointing(model: nn.Module) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(
+        getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False))
+    )
+
+
+def dtype_probe(model: nn.Module, variant: Variant) -> None:
+    """Records the dtype of the first MLP projection's output once (bf16 under autocast, else fp32)."""
+    names = ("mlp.down_proj", "mlp.down_proj.base_layer")
+    linear = next((m for n, m in model.named_modules() if n.endswith(names)), None)
+    if linear is None:
+        return
+
+    def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        variant.info["mlp_output_dtype"] = str(output.dtype).replace("torch.", "")
+        handle.remove()
+
+    handle = linear.register_forward_hook(hook)
+
+
+def _args(
+    cls: type[TrainingArguments], s: Setting, device: str, folder: str, **extra: Any
+) -> TrainingArguments:
+    return cls(
         output_dir=folder,
         report_to="none",
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=device == "cpu",
         per_device_train_batch_size=s.batch,
         bf16=s.precision == "bf16",
-        activation_checkpointing=s.checkpointing,
+        optim="adamw_torch",  # plain torch AdamW: the update rule of every variant
         save_strategy="no",
         logging_strategy="no",
-        seed=0,
+        seed=SEED,
+        **{CKPT_ARG: s.checkpointing},
         **extra,
     )
 
 
-def _rows(s: Setting) -> list[dict[str, torch.Tensor]]:
-    row = {"input_ids": torch.zeros(s.seq, dtype=torch.long), "labels": torch.zeros(s.seq, dtype=torch.long)}
-    return [row] * (100 * s.batch)
+def _prepare_like_train(trainer: Trainer) -> nn.Module:
+    """Checkpointing on the model and ``accelerator.prepare_model`` (autocast), as ``Trainer.train()`` does."""
+    if getattr(trainer.args, CKPT_ARG):
+        enable_checkpointing(trainer.model, getattr(trainer.args, f"{CKPT_ARG}_kwargs", None))
+    trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)
+    return trainer.model_wrapped
 
 
-def build_stock(s: Setting, batch: dict) -> Variant:
+def _synced(step: Callable[[], float], device: str) -> Callable[[], float]:
+    """On CUDA, the step ends when its kernels have run."""
+    if device != "cuda":
+        return step
+
+    def run() -> float:
+        loss = step()
+        torch.cuda.synchronize()
+        return loss
+
+    return run
+
+
+def _common_info(variant: Variant, model: nn.Module) -> None:
+    variant.info["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    variant.info["checkpointing_active"] = _is_checkpointing(model)
+
+
+def build_stock(s: Setting, rows: list[dict], device: str) -> Variant:
     folder = tempfile.TemporaryDirectory(prefix="llm_memory_")
-    model = build_model(s)
-    trainer = Trainer(model=model, args=_args(s, folder.name, disable_dp=True, optim="adamw_torch"))
+    trainer = Trainer(
+        model=build_model(s, device),
+        args=_args(TrainingArguments, s, device, folder.name),
+        train_dataset=rows,
+    )
     trainer.create_optimizer()
-    trainer.current_gradient_accumulation_steps = 1  # what Trainer.train() sets for each window
+    model = _prepare_like_train(trainer)
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() for each accumulation window
+    batch = trainer.data_collator(rows[: s.batch])
 
     def step() -> float:
         loss = trainer.training_step(model, batch)
@@ -154,223 +302,544 @@ def build_stock(s: Setting, batch: dict) -> Variant:
         trainer.optimizer.zero_grad(set_to_none=True)
         return float(loss)
 
-    return Variant("stock", step=step, keep=[folder, trainer])
-
-
-def build_dp(s: Setting, batch: dict, private: bool) -> Variant:
-    folder = tempfile.TemporaryDirectory(prefix="llm_memory_")
-    privacy = (
-        {"noise_multiplier": 1.0, "per_sample_max_grad_norm": 1.0, "dp_optimizer": "adamw"}
-        if private
-        else {"disable_dp": True, "dp_optimizer": "adamw"}
-    )
-    trainer = DPTrainer(model=build_model(s), args=_args(s, folder.name, **privacy), train_dataset=_rows(s))
-    trainer.create_optimizer()
-    variant = Variant(
-        "dp" if private else "dp_off", step=lambda: trainer.train_one_step([batch]), keep=[folder]
-    )
-    variant.keep.append(trainer)
-    if private:
-        variant.info["norms_in_backward"] = trainer._clipping.norms_in_backward
+    variant = Variant("stock", step=_synced(step, device), keep=[folder, trainer])
+    _common_info(variant, model)
+    dtype_probe(model, variant)
     return variant
 
 
-def build_opacus(s: Setting, batch: dict) -> Variant:
-    from opacus import PrivacyEngine
+def build_dp(s: Setting, rows: list[dict], device: str, private: bool) -> Variant:
+    folder = tempfile.TemporaryDirectory(prefix="llm_memory_")
+    privacy: dict[str, Any] = (
+        {"noise_multiplier": NOISE_MULTIPLIER, "per_sample_max_grad_norm": MAX_GRAD_NORM}
+        if private
+        else {"disable_dp": True}
+    )
+    args = _args(DPTrainingArguments, s, device, folder.name, dp_optimizer="adamw", **privacy)
+    trainer = DPTrainer(model=build_model(s, device), args=args, train_dataset=rows)
+    if trainer.expected_batch_size != s.batch:
+        raise RuntimeError(f"DPTrainer plans a logical batch of {trainer.expected_batch_size}, not {s.batch}")
+    trainer.create_optimizer()
+    model = _prepare_like_train(trainer)
+    batch = trainer.data_collator(rows[: s.batch])  # fixed micro-batch: Poisson sampling lives in the loader
+    name = "dp" if private else "dp_off"
+    variant = Variant(
+        name, step=_synced(lambda: trainer.train_one_step([batch]), device), keep=[folder, trainer]
+    )
+    _common_info(variant, model)
+    strategy = getattr(trainer, "_clipping", None)  # private attribute: reported only if it is there
+    variant.info["clipping_strategy"] = type(strategy).__name__ if strategy is not None else None
+    variant.info["norms_in_backward"] = getattr(strategy, "norms_in_backward", None)
+    dtype_probe(model, variant)
+    return variant
 
-    model = build_model(s)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-5)
-    loader = DataLoader(TensorDataset(torch.zeros(100 * s.batch, 1)), batch_size=s.batch)
-    dp_model, dp_optimizer, criterion, _ = PrivacyEngine().make_private(
+
+def per_example_next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B,) mean next-token cross-entropy of each example, from ``reduction="none"`` token losses."""
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    tokens = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+    ).view(targets.shape)
+    return tokens.sum(dim=1) / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+
+
+def build_opacus(s: Setting, rows: list[dict], device: str) -> Variant:
+    from opacus import PrivacyEngine
+    from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+    from transformers import default_data_collator
+
+    model = build_model(s, device)
+    if s.checkpointing:
+        enable_checkpointing(model)
+    defaults = TrainingArguments.__dataclass_fields__
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=defaults["learning_rate"].default,
+        weight_decay=defaults["weight_decay"].default,
+    )
+    loader = DataLoader(TensorDataset(torch.zeros(len(rows), 1)), batch_size=s.batch)
+    engine = PrivacyEngine()
+    dp_model, dp_optimizer, _, _ = engine.make_private(
         module=model,
         optimizer=optimizer,
         data_loader=loader,
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
+        noise_multiplier=NOISE_MULTIPLIER,
+        max_grad_norm=MAX_GRAD_NORM,
         grad_sample_mode="ghost",
-        criterion=torch.nn.CrossEntropyLoss(reduction="mean", ignore_index=-100),
         loss_reduction="mean",
+        poisson_sampling=False,
     )
-    targets = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:].contiguous()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dp_optimizer.expected_batch_size != s.batch:
+        raise RuntimeError(f"Opacus expects a batch of {dp_optimizer.expected_batch_size}, not {s.batch}")
+    batch = {k: v.to(device) for k, v in default_data_collator(rows[: s.batch]).items()}
+    bf16 = s.precision == "bf16"
 
     def step() -> float:
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=s.precision == "bf16"):
-            logits = dp_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = criterion(
-            logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), shape=logits.shape
-        )
-        loss.backward()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+            logits = dp_model(input_ids=batch["input_ids"]).logits
+        losses = per_example_next_token_loss(logits, batch["labels"])
+        loss = DPTensorFastGradientClipping(dp_model, dp_optimizer, losses, loss_reduction="mean")
+        loss.backward()  # Opacus' two backward passes
         dp_optimizer.step()
         dp_optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    return Variant("opacus", step=step, keep=[dp_model, dp_optimizer, criterion])
+    variant = Variant("opacus", step=_synced(step, device), keep=[engine, dp_model, dp_optimizer])
+    _common_info(variant, model)
+    dtype_probe(model, variant)
+    return variant
 
 
-BUILDERS: dict[str, Callable[[Setting, dict], Variant]] = {
+BUILDERS: dict[str, Callable[[Setting, list[dict], str], Variant]] = {
     "stock": build_stock,
-    "dp_off": lambda s, b: build_dp(s, b, private=False),
-    "dp": lambda s, b: build_dp(s, b, private=True),
+    "dp_off": lambda s, rows, device: build_dp(s, rows, device, private=False),
+    "dp": lambda s, rows, device: build_dp(s, rows, device, private=True),
     "opacus": build_opacus,
 }
 
 
-def make_batch(s: Setting) -> dict[str, torch.Tensor]:
-    batch = _timing.token_batch(s.batch, s.seq, s.vocab, seed=0)
-    return {k: v.cuda() for k, v in batch.items()} if torch.cuda.is_available() else batch
+def build_variant(name: str, s: Setting, rows: list[dict], device: str) -> Variant:
+    return _timing.build(name, lambda: BUILDERS[name](s, rows, device))
+
+
+def first_line(error: str | None) -> str | None:
+    """The first non-empty line of an error (what the tables show)."""
+    if not error:
+        return None
+    return next((line.strip() for line in error.splitlines() if line.strip()), error)
 
 
 # ---- memory ---------------------------------------------------------------------------------------------
 
 
-def memory_only(variant_name: str, s: Setting) -> dict:
-    """One variant in this process: warm-up step, then the peak of two steps (MB)."""
-    variant = _timing.build(variant_name, lambda: BUILDERS[variant_name](s, make_batch(s)))
-    _timing.time_step(variant)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    reset = _reset_peak_rss()
-    for _ in range(2):
+def _vm_rss_mb() -> float | None:
+    try:
+        match = re.search(r"VmRSS:\s+(\d+)\s+kB", Path("/proc/self/status").read_text())
+    except OSError:
+        return None
+    return int(match.group(1)) / 1024 if match else None
+
+
+def memory_only(name: str, s: Setting, device: str) -> dict[str, Any]:
+    """One variant in this process: build, warm-up step, then the peak (MB) of ``MEMORY_STEPS`` steps."""
+    from hf_dp import cpu_heap
+
+    result: dict[str, Any] = {"variant": name, "rss_after_imports_mb": _vm_rss_mb()}
+    variant = build_variant(name, s, make_rows(s), device)
+    result["rss_after_build_mb"] = _vm_rss_mb()
+    for _ in range(WARMUP_STEPS):
         _timing.time_step(variant)
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated() / 2**20
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        result["cuda_allocated_before_steps_mb"] = torch.cuda.memory_allocated() / 2**20
+    result["rss_before_steps_mb"] = _vm_rss_mb()
+    reset = _reset_peak_rss()
+    for _ in range(MEMORY_STEPS):
+        _timing.time_step(variant)
+    hwm = _vm_hwm_kb()
+    result["steady_peak_rss_mb"] = hwm / 1024 if reset and hwm is not None else None
+    result["ru_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["hwm_reset"] = reset
+    if device == "cuda":
+        result["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        result["cuda_max_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
+        result["peak_mb"] = result["cuda_max_allocated_mb"]
+        result["peak_source"] = "torch.cuda.max_memory_allocated over the steady steps"
     else:
-        hwm = _vm_hwm_kb()
-        peak = hwm / 1024 if reset and hwm is not None else None
-    return {"variant": variant_name, "peak_mb": peak, "error": variant.error, **variant.info}
+        result["peak_mb"] = result["steady_peak_rss_mb"]
+        result["peak_source"] = "process peak RSS (VmHWM) over the steady steps"
+    result["glibc_heap_kept_by_hf_dp"] = cpu_heap.is_kept()
+    result["error"] = first_line(variant.error)
+    result.update(variant.info)
+    if variant.error is not None:
+        result["peak_mb"] = None
+    return result
 
 
-def measure_memory(variant_name: str, s: Setting, timeout: float = 3600) -> dict:
-    """``memory_only`` in a fresh process (through a launcher, so that it does not inherit this one's peak)."""
+def measure_memory(
+    name: str, s: Setting, device: str, tight_malloc: bool, timeout: float = 3600
+) -> dict[str, Any]:
+    """``memory_only`` in a fresh process, started through step_speed.py's launcher (a child started directly
+    from this process would report this process's peak RSS as its own)."""
     child = [
         sys.executable,
         str(Path(__file__).resolve()),
-        "--memory-only",
-        variant_name,
-        "--settings",
-        s.name,
+        *("--memory-only", name, "--setting-json", s.to_json(), "--device", device),
     ]
-    if s in quick_settings():
-        child.append("--quick")
+    env = {**os.environ, **(TIGHT_MALLOC_ENV if tight_malloc and device == "cpu" else {})}
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _LAUNCHER, *child], capture_output=True, text=True, timeout=timeout
+            [sys.executable, "-c", _LAUNCHER, *child],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
         )
     except subprocess.TimeoutExpired:
-        return {"variant": variant_name, "error": f"timed out after {timeout} s"}
+        return {"variant": name, "peak_mb": None, "error": f"memory subprocess timed out after {timeout} s"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(MEMORY_MARKER):
             return json.loads(line[len(MEMORY_MARKER) :])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"variant": variant_name, "error": f"exited {proc.returncode}: " + " | ".join(tail)}
-
-
-# ---- one setting, all settings --------------------------------------------------------------------------
-
-
-def run_setting(s: Setting, rounds: int, variant_names: list[str]) -> dict:
-    print(f"\n== {s.name}", flush=True)
-    memory = {name: measure_memory(name, s) for name in variant_names}
-    batch = make_batch(s)
-    variants = {
-        name: _timing.build(name, lambda name=name: BUILDERS[name](s, batch)) for name in variant_names
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+    return {
+        "variant": name,
+        "peak_mb": None,
+        "error": f"memory subprocess exited {proc.returncode}: {tail[0]}",
     }
-    _timing.interleaved(variants, rounds=rounds, warmup=1)
-    times = {name: _timing.timing_summary(v) for name, v in variants.items()}
-    peak = {name: m.get("peak_mb") for name, m in memory.items()}
-    ratios: dict[str, dict | None] = {}
-    for num in ("dp", "opacus", "dp_off"):
-        for den in ("stock", "opacus"):
-            if num == den or num not in variants or den not in variants:
-                continue
-            entry = {}
-            paired = _timing.paired_ratios(variants[num].times, variants[den].times)
-            if paired is not None:
-                entry.update(paired_median=paired["paired_median"], min_time=paired["min_time"])
-            if peak.get(num) and peak.get(den):
-                entry["peak"] = peak[num] / peak[den]
-            ratios[f"{num}_vs_{den}"] = entry or None
-    return {"setting": asdict(s), "name": s.name, "times": times, "memory": memory, "ratios": ratios}
 
 
-def bar_lines(results: list[dict]) -> list[str]:
-    """Each bar of the issue against the measured ratio (paired median for time), met or not."""
-    lines = []
+# ---- one setting ----------------------------------------------------------------------------------------
+
+
+def ratio(num: str, den: str, times: dict[str, dict], memory: dict[str, dict]) -> dict[str, Any] | None:
+    """Peak ratio and step-time ratios (paired median over rounds, min / min) of ``num`` over ``den``."""
+    if num not in times or den not in times:
+        return None
+    out: dict[str, Any] = {"peak": None, "time_paired_median": None, "time_min": None, "time_per_round": None}
+    a, b = memory.get(num, {}).get("peak_mb"), memory.get(den, {}).get("peak_mb")
+    if a and b:
+        out["peak"] = a / b
+    paired = _timing.paired_ratios(times[num]["times_s"], times[den]["times_s"])
+    if paired is not None:
+        out.update(
+            time_paired_median=paired["paired_median"],
+            time_min=paired["min_time"],
+            time_per_round=paired["per_round"],
+        )
+    return out
+
+
+def run_setting(
+    s: Setting, variant_names: list[str], rounds: int, device: str, tight_malloc: bool
+) -> dict[str, Any]:
+    """Peak memory of each variant (subprocesses), then interleaved step times (this process)."""
+    print(f"\n== {s.name} (B={s.batch})", flush=True)
+    memory = {}
+    for name in variant_names:
+        memory[name] = measure_memory(name, s, device, tight_malloc)
+        m = memory[name]
+        print(f"memory {name}: peak {fmt(m.get('peak_mb'), '.0f')} MB {m.get('error') or ''}", flush=True)
+
+    rows = make_rows(s)
+    variants = {name: build_variant(name, s, rows, device) for name in variant_names}
+    orders = _timing.interleaved(variants, rounds=rounds, warmup=WARMUP_STEPS)
+    times = {}
+    for name, v in variants.items():
+        summary = _timing.timing_summary(v)
+        summary["error"] = first_line(summary["error"])
+        times[name] = summary
+    for v in variants.values():  # free this setting's models before the next one
+        v.keep.clear()
+        v.step = None
+    variants.clear()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    ratios = {f"{num}_vs_{den}": ratio(num, den, times, memory) for num, den in RATIO_PAIRS}
+    return {
+        "name": s.name,
+        "setting": asdict(s),
+        "round_orders": orders,
+        "times": times,
+        "memory": memory,
+        "ratios": {k: v for k, v in ratios.items() if v is not None},
+    }
+
+
+# ---- across settings: checkpointing's effect, the issue's bars ------------------------------------------
+
+
+def _min_s(result: dict, name: str) -> float | None:
+    return result["times"].get(name, {}).get("min_s")
+
+
+def checkpointing_effect(results: list[dict]) -> list[dict[str, Any]]:
+    """Checkpointing on vs off for the same (tuning, precision, T): peak ratios (separate processes either
+    way) and min-time ratios (NOT paired: the two settings ran at different times)."""
+    by_key = {
+        (
+            r["setting"]["tuning"],
+            r["setting"]["precision"],
+            r["setting"]["seq"],
+            r["setting"]["checkpointing"],
+        ): r
+        for r in results
+    }
+    out = []
+    for (tuning, precision, seq, ckpt), on in by_key.items():
+        off = by_key.get((tuning, precision, seq, False))
+        if not ckpt or off is None:
+            continue
+        entry: dict[str, Any] = {"ckpt": on["name"], "nockpt": off["name"]}
+        for num, den in (("dp", "stock"), ("stock", "stock"), ("dp", "dp")):
+            a, b = on["memory"].get(num, {}).get("peak_mb"), off["memory"].get(den, {}).get("peak_mb")
+            ta, tb = _min_s(on, num), _min_s(off, den)
+            entry[f"{num}_ckpt_vs_{den}_nockpt"] = {
+                "peak": a / b if a and b else None,
+                "time_min_unpaired": ta / tb if ta and tb else None,
+            }
+        out.append(entry)
+    return out
+
+
+def _verdict(value: float | None, limit: float) -> str:
+    return "not measured" if value is None else ("met" if value <= limit else "not met")
+
+
+def bars(results: list[dict]) -> list[dict[str, Any]]:
+    """The issue's bars against DP / stock Trainer of the same setting (time: the paired median)."""
+    out = []
     for r in results:
         s, dp = r["setting"], r["ratios"].get("dp_vs_stock") or {}
-        if s["checkpointing"] and s["precision"] == "fp32":
-            peak_bar, time_bar = BARS[s["tuning"]]
-            for what, key, bar in (("peak", "peak", peak_bar), ("time", "paired_median", time_bar)):
-                value = dp.get(key)
-                met = "not measured" if value is None else ("met" if value <= bar else "NOT met")
-                lines.append(
-                    f"| {r['name']} | DP {what} / non-private ≤ {bar} | {fmt(value, '.2f')} | {met} |"
+        checks = []
+        if s["checkpointing"]:
+            checks.append(("DP peak / non-private peak, checkpointing on", "peak", CKPT_PEAK_BAR))
+            checks.append(
+                (
+                    "DP time / non-private time, checkpointing on",
+                    "time_paired_median",
+                    CKPT_TIME_BARS[s["tuning"]],
                 )
-        if not s["checkpointing"] and s["tuning"] == "full" and s["seq"] == NO_CHECKPOINT_PEAK_BAR[0]:
-            value, bar = dp.get("peak"), NO_CHECKPOINT_PEAK_BAR[1]
-            met = "not measured" if value is None else ("met" if value <= bar else "NOT met")
-            lines.append(f"| {r['name']} | DP peak / non-private ≤ {bar} | {fmt(value, '.2f')} | {met} |")
-        opacus = r["ratios"].get("dp_vs_opacus") or {}
-        for what, key in (("peak", "peak"), ("time", "paired_median")):
-            value = opacus.get(key)
-            met = "Opacus failed" if value is None else ("met" if value < 1 else "NOT met")
-            lines.append(f"| {r['name']} | DP {what} / Opacus < 1 | {fmt(value, '.2f')} | {met} |")
-    return lines
-
-
-def markdown(result: dict) -> str:
-    out = [
-        "# LLM memory benchmark (`benchmarks/llm_memory.py`)",
-        "",
-        f"Device: {result['environment']['device']}; torch {result['environment']['torch']}, "
-        f"transformers {result['environment']['transformers']}, opacus {result['environment']['opacus']}, "
-        f"{result['environment']['threads']} threads. Peak: process peak RSS over two steady steps (CPU).",
-        "",
-        "| setting | variant | peak MB | median s | min s | peak / stock | time / stock (paired) | error |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["settings"]:
-        stock_peak = r["memory"].get("stock", {}).get("peak_mb")
-        for name, t in r["times"].items():
-            peak = r["memory"].get(name, {}).get("peak_mb")
-            ratio = r["ratios"].get(f"{name}_vs_stock") or {}
-            error = (t["error"] or r["memory"].get(name, {}).get("error") or "").split("\n")[0][:120]
-            out.append(
-                f"| {r['name']} | {name} | {fmt(peak, '.0f')} | {fmt(t['median_s'], '.2f')} | "
-                f"{fmt(t['min_s'], '.2f')} | {fmt(peak / stock_peak if peak and stock_peak else None, '.2f')} | "
-                f"{fmt(ratio.get('paired_median'), '.2f')} | {error} |"
             )
-    out += ["", "## The issue's bars", "", "| setting | bar | measured | |", "|---|---|---|---|"]
-    out += bar_lines(result["settings"])
-    return "\n".join(out) + "\n"
+        elif s["tuning"] == NO_CKPT_PEAK_BAR["tuning"] and s["seq"] == NO_CKPT_PEAK_BAR["seq"]:
+            checks.append(
+                ("DP peak / non-private peak, checkpointing off", "peak", NO_CKPT_PEAK_BAR["limit"])
+            )
+        for bar, key, limit in checks:
+            value = dp.get(key)
+            entry = {
+                "setting": r["name"],
+                "bar": bar,
+                "limit": limit,
+                "measured": value,
+                "status": _verdict(value, limit),
+            }
+            if key == "time_paired_median":
+                entry["measured_min_time"] = dp.get("time_min")
+            out.append(entry)
+    return out
 
 
-def main(argv: list[str] | None = None) -> None:
+# ---- report ---------------------------------------------------------------------------------------------
+
+
+def _x(value: float | None) -> str:
+    return fmt(value, ".2f")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env, cfg = result["environment"], result["config"]
+    shape = cfg["shape"]
+    lines = [
+        "# LLM memory path: DP vs non-private peak memory and step time (`benchmarks/llm_memory.py`)",
+        "",
+        f"Device: {env['device']} ({env['cpu_count']} cores, {env['threads']} torch threads); torch {env['torch']}, "
+        f"transformers {env['transformers']}, peft {env['peft']}, opacus {env['opacus']}; hf_dp at {env['git_commit']}"
+        f"{' (uncommitted changes)' if env['git_dirty'] else ''}; {env['date']}.",
+        "",
+        f"Model: Llama, {shape['layers']} layers, hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
+        f"{shape['heads']} heads, {shape['kv_heads']} KV heads, vocab {shape['vocab']}, untied head, fp32 weights; "
+        f"batch {cfg['batch']} sequences of T random tokens; AdamW; DP: sigma {NOISE_MULTIPLIER}, C {MAX_GRAD_NORM}; "
+        f"LoRA r={LORA_R} on all linear layers. {cfg['rounds']} timed round(s) after {WARMUP_STEPS} warm-up step(s).",
+        "",
+        f"Peak: {cfg['peak_definition']}. Non-private = the stock `transformers.Trainer` of the same setting. "
+        "Time ratios: median over rounds of the ratio within a round (paired), and min / min.",
+        "",
+        "## The issue's bars",
+        "",
+        "| setting | bar | limit | measured | status |",
+        "|---|---|---|---|---|",
+    ]
+    for b in result["bars"]:
+        extra = f" (min/min {_x(b['measured_min_time'])})" if "measured_min_time" in b else ""
+        lines.append(
+            f"| {b['setting']} | {b['bar']} | ≤ {b['limit']} | {_x(b['measured'])}{extra} | {b['status']} |"
+        )
+    lines += ["", "## Settings"]
+    for r in result["settings"]:
+        lines += [
+            "",
+            f"### {r['name']}",
+            "",
+            "| variant | peak MB | median s | min s | first loss | error |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, t in r["times"].items():
+            m = r["memory"].get(name, {})
+            error = t["error"] or m.get("error") or ""
+            lines.append(
+                f"| {name} | {fmt(m.get('peak_mb'), '.0f')} | {fmt(t['median_s'])} | {fmt(t['min_s'])} | "
+                f"{fmt(t['first_loss'], '.4f')} | {error.replace('|', '/')} |"
+            )
+        lines += ["", "| ratio | peak | time (paired median) | time (min / min) |", "|---|---|---|---|"]
+        for key, rt in r["ratios"].items():
+            label = key.replace("_vs_", " / ")
+            lines.append(
+                f"| {label} | {_x(rt['peak'])} | {_x(rt['time_paired_median'])} | {_x(rt['time_min'])} |"
+            )
+    if result["checkpointing_effect"]:
+        lines += [
+            "",
+            "## Checkpointing on vs off (same tuning, precision, T)",
+            "",
+            "Peaks from separate processes; times min / min of runs at different moments (not paired).",
+            "",
+            "| on / off | DP(on) / stock(off) peak | stock(on) / stock(off) peak | DP(on) / DP(off) peak | "
+            "DP(on) / stock(off) time | stock(on) / stock(off) time |",
+            "|---|---|---|---|---|---|",
+        ]
+        for e in result["checkpointing_effect"]:
+            a, b, c = e["dp_ckpt_vs_stock_nockpt"], e["stock_ckpt_vs_stock_nockpt"], e["dp_ckpt_vs_dp_nockpt"]
+            lines.append(
+                f"| {e['ckpt']} / {e['nockpt']} | {_x(a['peak'])} | {_x(b['peak'])} | {_x(c['peak'])} | "
+                f"{_x(a['time_min_unpaired'])} | {_x(b['time_min_unpaired'])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _git_state() -> tuple[str | None, bool | None]:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=_REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "hf_dp"],
+            cwd=_REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None, None
+    return commit, bool(dirty)
+
+
+def environment(device: str) -> dict[str, Any]:
+    import accelerate
+    import peft
+
+    commit, dirty = _git_state()
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return _timing.environment(
+        device=name,
+        peft=peft.__version__,
+        accelerate=accelerate.__version__,
+        git_commit=commit,
+        git_dirty=dirty,
+    )
+
+
+# ---- entry point ----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--settings", nargs="*", default=None, help="names like full-fp32-ckpt-T512")
-    p.add_argument("--variants", nargs="*", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048])
+    p.add_argument("--batch", type=int, default=2, help="sequences per step (one micro-batch)")
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        default=None,
+        help="names or shell patterns, e.g. full-fp32-ckpt-T512 'lora-*'",
+    )
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="a tiny model, every setting, 1 round: a smoke test")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model (2 x 64, vocab 1000), T 64, 1 round: a smoke test"
+    )
+    p.add_argument(
+        "--malloc-default",
+        action="store_true",
+        help="memory subprocesses keep glibc's default malloc settings",
+    )
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="JSON path; the table goes next to it as .md"
+    )
     p.add_argument("--memory-only", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
-    cli = p.parse_args(argv)
-    torch.set_num_threads(min(torch.get_num_threads(), 16))
-    pool = quick_settings() if cli.quick else default_settings()
-    if cli.settings:
-        known = {setting.name: setting for setting in pool}
-        settings = [known.get(name) or parse_setting(name) for name in cli.settings]
-    else:
-        settings = pool
-    if cli.memory_only:
-        print(MEMORY_MARKER + json.dumps(memory_only(cli.memory_only, settings[0])), flush=True)
-        return
-    results = [run_setting(s, 1 if cli.quick else cli.rounds, cli.variants) for s in settings]
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    result = {"environment": _timing.environment(device=device), "settings": results}
-    _timing.write_result(cli.out, result)
-    cli.out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    p.add_argument("--setting-json", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def select(args: argparse.Namespace) -> list[Setting]:
+    shape, seq_lens = (QUICK_SHAPE, [QUICK_SEQ]) if args.quick else (Shape(), args.seq_lens)
+    settings = grid(seq_lens, args.batch, shape)
+    if args.settings:
+        settings = [s for s in settings if any(fnmatch.fnmatchcase(s.name, pat) for pat in args.settings)]
+        if not settings:
+            names = " ".join(s.name for s in grid(seq_lens, args.batch, shape))
+            raise SystemExit(f"no setting matches {args.settings}; the grid: {names}")
+    return settings
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = parse_args(argv)
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*(use_cache|bos_token_id|gradient_checkpointing).*")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible")
+
+    if args.memory_only:
+        result = memory_only(args.memory_only, Setting.from_json(args.setting_json), args.device)
+        print(MEMORY_MARKER + json.dumps(result), flush=True)
+        return None
+
+    settings = select(args)
+    rounds = 1 if args.quick else args.rounds
+    tight = not args.malloc_default
+    load_before = list(os.getloadavg())
+    results = [run_setting(s, args.variants, rounds, args.device, tight) for s in settings]
+    peak_definition = (
+        "torch.cuda.max_memory_allocated over 2 steps after a warm-up step, one process per variant"
+        if args.device == "cuda"
+        else "peak RSS of a process per variant over 2 steps after a warm-up step (VmHWM reset), "
+        + ("glibc mmapping every block ≥ 64 KiB" if tight else "glibc defaults")
+    )
+    result = {
+        "benchmark": "llm_memory",
+        "config": {
+            "shape": asdict(QUICK_SHAPE if args.quick else Shape()),
+            "seq_lens": sorted({s.seq for s in settings}),
+            "batch": args.batch,
+            "rounds": rounds,
+            "warmup_steps": WARMUP_STEPS,
+            "memory_steps": MEMORY_STEPS,
+            "variants": args.variants,
+            "noise_multiplier": NOISE_MULTIPLIER,
+            "per_sample_max_grad_norm": MAX_GRAD_NORM,
+            "lora_r": LORA_R,
+            "dataset_examples": f"{DATASET_BATCHES} x batch",
+            "device": args.device,
+            "quick": args.quick,
+            "memory_malloc_env": TIGHT_MALLOC_ENV if tight and args.device == "cpu" else {},
+            "peak_definition": peak_definition,
+            "checkpointing_argument": CKPT_ARG,
+        },
+        "environment": environment(args.device) | {"load_average_at_start": load_before},
+        "settings": results,
+        "checkpointing_effect": checkpointing_effect(results),
+        "bars": bars(results),
+        "notes": [
+            "stock: transformers.Trainer.training_step + AdamW step (optim adamw_torch); dp_off / dp: "
+            "DPTrainer.train_one_step([batch]) (dp: noised and accounted release); opacus: make_private(ghost, "
+            "poisson_sampling=False) + DPTensorFastGradientClipping on per-example losses (reduction='none').",
+            "Trainer variants are prepared as Trainer.train() prepares them: checkpointing enabled on the model from "
+            "the arguments, then accelerator.prepare_model (bf16 autocast). mlp_output_dtype records what autocast did.",
+            "Bars compare dp with the stock Trainer of the same setting; time bars use the paired median.",
+        ],
+    }
+    _timing.write_result(args.out, result)
+    text = markdown(result)
+    args.out.with_suffix(".md").write_text(text)
+    print("\n" + text)
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    return result
 
 
 if __name__ == "__main__":

@@ -268,3 +268,25 @@ def test_disk_with_activation_checkpointing_is_refused_before_training(tmp_path)
     with pytest.raises(ValueError, match="disk evaluates each example at two parameter points") as info:
         trainer.train()
     assert "\n" not in str(info.value)
+
+
+def test_bf16_autocast_with_checkpointing_is_close_to_the_float32_step(tmp_path) -> None:
+    """Autocast (installed by the Trainer around the forward) with checkpointing: the first step's check against
+    autograd allows for bf16 rounding, and the step is the float32 one to bf16 precision."""
+    steps = []
+    for bf16 in (False, True):
+        torch.manual_seed(8)
+        model = models.gpt2()
+        before = snapshot(model)
+        make_trainer(
+            tmp_path,
+            model=model,
+            noise_multiplier=0.0,
+            max_steps=1,
+            insecure_dp_seed=3,
+            bf16=bf16,
+            activation_checkpointing=True,
+        ).train()
+        steps.append(torch.cat([(before[n] - p.detach()).flatten() for n, p in model.named_parameters()]))
+    assert steps[0].norm() > 0
+    assert (steps[1] - steps[0]).norm() < 0.05 * steps[0].norm()

@@ -87,6 +87,7 @@ class NormCollector:
         self.squared = torch.zeros(batch_size, dtype=dtype, device=device)
         self.uses: dict[int, int] = {}  # per parameter, in the first forward
         self.counting = True
+        self.low_precision = False  # a tapped output was bf16/fp16 (autocast or low-precision weights)
         self._waiting: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]] = {}
         self._ids: dict[int, torch.Tensor | None] = {}  # an embedding's ids, per parameter used once as one
         self._tied_heads: dict[int, _AgainstIds] = {}
@@ -108,6 +109,7 @@ class NormCollector:
             self.uses[pid] = self.uses.get(pid, 0) + 1
 
     def tap(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        self.low_precision |= output.dtype in (torch.bfloat16, torch.float16)
         if self.counting:
             self.count(module)
             if isinstance(module, nn.Embedding):
