@@ -56,12 +56,19 @@ def token_loss_per_example(
     Trainer's ``LabelSmoother`` applied to each example alone.
 
     For causal LMs position t predicts labels_{t+1}: the LABELS are shifted (one -100 column appended),
-    never the logits, which would copy the B·T·V logit tensor. The CE runs over the labelled tokens a chunk
-    at a time (``_TokenCrossEntropy``), so no float32 copy or log-softmax of all the logits is ever held.
+    never the logits, which would copy the B·T·V logit tensor. For bf16/fp16 logits the CE runs over the
+    labelled tokens a chunk at a time (``_TokenCrossEntropy``), so no float32 copy or log-softmax of all the
+    logits is ever held; float32/float64 logits go to F.cross_entropy directly (it keeps one logit-sized
+    log-softmax for the backward, and is 2-3× faster than recomputing it on CPU).
     """
     if shift:
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    token_losses = _TokenCrossEntropy.apply(logits, labels, label_smoothing)
+    if logits.dtype in (torch.float32, torch.float64):  # no copy to make; F.cross_entropy is the fastest
+        token_losses = _cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), label_smoothing
+        ).view(labels.shape)
+    else:
+        token_losses = _TokenCrossEntropy.apply(logits, labels, label_smoothing)
     counts = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
     return token_losses.sum(dim=1) / counts
 
@@ -117,9 +124,13 @@ def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    """Per-row cross-entropy in at least float32."""
+    """Per-row cross-entropy in at least float32 (0 for a row labelled -100)."""
     return F.cross_entropy(
-        _at_least_float32(logits), labels, reduction="none", label_smoothing=label_smoothing
+        _at_least_float32(logits),
+        labels,
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+        label_smoothing=label_smoothing,
     )
 
 
