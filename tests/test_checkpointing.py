@@ -21,7 +21,7 @@ from hf_dp.losses import per_example_loss, unwrap_model
 from hf_dp.optim.plan import Evaluation, Shift, StepPlan
 from tests import models
 from tests.test_clipping_geometry import factored_scales
-from tests.test_engine import assert_close
+from tests.test_engine import _SideUse, assert_close
 from tests.trainer_utils import make_trainer, snapshot
 
 
@@ -177,17 +177,6 @@ def test_the_norm_pass_keeps_no_checkpointed_activation_alive() -> None:
     model.activation_checkpointing_enable({"use_reentrant": False})
     alive, total = _live_inner_inputs(model, engine, batch, checkpointing=True)
     assert total > 0 and alive == 0
-
-
-class _SideUse(nn.Module):
-    """Uses its Linear's weight directly as well: a path no tap sees."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(x) + x @ self.head.weight
 
 
 def test_a_parameter_used_outside_its_module_is_caught_with_checkpointing() -> None:

@@ -101,6 +101,8 @@ class ClippingEngine:
         self._rules = {module: rule_for(module) for module in self._owned}
         unique = {id(getattr(m, n)): getattr(m, n) for m, names in self._owned.items() for n in names}
         self.parameters: list[nn.Parameter] = list(unique.values())  # what this engine clips, each once
+        self._clipped_numel = sum(p.numel() for p in self.parameters)
+        self._model_numel = sum(p.numel() for p in model.parameters())
         self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._module_names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
         self._calls: list[_RecordedForward] = []
@@ -188,8 +190,7 @@ class ClippingEngine:
 
     def keeps_gradients(self, batch_size: int) -> bool:
         """B explicit per-example gradients cost at most KEPT_GRADIENTS_SHARE of the model's weights (LoRA)."""
-        total = sum(p.numel() for p in self.model.parameters())
-        return batch_size * sum(p.numel() for p in self.parameters) <= KEPT_GRADIENTS_SHARE * total
+        return batch_size * self._clipped_numel <= KEPT_GRADIENTS_SHARE * self._model_numel
 
     @contextlib.contextmanager
     def norms_in_backward(
