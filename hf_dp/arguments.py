@@ -104,6 +104,24 @@ class DPTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "Accept target_delta >= 1/N (refused by default; the model card reports it)."},
     )
+    privacy_unit_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "User-level DP: the train_dataset column naming each row's user (or any group to protect). "
+            "Users are Poisson-sampled, at most max_examples_per_unit rows of each per step, and clipped as one."
+        },
+    )
+    max_examples_per_unit: int = field(
+        default=4,
+        metadata={"help": "k: with privacy_unit_column, the rows of a sampled user taken per step, at most."},
+    )
+    rows_are_blocks: bool | None = field(
+        default=None,
+        metadata={
+            "help": "The training rows are blocks cut from concatenated text (run_clm's group_texts): the guarantee "
+            "is then stated per block, not per example. None: detected (rows of one length, labels = input_ids)."
+        },
+    )
     max_grad_norm: float = field(
         default=0.0,
         metadata={
@@ -203,6 +221,14 @@ class DPTrainingArguments(TrainingArguments):
                 "anyone who knows it can remove the noise from the released model (the model card says so)",
                 stacklevel=3,
             )
+        if self.max_examples_per_unit < 1:
+            fail(f"max_examples_per_unit must be >= 1, got {self.max_examples_per_unit}")
+        if self.privacy_unit_column is not None and self.rows_are_blocks:
+            fail(
+                "privacy_unit_column groups rows into users and rows_are_blocks says rows are blocks; drop one"
+            )
+        if self.privacy_unit_column is not None and not self.poisson_sampling:
+            fail("privacy_unit_column samples users by Poisson sampling; set poisson_sampling=True")
         if self.target_delta is not None and not 0 < self.target_delta < 1:
             fail(f"target_delta must be in (0, 1), got {self.target_delta}")
         if self.noise_multiplier == 0:

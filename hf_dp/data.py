@@ -4,18 +4,25 @@ Each micro-batch carries a (B,) mask of real examples under ``EXAMPLE_MASK_KEY``
 (small Poisson batches have them) becomes one placeholder example with mask 0, so every step runs the same
 code path and every process runs every pass. The loader is not passed through ``accelerator.prepare``: the
 sampler itself splits each global logical batch across processes.
+
+User-level sampling (``unit_of_row`` given): the sampler draws units (e.g. users), at most ``k`` rows each
+(``UnitPoissonBatchSampler``), and each micro-batch also carries ``UNIT_KEY``, the (R,) local unit 0..U-1 of
+each of its R rows (in order of first appearance); its mask is then (U,), one entry per unit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
-from hf_dp.sampling import PoissonBatchSampler, ShuffledBatchSampler
+from hf_dp.sampling import PoissonBatchSampler, ShuffledBatchSampler, UnitPoissonBatchSampler
 
 EXAMPLE_MASK_KEY = "hf_dp_example_mask"
+UNIT_KEY = "hf_dp_unit"
 
 
 class EpochDataLoader(DataLoader):
@@ -25,28 +32,110 @@ class EpochDataLoader(DataLoader):
         self.batch_sampler.set_epoch(epoch)
 
 
+class UnitDataset(Dataset):
+    """``dataset`` with each row's unit: item ``i`` is ``(dataset[i], unit_of_row[i])``, unpacked by
+    ``MaskingCollator`` (a collator sees only the examples, and the Trainer drops unused columns such as a
+    user id). Other attributes are the wrapped dataset's."""
+
+    def __init__(self, dataset, unit_of_row: Sequence[int]) -> None:
+        if len(unit_of_row) != len(dataset):
+            raise ValueError(
+                f"unit_of_row has {len(unit_of_row)} entries for {len(dataset)} dataset rows; "
+                "give one unit per row."
+            )
+        self.dataset = dataset
+        self.unit_of_row = np.asarray(unit_of_row)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return self.dataset[index], int(self.unit_of_row[index])
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("dataset", "unit_of_row"):  # not set yet (e.g. while unpickling)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
 class MaskingCollator:
-    """Collates a micro-batch and adds its example mask (a placeholder example with mask 0 when empty)."""
+    """Collates a micro-batch and adds its example mask (a placeholder example with mask 0 when empty).
+
+    Over a ``UnitDataset`` (pairs ``(example, unit)``) it also adds ``UNIT_KEY``, the (R,) local unit 0..U-1
+    of each row in order of first appearance, and the mask is (U,) ones; an empty micro-batch gives the
+    placeholder row with unit [0] and mask zeros(1).
+    """
 
     def __init__(self, collator, dataset) -> None:
         self.collator = collator
         self.dataset = dataset
+        self.by_unit = isinstance(dataset, UnitDataset)
 
     def __call__(self, examples: list) -> dict[str, Any]:
-        real = len(examples)
-        batch = dict(self.collator(examples if real else [self.dataset[0]]))
-        batch[EXAMPLE_MASK_KEY] = torch.ones(real) if real else torch.zeros(1)
+        if not self.by_unit:
+            real = len(examples)
+            batch = dict(self.collator(examples if real else [self.dataset[0]]))
+            batch[EXAMPLE_MASK_KEY] = torch.ones(real) if real else torch.zeros(1)
+            return batch
+        if not examples:
+            batch = dict(self.collator([self.dataset[0][0]]))
+            batch[UNIT_KEY] = torch.zeros(1, dtype=torch.long)
+            batch[EXAMPLE_MASK_KEY] = torch.zeros(1)
+            return batch
+        rows, units = zip(*examples, strict=True)
+        local: dict[int, int] = {}
+        batch = dict(self.collator(list(rows)))
+        batch[UNIT_KEY] = torch.tensor([local.setdefault(u, len(local)) for u in units], dtype=torch.long)
+        batch[EXAMPLE_MASK_KEY] = torch.ones(len(local))
         return batch
 
 
-def split_example_mask(inputs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
-    """(model inputs, mask): a batch without a mask is all real examples."""
+def split_dp_keys(inputs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
+    """(model inputs, mask, unit_of_row): ``unit_of_row`` is the batch's ``UNIT_KEY`` (None without one), and
+    then the mask is per unit; a batch without a mask is all real (one per row, or one per unit)."""
     inputs = dict(inputs)
     mask = inputs.pop(EXAMPLE_MASK_KEY, None)
-    if mask is None:
+    unit_of_row = inputs.pop(UNIT_KEY, None)
+    if mask is None and unit_of_row is not None:
+        mask = torch.ones(int(unit_of_row.max()) + 1, device=unit_of_row.device)
+    elif mask is None:
         first = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
         mask = torch.ones(first.shape[0], device=first.device)
+    return inputs, mask, unit_of_row
+
+
+def split_example_mask(inputs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
+    """(model inputs, mask): a batch without a mask is all real examples (``UNIT_KEY`` is dropped)."""
+    inputs, mask, _ = split_dp_keys(inputs)
     return inputs, mask
+
+
+def units_of_column(values: Sequence[Hashable]) -> tuple[list[int], int]:
+    """(unit_of_row, N_u): arbitrary hashable ids (e.g. a ``user_id`` column) numbered 0..N_u-1 in order of
+    first appearance, so equal ids share a unit."""
+    if isinstance(values, torch.Tensor | np.ndarray):  # their elements hash by identity, not value
+        values = values.tolist()
+    ids: dict[Hashable, int] = {}
+    unit_of_row = [ids.setdefault(v, len(ids)) for v in values]
+    return unit_of_row, len(ids)
+
+
+_BLOCK_COLUMNS = {"input_ids", "attention_mask", "labels", "token_type_ids"}
+
+
+def rows_look_like_blocks(dataset, rows: int = 256) -> bool:
+    """Whether the first ``rows`` rows look cut from concatenated text (transformers' run_clm ``group_texts``):
+    token columns only, every row one length, labels equal to input_ids and no padding."""
+    names = getattr(dataset, "column_names", None)
+    if not names or not set(names) <= _BLOCK_COLUMNS or "labels" not in names or len(dataset) < 2:
+        return False
+    sample = dataset[: min(rows, len(dataset))]
+    lengths = {len(ids) for ids in sample["input_ids"]}
+    return (
+        len(lengths) == 1
+        and sample["labels"] == sample["input_ids"]
+        and all(all(m) for m in sample.get("attention_mask", []))
+    )
 
 
 def dp_dataloader(
@@ -56,10 +145,15 @@ def dp_dataloader(
     plan,
     sampling_key: int,
     args,
+    unit_of_row: Sequence[int] | None = None,
+    max_rows_per_unit: int | None = None,
 ) -> EpochDataLoader:
-    """The loader of ``plan``'s logical batches, drawn with ``sampling_key`` (the run's secret)."""
+    """The loader of ``plan``'s logical batches, drawn with ``sampling_key`` (the run's secret).
+
+    With ``unit_of_row`` (each row's unit 0..N_u-1, see ``units_of_column``) it samples units with
+    ``q = plan.sample_rate`` and at most ``max_rows_per_unit`` rows of each; its batches carry ``UNIT_KEY``.
+    """
     common = {
-        "num_samples": plan.num_examples,
         "steps_per_epoch": plan.steps_per_epoch,
         "num_micro_batches": args.gradient_accumulation_steps,
         "seed": sampling_key,
@@ -67,10 +161,19 @@ def dp_dataloader(
         "num_replicas": args.world_size,
         "rank": args.process_index,
     }
-    if args.poisson_sampling:
-        sampler = PoissonBatchSampler(sample_rate=plan.sample_rate, **common)
+    if unit_of_row is not None:
+        if not args.poisson_sampling:
+            raise ValueError("user-level sampling (unit_of_row) is Poisson only: set poisson_sampling=True.")
+        if max_rows_per_unit is None:
+            raise ValueError(
+                "pass max_rows_per_unit (k >= 1, the most rows of a unit in one step) with unit_of_row."
+            )
+        dataset = UnitDataset(dataset, unit_of_row)
+        sampler = UnitPoissonBatchSampler(dataset.unit_of_row, plan.sample_rate, max_rows_per_unit, **common)
+    elif args.poisson_sampling:
+        sampler = PoissonBatchSampler(plan.num_examples, sample_rate=plan.sample_rate, **common)
     else:
-        sampler = ShuffledBatchSampler(batch_size=plan.expected_batch_size, **common)
+        sampler = ShuffledBatchSampler(plan.num_examples, batch_size=plan.expected_batch_size, **common)
     return EpochDataLoader(
         dataset,
         batch_sampler=sampler,

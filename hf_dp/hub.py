@@ -15,6 +15,8 @@ from typing import Any
 
 from huggingface_hub import ModelCard
 
+from hf_dp.privacy import UNITS
+
 METADATA_KEY = "differential_privacy"
 SECTION_TITLE = "## Differential privacy"
 DP_TAG = "differential-privacy"
@@ -56,6 +58,7 @@ def privacy_metadata(report: dict[str, Any], dataset: str | list[str] | None = N
         {
             "guarantee": "(epsilon, delta)-DP" if private else "none",
             "unit": report["unit"],
+            "max_examples_per_unit": report.get("max_examples_per_unit"),
             "noise_randomness": report["noise_randomness"],
             "allow_large_delta": report["allow_large_delta"],
             "library": "hf_dp",
@@ -105,7 +108,8 @@ def privacy_section(report: dict[str, Any], dataset: str | list[str] | None = No
             f"{SECTION_TITLE}\n\n"
             f"**This model has NO differential privacy guarantee** (ε = ∞). hf_dp trained it with {why}, "
             f"as a non-private baseline on {data} "
-            f"(N = {report['num_train_examples']}). Do not treat it or its outputs as private.\n"
+            f"(N = {report['num_train_examples']} {UNITS[report['unit']][1]}). Do not treat it or its outputs as "
+            "private.\n"
         )
     rate, batch = f"{report['sample_rate']:.4g}", report["expected_batch_size"]
     sampling = (
@@ -127,10 +131,10 @@ def privacy_section(report: dict[str, Any], dataset: str | list[str] | None = No
     target = "" if report["target_epsilon"] is None else f" (target ε {report['target_epsilon']:g})"
     return (
         f"{SECTION_TITLE}\n\n"
-        f"This model was trained with hf_dp and is **{guarantee}-differentially private at the example "
-        f"level**: adding or removing any one of the N = {report['num_train_examples']} training examples "
-        f"of {data} changes the probability of any set of released weights by at most a factor e^ε, "
-        "plus δ.\n\n"
+        f"This model was trained with hf_dp and is **{guarantee}-differentially private at the "
+        f"{report['unit']} level**: adding or removing any one {UNITS[report['unit']][0]} of the "
+        f"N = {report['num_train_examples']} {UNITS[report['unit']][1]} of {data} changes the probability of "
+        f"any set of released weights by at most a factor e^ε, plus δ.{_unit_note(report)}\n\n"
         f"- accounting: {accountant} over {report['steps']} steps{target}\n"
         f"- sampling: {sampling}\n"
         f"- per-example clip norm C = {report['max_grad_norm']:g} ({report['clipping_fn']} clipping, "
@@ -139,8 +143,31 @@ def privacy_section(report: dict[str, Any], dataset: str | list[str] | None = No
         f"- noise and batches: {randomness}{large_delta}\n\n"
         "The guarantee covers the released weights only for this fine-tuning data: not the data a base model "
         "was pretrained on, not data used to choose hyperparameters, and not the training loss or metrics "
-        "logged during training. It assumes each person contributes one example; a person with k examples is "
-        "protected at group level k (roughly k·ε).\n"
+        f"logged during training. {_person_note(report)}\n"
+    )
+
+
+def _unit_note(report: dict[str, Any]) -> str:
+    if report["unit"] == "user":
+        return (
+            f" Users are Poisson-sampled; at most {report['max_examples_per_unit']} examples of a sampled user "
+            "enter a step, and their summed gradient is clipped as one."
+        )
+    if report["unit"] == "block":
+        return (
+            " The rows are blocks of concatenated text, so a record spanning several blocks is several units."
+        )
+    return ""
+
+
+def _person_note(report: dict[str, Any]) -> str:
+    """Who the guarantee protects: a person is covered at level ε only if all their data is one unit."""
+    if report["unit"] == "user":
+        return "It protects each user as a whole, whatever number of examples they contributed."
+    unit = UNITS[report["unit"]][0].split(" (")[0]
+    return (
+        f"It assumes each person contributes one {unit}; a person with k of them is protected at group level k "
+        "(roughly k·ε): train with privacy_unit_column for user-level privacy."
     )
 
 

@@ -17,20 +17,22 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.strategies import require_per_example
+from hf_dp.clipping.units import PrivacyUnits
 
 
 @dataclasses.dataclass
 class MicroBatch:
-    """The DP state of one ``training_step``: its example mask and what the clipping strategy left."""
+    """The DP state of one ``training_step``: its privacy units, which are real, and what the strategy left."""
 
-    mask: torch.Tensor
+    mask: torch.Tensor  # (U,): 1 for a real unit, 0 for a placeholder
+    units: PrivacyUnits | None = None  # None: one unit per row
     evaluating: bool = False  # inside the strategy: compute_loss means the per-example loss
     losses: torch.Tensor | None = None
 
     def per_example_losses(
         self, compute_loss: Callable[..., Any], inputs: dict[str, Any], source: str
     ) -> Callable[[nn.Module], torch.Tensor]:
-        """The strategy's loss function: ``compute_loss`` in per-example mode, checked to be (B,)."""
+        """The strategy's loss function: ``compute_loss`` in per-example mode, one loss per unit (U,)."""
 
         def losses_of(module: nn.Module) -> torch.Tensor:
             self.evaluating = True
@@ -38,7 +40,7 @@ class MicroBatch:
                 losses = compute_loss(module, inputs)
             finally:
                 self.evaluating = False
-            return require_per_example(losses, self.mask.shape[0], source)
+            return require_per_example(losses, self.mask.shape[0], source, self.units)
 
         return losses_of
 

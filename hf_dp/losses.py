@@ -17,6 +17,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from hf_dp.clipping.units import PrivacyUnits
+
 IGNORE_INDEX = -100
 _LOGITS_PER_CHUNK = 1 << 24  # logits taken into the cross-entropy at a time (64 MB in float32)
 
@@ -48,9 +50,16 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 
 def token_loss_per_example(
-    logits: torch.Tensor, labels: torch.Tensor, shift: bool, label_smoothing: float = 0.0
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    shift: bool,
+    label_smoothing: float = 0.0,
+    units: PrivacyUnits | None = None,
 ) -> torch.Tensor:
     """L_i = mean over t with labels_{i,t} != -100 of CE(logits_{i,t}, labels_{i,t}); 0 if none.
+
+    With records packed into rows (token ``units``) it is one loss per record, over that record's tokens; a
+    position whose (shifted) label belongs to the next record is not predicted, so no record's loss reads another's.
 
     With label smoothing ε each token's CE is (1 − ε)·NLL + ε·mean_v(−log p_v) (Szegedy et al. 2016), the
     Trainer's ``LabelSmoother`` applied to each example alone.
@@ -63,12 +72,17 @@ def token_loss_per_example(
     """
     if shift:
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        if units is not None and units.unit_of_token is not None:
+            unit = units.unit_of_token.to(labels.device)
+            labels = labels.masked_fill(F.pad(unit[:, 1:] != unit[:, :-1], (0, 1)), IGNORE_INDEX)
     if logits.dtype in (torch.float32, torch.float64):  # no copy to make; F.cross_entropy is the fastest
         token_losses = _cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), label_smoothing
         ).view(labels.shape)
     else:
         token_losses = _TokenCrossEntropy.apply(logits, labels, label_smoothing)
+    if units is not None and units.unit_of_token is not None:
+        return units.mean_over_tokens(token_losses, labels != IGNORE_INDEX)
     counts = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
     return token_losses.sum(dim=1) / counts
 
@@ -166,8 +180,11 @@ def sequence_loss_per_example(
     return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(dim=1)
 
 
-def per_example_loss(model: nn.Module, inputs: dict[str, Any], label_smoothing: float = 0.0) -> torch.Tensor:
-    """Run ``model`` on a batch (without letting it compute its batch loss) and return L_i, shape (B,)."""
+def per_example_loss(
+    model: nn.Module, inputs: dict[str, Any], label_smoothing: float = 0.0, units: PrivacyUnits | None = None
+) -> torch.Tensor:
+    """Run ``model`` on a batch (without letting it compute its batch loss) and return L_i, shape (B,), or one
+    loss per packed record when ``units`` splits the rows into records."""
     inputs = dict(inputs)
     labels = inputs.pop("labels", None)
     if labels is None:
@@ -183,7 +200,11 @@ def per_example_loss(model: nn.Module, inputs: dict[str, Any], label_smoothing: 
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
     if logits.dim() == 3 and labels.dim() == 2:
         return token_loss_per_example(
-            logits, labels, shift=is_causal_lm(model), label_smoothing=label_smoothing
+            logits, labels, shift=is_causal_lm(model), label_smoothing=label_smoothing, units=units
+        )
+    if units is not None and units.unit_of_token is not None:
+        raise ValueError(
+            "records packed into rows need a token loss (labels of shape (B, T)), not a sequence loss"
         )
     return sequence_loss_per_example(
         logits, labels, getattr(base.config, "problem_type", None), label_smoothing

@@ -41,6 +41,8 @@ class PrivacyPlan:
     clip_norm: float
     accountant: str
     private: bool
+    unit: str = "example"  # what one of the N protected units is (UNITS)
+    max_examples_per_unit: int | None = None  # user-level: examples of a sampled user per step, at most
 
     @property
     def mean_noise_std(self) -> float:
@@ -48,8 +50,21 @@ class PrivacyPlan:
         return self.noise_multiplier * self.clip_norm / self.expected_batch_size
 
 
-def plan_privacy(args, dataset) -> PrivacyPlan:
-    """The plan for ``DPTrainingArguments`` ``args`` over ``dataset``; one-line ValueError if it cannot hold."""
+# The privacy units a guarantee can be stated in: (singular, plural) as the model card and the logs say them.
+UNITS = {
+    "example": ("example", "training examples"),
+    "pair": ("preference pair (its chosen and rejected completions together)", "preference pairs"),
+    "user": ("user (all of one user's examples together)", "users"),
+    "block": (
+        "block of tokens cut from concatenated text (a record may span blocks, and a block hold several records)",
+        "blocks",
+    ),
+}
+
+
+def plan_privacy(args, dataset, unit: str = "example", num_units: int | None = None) -> PrivacyPlan:
+    """The plan for ``DPTrainingArguments`` ``args`` over ``dataset``; one-line ValueError if it cannot hold.
+    N counts ``unit``s: the dataset's rows, or ``num_units`` when several rows form one unit (users)."""
     if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
         raise ValueError(
             "DPTrainer needs a map-style train_dataset (random access and a length): Poisson sampling draws each "
@@ -60,14 +75,14 @@ def plan_privacy(args, dataset) -> PrivacyPlan:
             "DPTrainer: to train, give one of target_epsilon (σ is then calibrated) and noise_multiplier in "
             "DPTrainingArguments, or disable_dp=True for a non-private baseline"
         )
-    num_examples = len(dataset)
+    num_examples = len(dataset) if num_units is None else num_units
     expected_batch_size = (
         args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     )
     if expected_batch_size > num_examples:
         raise ValueError(
             f"the logical batch ({expected_batch_size} = per-device batch x accumulation x processes) exceeds the "
-            f"{num_examples} training examples: lower per_device_train_batch_size or gradient_accumulation_steps"
+            f"{num_examples} {UNITS[unit][1]}: lower per_device_train_batch_size or gradient_accumulation_steps"
         )
     steps_per_epoch = math.ceil(num_examples / expected_batch_size)
     planned_steps = (
@@ -76,7 +91,7 @@ def plan_privacy(args, dataset) -> PrivacyPlan:
     delta = args.target_delta or default_delta(num_examples)
     if not args.disable_dp and delta >= 1 / num_examples and not args.allow_large_delta:
         raise ValueError(
-            f"target_delta={delta:g} is not below 1/N = {1 / num_examples:g} for N = {num_examples} examples: such a "
+            f"target_delta={delta:g} is not below 1/N = {1 / num_examples:g} for N = {num_examples} {UNITS[unit][1]}: such a "
             "guarantee allows publishing an example outright; lower target_delta (default N^-1.1) or set "
             "allow_large_delta=True, which the model card reports"
         )
@@ -95,7 +110,7 @@ def plan_privacy(args, dataset) -> PrivacyPlan:
             "raise target_epsilon, train fewer steps or use a larger batch"
         )
     logger.info(
-        f"hf_dp: N={num_examples}, expected batch {expected_batch_size}, q={sample_rate:.4g}, {planned_steps} "
+        f"hf_dp: the guarantee is per {unit}: N={num_examples} {UNITS[unit][1]}, expected batch {expected_batch_size}, q={sample_rate:.4g}, {planned_steps} "
         f"planned steps, sigma={noise_multiplier:.4g}, delta={delta:.3g}"
     )
     return PrivacyPlan(
@@ -109,6 +124,8 @@ def plan_privacy(args, dataset) -> PrivacyPlan:
         clip_norm=args.per_sample_max_grad_norm,
         accountant=args.accountant,
         private=not args.disable_dp,
+        unit=unit,
+        max_examples_per_unit=args.max_examples_per_unit if unit == "user" else None,
     )
 
 
@@ -133,7 +150,8 @@ def privacy_report(
         "max_grad_norm": plan.clip_norm,
         "sample_rate": plan.sample_rate,
         "sampling": sampling_name(args),
-        "unit": "example",
+        "unit": plan.unit,
+        "max_examples_per_unit": plan.max_examples_per_unit,
         "expected_batch_size": plan.expected_batch_size,
         "num_train_examples": plan.num_examples,
         "steps": steps,
@@ -161,7 +179,7 @@ def plan_record(plan: PrivacyPlan, args) -> dict[str, Any]:
         "clip_norm": plan.clip_norm,
         "delta": plan.delta,
         "sampling": sampling_name(args),
-        "unit": "example",
+        "unit": plan.unit,
         "accountant": args.accountant,
         "private": plan.private,
     }

@@ -11,6 +11,10 @@ Distributed: every rank draws the SAME global logical batch (same seed), splits 
 ``num_replicas`` contiguous nearly-equal parts, keeps part ``rank`` and splits that into the
 micro-batches. The union over ranks of one step's micro-batches is the global logical batch.
 
+Units: ``PoissonBatchSampler`` samples rows; ``UnitPoissonBatchSampler`` samples units (e.g. users, the
+user-level sampling "ULS" of Charles et al. 2024) and then at most ``k`` rows of each. Its splits are over
+units, so a unit's rows are adjacent and never split between processes or micro-batches.
+
 Determinism: unless ``secure_mode``, epoch ``e`` is a pure function of ``(seed, e)`` (a fresh PCG64DXSM
 stream keyed by ``seed``, which may be 128 bits, and ``e`` is made at the start of ``__iter__``), so
 iterating twice, or iterating and discarding the first k batches as the Trainer does on resume, replays the
@@ -23,18 +27,21 @@ so batches are not reproducible and checkpoints cannot replay them.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["PoissonBatchSampler", "ShuffledBatchSampler"]
+__all__ = ["PoissonBatchSampler", "ShuffledBatchSampler", "UnitPoissonBatchSampler"]
 
 _BITS = 53  # resolution of the secure-mode uniforms: u = k / 2**53 with k uniform in [0, 2**53)
 
+T = TypeVar("T")
 
-def _split(items: list[int], parts: int) -> list[list[int]]:
+
+def _split(items: list[T], parts: int) -> list[list[T]]:
     """Split ``items`` into ``parts`` contiguous chunks; sizes differ by at most one (larger first).
 
     With ``n = len(items) = parts * b + r`` (``0 <= r < parts``) chunk ``i`` has ``b + (i < r)`` items.
@@ -47,6 +54,23 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
 def _os_random_int64(n: int) -> torch.Tensor:
     """``n`` independent uniform int64 values read from the OS CSPRNG (``secrets.token_bytes``)."""
     return torch.frombuffer(bytearray(secrets.token_bytes(8 * n)), dtype=torch.int64)
+
+
+def _poisson_mask(n: int, q: float, generator: np.random.Generator | None) -> np.ndarray:
+    """``U_i < q`` for ``n`` i.i.d. ``U_i ~ Uniform[0, 1)``; ``generator is None`` means secure mode.
+
+    Secure mode: U_i = K_i / 2**53 with K_i from the OS CSPRNG, so U_i < q  <=>  K_i < q * 2**53.
+    """
+    if generator is None:
+        return ((_os_random_int64(n) & (2**_BITS - 1)) < round(q * 2**_BITS)).numpy()
+    return generator.random(n) < q
+
+
+def _check_sample_rate(sample_rate: float) -> None:
+    if not 0 < sample_rate <= 1:
+        raise ValueError(
+            f"sample_rate must be in (0, 1] (got {sample_rate}); use expected_batch_size / num_samples."
+        )
 
 
 class _DPBatchSampler(Sampler[list[int]]):
@@ -106,11 +130,17 @@ class _DPBatchSampler(Sampler[list[int]]):
             key = np.random.SeedSequence(self.seed, spawn_key=(self.epoch,))
             generator = np.random.Generator(np.random.PCG64DXSM(key))
         for batch in self._logical_batches(generator):
-            yield from _split(_split(batch, self.num_replicas)[self.rank], self.num_micro_batches)
+            for micro in _split(_split(batch, self.num_replicas)[self.rank], self.num_micro_batches):
+                yield self._rows(micro)
 
-    def _logical_batches(self, generator: np.random.Generator | None) -> Iterator[list[int]]:
-        """Yield ``steps_per_epoch`` global logical batches; ``generator is None`` means secure mode."""
+    def _logical_batches(self, generator: np.random.Generator | None) -> Iterator[list]:
+        """Yield ``steps_per_epoch`` global logical batches, lists of the items that the replica and
+        micro-batch splits keep whole (row indices here); ``generator is None`` means secure mode."""
         raise NotImplementedError
+
+    def _rows(self, items: list) -> list[int]:
+        """The row indices of a micro-batch's items."""
+        return items
 
 
 class PoissonBatchSampler(_DPBatchSampler):
@@ -135,21 +165,12 @@ class PoissonBatchSampler(_DPBatchSampler):
         super().__init__(
             num_samples, steps_per_epoch, num_micro_batches, seed, secure_mode, num_replicas, rank
         )
-        if not 0 < sample_rate <= 1:
-            raise ValueError(
-                f"sample_rate must be in (0, 1] (got {sample_rate}); use expected_batch_size / num_samples."
-            )
+        _check_sample_rate(sample_rate)
         self.sample_rate = sample_rate
 
     def _logical_batches(self, generator: np.random.Generator | None) -> Iterator[list[int]]:
-        # Secure mode: U_i = K_i / 2**53 with K_i from the OS CSPRNG, so U_i < q  <=>  K_i < q * 2**53.
-        threshold = round(self.sample_rate * 2**_BITS)
         for _ in range(self.steps_per_epoch):
-            if generator is None:
-                mask = (_os_random_int64(self.num_samples) & (2**_BITS - 1)) < threshold
-            else:
-                mask = torch.from_numpy(generator.random(self.num_samples) < self.sample_rate)
-            yield mask.nonzero().flatten().tolist()
+            yield np.flatnonzero(_poisson_mask(self.num_samples, self.sample_rate, generator)).tolist()
 
 
 class ShuffledBatchSampler(_DPBatchSampler):
@@ -193,3 +214,87 @@ class ShuffledBatchSampler(_DPBatchSampler):
                 perm, pos = self._permutation(generator), 0
             yield perm[pos : pos + self.batch_size]
             pos += self.batch_size
+
+
+class UnitPoissonBatchSampler(_DPBatchSampler):
+    """User-level Poisson sampling (ULS, Charles et al. 2024): each *unit* (e.g. a user) independently with
+    prob. q per step, then at most ``k = max_rows_per_unit`` of its rows.
+
+    Unit ``u`` owns the rows ``R_u = {i : unit_of_row[i] = u}``, ``n_u = |R_u|``, units ``0..N_u-1``.
+    Logical batch: units ``S = {u : U_u < q}`` (``U_u`` as in ``PoissonBatchSampler``, so
+    ``|S| ~ Binomial(N_u, q)``), and for each ``u`` in ``S`` a uniform random subset of ``min(k, n_u)`` rows
+    of ``R_u``, drawn without replacement: the rows with the ``k`` smallest of i.i.d. keys (uniform floats, or
+    int64 from the OS CSPRNG in secure mode), so each row of ``u`` is in with prob. ``q * min(k, n_u) / n_u``.
+    Units are yielded in increasing order, each as its chosen rows in increasing order. The replica and
+    micro-batch splits are by units (nearly equal unit counts), so a unit's rows stay adjacent, on one process
+    and in one micro-batch. ``num_samples`` is ``N_u``.
+    """
+
+    def __init__(
+        self,
+        unit_of_row: Sequence[int],
+        sample_rate: float,
+        max_rows_per_unit: int,
+        steps_per_epoch: int,
+        num_micro_batches: int = 1,
+        seed: int = 0,
+        secure_mode: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        units = np.asarray(unit_of_row)
+        if units.ndim != 1 or units.size == 0 or not np.issubdtype(units.dtype, np.integer):
+            raise ValueError(
+                "unit_of_row must be a non-empty 1-D sequence of integer unit ids, one per dataset row; "
+                "map arbitrary ids with hf_dp.data.units_of_column."
+            )
+        if units.min() < 0:
+            raise ValueError(
+                f"unit_of_row has a negative unit id ({units.min()}); ids must be 0..N_u-1 "
+                "(use units_of_column)."
+            )
+        counts = np.bincount(units)
+        if not counts.all():
+            raise ValueError(
+                f"unit id {np.argmin(counts)} has no rows; ids must be 0..N_u-1 with every unit present "
+                "(renumber with units_of_column)."
+            )
+        super().__init__(
+            len(counts), steps_per_epoch, num_micro_batches, seed, secure_mode, num_replicas, rank
+        )
+        _check_sample_rate(sample_rate)
+        k = max_rows_per_unit
+        if not isinstance(k, int | np.integer) or isinstance(k, bool) or k < 1:
+            raise ValueError(
+                f"max_rows_per_unit must be an integer >= 1 (got {k!r}); it caps a unit's rows per step."
+            )
+        self.sample_rate = sample_rate
+        self.max_rows_per_unit = int(max_rows_per_unit)
+        self._counts = counts  # n_u
+        self._starts = np.cumsum(counts) - counts  # unit u's rows are _by_unit[_starts[u] : _starts[u] + n_u]
+        self._by_unit = np.argsort(units, kind="stable")  # rows grouped by unit, increasing within each
+
+    def _keys(self, n: int, generator: np.random.Generator | None) -> np.ndarray:
+        return _os_random_int64(n).numpy() if generator is None else generator.random(n)
+
+    def _logical_batches(self, generator: np.random.Generator | None) -> Iterator[list[list[int]]]:
+        for _ in range(self.steps_per_epoch):
+            units = np.flatnonzero(_poisson_mask(self.num_samples, self.sample_rate, generator))
+            if units.size == 0:
+                yield []
+                continue
+            counts = self._counts[units]
+            ends = np.cumsum(counts)
+            # The sampled units' rows, unit after unit; ``unit[j]`` is row j's position in ``units``.
+            offsets = np.arange(ends[-1]) - np.repeat(ends - counts, counts)
+            rows = self._by_unit[np.repeat(self._starts[units], counts) + offsets]
+            unit = np.repeat(np.arange(units.size), counts)
+            # Sorting by (unit, key) keeps each unit's block where it was, so sorted position j has rank
+            # offsets[j] in its unit: keep ranks < k.
+            order = np.lexsort((self._keys(rows.size, generator), unit))
+            kept = np.sort(order[offsets < self.max_rows_per_unit])
+            sizes = np.minimum(counts, self.max_rows_per_unit)
+            yield [chunk.tolist() for chunk in np.split(rows[kept], np.cumsum(sizes)[:-1])]
+
+    def _rows(self, items: list[list[int]]) -> list[int]:
+        return [row for unit in items for row in unit]

@@ -4,7 +4,8 @@ One DP step, each stage owned by its own module (docs/dp-step.md); this module o
 Trainer's hooks:
 
     sample     data.dp_dataloader            Poisson logical batches drawn with the run's secret key
-    losses     compute_per_example_loss      L_i, one per example of each micro-batch
+    units      privacy_units                 which rows / tokens form one protected unit (default: a row)
+    losses     compute_per_example_loss      L_i, one per unit of each micro-batch
     clip       clipping.strategies           Σ_i c_i g_i into the gradients (book-keeping or two-pass)
     release    mechanism.GaussianMechanism   + N(0, σ²C²) once, ÷ B̄, one accountant step: the only noise
     update     optim (dp_optimizer)          the update rule on ĝ: post-processing
@@ -29,9 +30,17 @@ from hf_dp.accounting import PrivacyAccountant
 from hf_dp.arguments import DPTrainingArguments
 from hf_dp.budget import PrivacyBudgetCallback
 from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.evaluate import replay_rng, rng_state
 from hf_dp.clipping.strategies import Bookkeeping, clipping_strategy
+from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.cpu_heap import keep_freed_memory
-from hf_dp.data import dp_dataloader, split_example_mask
+from hf_dp.data import (
+    dp_dataloader,
+    rows_look_like_blocks,
+    split_dp_keys,
+    split_example_mask,
+    units_of_column,
+)
 from hf_dp.distributed import check_deepspeed, check_launched_world
 from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
@@ -50,6 +59,9 @@ class DPTrainerMixin:
 
     args: DPTrainingArguments
     loss_is_scaled_for_ga = True  # the release divides by B̄; nothing divides by the accumulation steps
+    privacy_unit = (
+        "example"  # what one dataset row is, for the guarantee (privacy.UNITS; DPDPOTrainer: "pair")
+    )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -72,6 +84,8 @@ class DPTrainerMixin:
         self._micro_batch: MicroBatch | None = None
         self._optimizer_passed_in = self.optimizer  # optimizers=(optimizer, scheduler), or None
         self._drawn_examples = 0  # real examples in the logical batch in progress, over all processes
+        self._unit_of_row: list[int] | None = None  # user-level DP: each dataset row's user, 0..N_u-1
+        self._records_checked = False  # packed records were checked not to see each other
         self._trained = False
         if self.train_dataset is not None:  # evaluation and prediction need no privacy machinery
             self._prepare_privacy()
@@ -79,7 +93,8 @@ class DPTrainerMixin:
     def _prepare_privacy(self) -> None:
         """The plan, the ledger and the run's secret; the clipping strategy this backend needs; the callbacks."""
         check_launched_world(self.args)
-        self.privacy_plan = plan_privacy(self.args, self.train_dataset)
+        unit, num_units = self._unit_of_rows()
+        self.privacy_plan = plan_privacy(self.args, self.train_dataset, unit, num_units)
         self.accountant = PrivacyAccountant(self.args.accountant, self.privacy_plan.delta)
         self._privacy_state = checkpoint.RunPrivacyState(
             shared_secret(self.args.insecure_dp_seed),
@@ -94,6 +109,41 @@ class DPTrainerMixin:
         self._planner = StepPlanner(self.privacy_plan.clip_norm)
         self._hook_clipping(self.model)
         self.add_callback(PrivacyBudgetCallback(self))
+
+    def _unit_of_rows(self) -> tuple[str, int | None]:
+        """The unit the guarantee is stated in and, for user-level DP, the number of users."""
+        column = self.args.privacy_unit_column
+        if column is None and self.args.rows_are_blocks is None and rows_look_like_blocks(self.train_dataset):
+            logger.warning(
+                "hf_dp: every training row has one length, labels equal to input_ids and no padding: blocks cut from "
+                "concatenated text (run_clm's group_texts), so the guarantee is stated per block, not per record; "
+                "set rows_are_blocks=False if each row is one record"
+            )
+            return "block", None
+        if column is None:
+            return ("block" if self.args.rows_are_blocks else self.privacy_unit), None
+        if self.privacy_unit != "example":
+            raise ValueError(
+                f"privacy_unit_column groups rows into users, but a row of {type(self).__name__} is a {self.privacy_unit}; "
+                "drop privacy_unit_column"
+            )
+        names = getattr(self.train_dataset, "column_names", None)
+        if names is not None and column not in names:
+            raise ValueError(
+                f"privacy_unit_column={column!r} is not a column of train_dataset (it has {names})"
+            )
+        try:
+            values = (
+                self.train_dataset[column]
+                if names is not None
+                else [row[column] for row in self.train_dataset]
+            )
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"privacy_unit_column={column!r}: the rows of train_dataset have no such key"
+            ) from None
+        self._unit_of_row, num_units = units_of_column(list(values))
+        return "user", num_units
 
     def _hook_clipping(self, model: nn.Module) -> None:
         if self.clipping_engine is not None:
@@ -192,7 +242,13 @@ class DPTrainerMixin:
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
         loader = dp_dataloader(
-            dataset, collator, plan=self.privacy_plan, sampling_key=self._secret.sampling_key, args=self.args
+            dataset,
+            collator,
+            plan=self.privacy_plan,
+            sampling_key=self._secret.sampling_key,
+            args=self.args,
+            unit_of_row=self._unit_of_row,
+            max_rows_per_unit=self.args.max_examples_per_unit if self._unit_of_row is not None else None,
         )
         self._privacy_state.sampler = self._batch_sampler = loader.batch_sampler
         return loader
@@ -246,8 +302,16 @@ class DPTrainerMixin:
         ``num_items_in_batch`` is dropped: normalising by the tokens of the whole logical batch would mix
         examples. The value is scaled by the number of processes, because the Trainer logs their mean.
         """
-        inputs, mask = split_example_mask(inputs)
-        micro = self._micro_batch = MicroBatch(mask.to(self.args.device))
+        inputs, mask, unit_of_row = split_dp_keys(inputs)
+        units = self.privacy_units(inputs, unit_of_row)
+        if units is not None and units.count != mask.shape[0]:
+            raise ValueError(
+                f"this micro-batch forms {units.count} privacy units but the loader drew {mask.shape[0]} examples "
+                "(does the collator pad a packed row with extra position-0 tokens, e.g. pad_to_multiple_of? unset it)"
+            )
+        micro = self._micro_batch = MicroBatch(
+            mask.to(self.args.device), units=None if units is None else units.to(self.args.device)
+        )
         try:
             super().training_step(model, inputs, None)
         finally:
@@ -286,18 +350,85 @@ class DPTrainerMixin:
         return self._dp_backward(model, inputs, micro)
 
     def compute_per_example_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        """L_i for each example of the micro-batch, shape (B,): the extension point for your own loss."""
-        return per_example_loss(model, inputs, label_smoothing=self.args.label_smoothing_factor)
+        """L_u for each privacy unit of the micro-batch, shape (U,) (or one per row when units are whole rows:
+        a unit's loss is then their mean): the extension point for your own loss."""
+        micro = self._micro_batch
+        return per_example_loss(
+            model,
+            inputs,
+            label_smoothing=self.args.label_smoothing_factor,
+            units=None if micro is None else micro.units,
+        )
+
+    def privacy_units(self, inputs: dict[str, Any], unit_of_row: torch.Tensor | None) -> PrivacyUnits | None:
+        """How a micro-batch's rows and tokens form privacy units; None: one unit per row. Users come from the
+        loader (``privacy_unit_column``); records packed into one row by padding-free collation (position ids
+        restarting at 0 inside a row, e.g. DataCollatorWithFlattening) are one unit each. Override to group
+        otherwise (DPDPOTrainer: a pair's two rows)."""
+        if unit_of_row is not None:
+            return PrivacyUnits.of_rows(unit_of_row)
+        position_ids = inputs.get("position_ids")
+        if (
+            isinstance(position_ids, torch.Tensor)
+            and position_ids.dim() == 2
+            and (position_ids[:, 1:] == 0).any()
+        ):
+            return PrivacyUnits.of_records(position_ids)
+        return None
 
     def _dp_backward(self, model: nn.Module, inputs: dict[str, Any], micro: MicroBatch) -> torch.Tensor:
         """The clipping strategy on this micro-batch; returns what the parent's training_step back-propagates."""
 
         losses_of = micro.per_example_losses(self.compute_loss, inputs, f"{type(self).__name__}.compute_loss")
-        step = self._clipping.run(losses_of, micro.mask, self._planner.current, model)
+        if micro.units is not None and not micro.units.per_row and not self._records_checked:
+            self._check_records_apart(losses_of, inputs, micro.units)
+        step = self._clipping.run(losses_of, micro.mask, self._planner.current, model, micro.units)
         micro.losses = step.losses
         if step.backward is not None:
             return step.backward
         return torch.zeros((), device=micro.mask.device, requires_grad=True)  # .grad already holds the sum
+
+    def _check_records_apart(self, losses_of, inputs: dict[str, Any], units: PrivacyUnits) -> None:
+        """Per-record clipping of a packed row is exact only if no record's loss reads another record (attention
+        kept within records). Checked once, forward only: each record's loss must not move when the input
+        embeddings of the records of the other parity are perturbed (same dropout masks; RNG left as it was)."""
+        embeddings = unwrap_model(self.model).get_input_embeddings()
+        module = getattr(self._clipping, "module", None) or self.model
+        parity = units.unit_of_token % 2
+        state = rng_state()
+
+        def losses_with(perturbed: int | None) -> torch.Tensor:
+            def perturb(_module, _args, output):
+                where = (units.unit_of_token >= 0) & (parity == perturbed)
+                noise = torch.randn(
+                    output.shape, generator=generator, dtype=output.dtype, device=output.device
+                )
+                return output + noise * where[..., None].to(output.dtype)
+
+            handle = None if perturbed is None else embeddings.register_forward_hook(perturb)
+            replay_rng(state)
+            try:
+                with torch.no_grad():
+                    return losses_of(module).double()
+            finally:
+                if handle is not None:
+                    handle.remove()
+
+        generator = torch.Generator(device=self.args.device).manual_seed(0)
+        plain = losses_with(None)
+        record_parity = torch.arange(units.count, device=plain.device) % 2
+        for perturbed in (0, 1):
+            moved = (losses_with(perturbed) - plain).abs() > 1e-5 * (1 + plain.abs())
+            crossing = moved & (record_parity != perturbed)
+            if crossing.any():
+                raise ValueError(
+                    f"packed record {int(crossing.nonzero()[0])} of a row reads the tokens of other records (attention "
+                    "crosses records), so clipping per record would not bound its influence: pass position_ids and "
+                    "no attention_mask with an attention that keeps packed sequences apart (sdpa, eager, flash), and "
+                    "use_cache=False"
+                )
+        replay_rng(state)
+        self._records_checked = True
 
     def train_one_step(self, micro_batches: list[dict[str, Any]]) -> float:
         """One logical batch outside ``Trainer.train`` (benchmarks, audits): every micro-batch's DP backward, the

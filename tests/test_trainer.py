@@ -265,7 +265,7 @@ def test_subclass_compute_loss_keeps_per_example_clipping(tmp_path):
 def test_subclass_compute_loss_returning_a_scalar_is_a_clear_error(tmp_path):
     trainer = make_trainer(tmp_path, trainer_class=ScalarLossTrainer, noise_multiplier=0.5)
     with pytest.raises(
-        ValueError, match=r"compute_loss returned \(\); under DP it must return one loss per example"
+        ValueError, match=r"compute_loss returned \(\); under DP it must return one loss per privacy unit"
     ):
         trainer.train()
 

@@ -28,9 +28,10 @@ from hf_dp.clipping.geometry import (
     FactoredScale,
     clip_factors,
 )
-from hf_dp.clipping.per_example import PerExampleGradient, Weighted, combined_squared_norm
+from hf_dp.clipping.per_example import Materialised, PerExampleGradient, Weighted, combined_squared_norm
 from hf_dp.clipping.rules import functorch_per_example_grads, rule_for
 from hf_dp.clipping.taps import NormCollector, frozen, is_checkpointing
+from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # With checkpointing, explicit per-example gradients replace the second pass when all B of them take at most
@@ -106,7 +107,8 @@ class ClippingEngine:
         self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._module_names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
         self._calls: list[_RecordedForward] = []
-        self._batch_size: int | None = None
+        self._batch_size: int | None = None  # rows of the micro-batch in the forward
+        self._units: PrivacyUnits | None = None  # None: each row is its own privacy unit
         self._recording = False
         self._collector: NormCollector | None = None
         self.saw_checkpointing = False  # a recorded forward ran under torch.utils.checkpoint
@@ -180,9 +182,11 @@ class ClippingEngine:
     # ---- recording ----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def record(self, batch_size: int) -> Iterator[None]:
-        """Record the forward passes of one micro-batch of ``batch_size`` examples."""
+    def record(self, batch_size: int, units: PrivacyUnits | None = None) -> Iterator[None]:
+        """Record the forward passes of one micro-batch of ``batch_size`` rows; ``units`` groups its rows or tokens
+        into privacy units (None: one unit per row), and the per-example losses and norms are then per unit."""
         self._calls, self._batch_size, self._recording = [], batch_size, True
+        self._units = None if units is None or units.is_trivial else units
         try:
             yield
         finally:
@@ -199,10 +203,12 @@ class ClippingEngine:
         clip_scale: ClipScales | None = None,
         probe: bool = False,
         keep_gradients: bool = False,
+        units: PrivacyUnits | None = None,
     ) -> Iterator[NormCollector]:
         """Tap the forward of one micro-batch; ``backward()`` of Σ_i L_i then fills ``collector.norms()`` without
         keeping any layer input alive and without touching ``.grad`` (the clipped parameters are frozen).
-        ``keep_gradients``: the collector also keeps each example's explicit gradient (see ``keeps_gradients``)."""
+        ``keep_gradients``: the collector also keeps each example's explicit gradient (see ``keeps_gradients``).
+        ``units``: the norms are per privacy unit (``batch_size`` of them), as in ``record``."""
         missing = [self._module_names.get(m, "?") for m, rule in self._rules.items() if rule is None]
         if missing:
             raise UnsupportedModuleError(
@@ -222,8 +228,10 @@ class ClippingEngine:
             device,
             probe,
             keep_gradients,
+            None if units is None or units.is_trivial else units,
+            self._module_names,
         )
-        self._collector, self._batch_size = collector, batch_size
+        self._collector, self._batch_size = collector, batch_size if units is None else units.rows
         try:
             with frozen(self.parameters):
                 yield collector
@@ -310,9 +318,11 @@ class ClippingEngine:
         the torch.func fallback and ``verify`` use the current parameters).
         """
         calls, self._calls = self._calls, []
-        if per_example_loss.dim() != 1 or per_example_loss.shape[0] != self._batch_size:
+        count = self._batch_size if self._units is None else self._units.count
+        if per_example_loss.dim() != 1 or per_example_loss.shape[0] != count:
             raise ValueError(
-                f"the per-example loss must have shape ({self._batch_size},), got {tuple(per_example_loss.shape)}"
+                f"the per-example loss must have shape ({count},), one per privacy unit, got "
+                f"{tuple(per_example_loss.shape)}"
             )
         outputs = [o for call in calls for o in call.outputs if o.requires_grad]
         params = self.parameters if verify else []
@@ -420,7 +430,9 @@ class ClippingEngine:
             names, rule = self._owned[call.module], self._rules[call.module]
             if rule is not None:
                 grad_out = grads[0] if grads[0] is not None else torch.zeros_like(call.outputs[0])
-                found = rule(call.module, call.args[0], grad_out)
+                where = f"{self._module_names.get(call.module, '?')} ({type(call.module).__name__})"
+                x, grad_out = regroup_for_rule(self._units, call.args[0], grad_out, where)
+                found = rule(call.module, x, grad_out)
             else:
                 found = self._fallback(call, grads, names)
             for name in names:
@@ -431,14 +443,23 @@ class ClippingEngine:
     def _fallback(
         self, call: _RecordedForward, grads: list, names: list[str]
     ) -> dict[str, PerExampleGradient]:
+        if self._units is not None and not self._units.per_row:
+            raise UnsupportedModuleError(
+                f"{self._module_names.get(call.module, '?')} ({type(call.module).__name__}) has no per-example rule, and "
+                "the torch.func fallback cannot split a packed row into its records: register a rule for it with "
+                "hf_dp.clipping.rules.register_rule, or freeze it"
+            )
         was_recording, self._recording = self._recording, False
         try:
             with torch.enable_grad():
-                return functorch_per_example_grads(
+                found = functorch_per_example_grads(
                     call.module, call.args, call.kwargs, grads, names, self._batch_size or 0
                 )
         finally:
             self._recording = was_recording
+        if self._units is None:
+            return found
+        return {name: Materialised(self._units.sum_rows(part.grads)) for name, part in found.items()}
 
     def _norms(
         self, terms: dict[int, tuple[nn.Parameter, list[Weighted]]], batch_size: int, scales: dict

@@ -69,14 +69,16 @@ def evaluate_at_points(
     batch_size: int,
     shifter: ParameterShifter,
     verify: bool,
+    units=None,
 ) -> tuple[list, torch.Tensor]:
-    """Per-example gradients of every evaluation (same dropout masks), weighted; and the last losses."""
+    """Per-example gradients of every evaluation (same dropout masks), weighted; and the last losses.
+    ``batch_size`` counts the rows; ``units`` (``PrivacyUnits``) groups them, as in ``ClippingEngine.record``."""
     state = rng_state()
     evaluated = []
     for k, evaluation in enumerate(evaluations):
         if k:
             replay_rng(state)
-        with shifter(evaluation.shift), engine.record(batch_size):
+        with shifter(evaluation.shift), engine.record(batch_size, units):
             losses = losses_of(module)
             evaluated.append((engine.per_example_gradients(losses, verify=verify), evaluation.weight))
     return evaluated, losses

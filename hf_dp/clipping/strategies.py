@@ -23,17 +23,29 @@ from torch import nn
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.evaluate import ParameterShifter, evaluate_at_points, replay_rng, rng_state
 from hf_dp.clipping.taps import NormCollector
+from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.optim.plan import StepPlan
 
 LossFn = Callable[[nn.Module], torch.Tensor]
 
 
-def require_per_example(losses, batch_size: int, source: str) -> torch.Tensor:
-    """The per-example losses, or a one-line error: under DP a loss must come one per example."""
+def require_per_example(
+    losses, batch_size: int, source: str, units: PrivacyUnits | None = None
+) -> torch.Tensor:
+    """One loss per privacy unit, shape (U,), or a one-line error. Units made of whole rows (pairs, users) also
+    accept one loss per row: a unit's loss is then the mean over its rows."""
+    if (
+        units is not None
+        and units.per_row
+        and isinstance(losses, torch.Tensor)
+        and losses.dim() == 1
+        and losses.shape[0] == units.rows != batch_size
+    ):
+        return units.mean_over_rows(losses)
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != batch_size:
         shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
         raise ValueError(
-            f"{source} returned {shape}; under DP it must return one loss per example, shape ({batch_size},), "
+            f"{source} returned {shape}; under DP it must return one loss per privacy unit, shape ({batch_size},), "
             "or override compute_per_example_loss instead"
         )
     return losses
@@ -47,10 +59,11 @@ def norm_pass(
     plan: StepPlan,
     probe: bool = False,
     keep_gradients: bool = False,
+    units: PrivacyUnits | None = None,
 ) -> tuple[NormCollector, torch.Tensor]:
     """One tapped forward and backward of Σ_i L_i: the collector holds the per-example norms, no ``.grad``
     is written (activation checkpointing; ``ClippingEngine.norms_in_backward``)."""
-    with engine.norms_in_backward(batch_size, plan.clip_scale, probe, keep_gradients) as collector:
+    with engine.norms_in_backward(batch_size, plan.clip_scale, probe, keep_gradients, units) as collector:
         losses = losses_of(module)
         collector.counting = False  # the backward's recomputations are not uses
         losses.sum().backward()
@@ -99,29 +112,38 @@ class Bookkeeping:
         if before_release:
             self._left = None
 
-    def run(self, losses_of: LossFn, mask: torch.Tensor, plan: StepPlan, model: nn.Module) -> MicroStep:
+    def run(
+        self,
+        losses_of: LossFn,
+        mask: torch.Tensor,
+        plan: StepPlan,
+        model: nn.Module,
+        units: PrivacyUnits | None = None,
+    ) -> MicroStep:
+        """``mask`` (U,): the real units; ``units`` groups the rows or tokens (None: a unit is a row)."""
         batch_size, verify = mask.shape[0], not self._verified
+        rows = batch_size if units is None else units.rows
         self.check_untouched(before_release=False)
         if not mask.any():  # nothing to add; the release still adds noise to the zero sum
             self._left = self._versions()
             return MicroStep(mask.new_zeros(batch_size), None)
         if self.norms_in_backward:
-            losses = self._two_passes(losses_of, mask, plan, verify)
+            losses = self._two_passes(losses_of, mask, plan, verify, units)
         elif len(plan.evaluations) == 1 and plan.evaluations[0].shift is None:
             state = rng_state()
-            with self.engine.record(batch_size):
+            with self.engine.record(rows, units):
                 losses = losses_of(self.module)
             if self.engine.saw_checkpointing:  # the user's own torch.utils.checkpoint: switch for good
                 self.norms_in_backward = True
                 replay_rng(state)
-                losses = self._two_passes(losses_of, mask, plan, verify)
+                losses = self._two_passes(losses_of, mask, plan, verify, units)
             else:
                 self.engine.clipped_backward(
                     losses, plan.clip_norm, mask, verify=verify, clip_scale=plan.clip_scale
                 )
         else:
             evaluated, losses = evaluate_at_points(
-                self.engine, self.module, losses_of, plan.evaluations, batch_size, self.shifter, verify
+                self.engine, self.module, losses_of, plan.evaluations, rows, self.shifter, verify, units
             )
             self.engine.clip_and_accumulate(evaluated, plan.clip_norm, mask, clip_scale=plan.clip_scale)
         self._verified = True
@@ -129,7 +151,7 @@ class Bookkeeping:
         return MicroStep(losses.detach(), None)
 
     def _two_passes(
-        self, losses_of: LossFn, mask: torch.Tensor, plan: StepPlan, verify: bool
+        self, losses_of: LossFn, mask: torch.Tensor, plan: StepPlan, verify: bool, units: PrivacyUnits | None
     ) -> torch.Tensor:
         """Activation checkpointing: norms inside a first backward, then Σ_i c_i L_i back-propagated into ``.grad``
         (same dropout masks); both on the bare module. With few trainable weights (LoRA) the first backward also
@@ -144,7 +166,7 @@ class Bookkeeping:
         one_pass = not verify and self.engine.keeps_gradients(batch_size)
         state = rng_state()
         collector, losses = norm_pass(
-            self.engine, self.module, losses_of, batch_size, plan, probe=verify, keep_gradients=one_pass
+            self.engine, self.module, losses_of, batch_size, plan, verify, one_pass, units
         )
         if not torch.isfinite(losses[mask.bool()]).all():
             raise FloatingPointError(
@@ -211,7 +233,14 @@ class TwoPass:
         self.engine, self.module, self.world_size = engine, module, world_size
         self.norms_in_backward = norms_in_backward
 
-    def run(self, losses_of: LossFn, mask: torch.Tensor, plan: StepPlan, model: nn.Module) -> MicroStep:
+    def run(
+        self,
+        losses_of: LossFn,
+        mask: torch.Tensor,
+        plan: StepPlan,
+        model: nn.Module,
+        units: PrivacyUnits | None = None,
+    ) -> MicroStep:
         if plan.requires_bookkeeping:
             raise ValueError(
                 "a scaled clip geometry or shifted evaluations need the book-keeping clipping strategy"
@@ -219,10 +248,10 @@ class TwoPass:
         batch_size = mask.shape[0]
         state = rng_state()
         if self.norms_in_backward:
-            collector, losses = norm_pass(self.engine, self.module, losses_of, batch_size, plan)
+            collector, losses = norm_pass(self.engine, self.module, losses_of, batch_size, plan, units=units)
             norms = collector.norms()
         else:
-            with self.engine.record(batch_size):
+            with self.engine.record(batch_size if units is None else units.rows, units):
                 losses = losses_of(self.module)
             norms = self.engine.per_example_norms([(self.engine.per_example_gradients(losses), 1.0)])
         factors = self.engine.clip_factors(norms, plan.clip_norm) * mask
@@ -238,7 +267,14 @@ class NonPrivate:
     def __init__(self, module: nn.Module | None, scale: float = 1.0) -> None:
         self.module, self.scale = module, scale  # module None: run the wrapped model (DeepSpeed)
 
-    def run(self, losses_of: LossFn, mask: torch.Tensor, plan: StepPlan, model: nn.Module) -> MicroStep:
+    def run(
+        self,
+        losses_of: LossFn,
+        mask: torch.Tensor,
+        plan: StepPlan,
+        model: nn.Module,
+        units: PrivacyUnits | None = None,
+    ) -> MicroStep:
         if self.module is not None and not mask.any():
             return MicroStep(mask.new_zeros(mask.shape[0]), None)
         losses = losses_of(self.module if self.module is not None else model)

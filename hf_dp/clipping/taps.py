@@ -28,6 +28,7 @@ from hf_dp.clipping.per_example import (
     PerExampleGradient,
     combined_squared_norm,
 )
+from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
 
@@ -80,8 +81,11 @@ class NormCollector:
         device: torch.device,
         probe: bool = False,
         keep_gradients: bool = False,
+        units: PrivacyUnits | None = None,
+        module_names: dict[nn.Module, str] | None = None,
     ) -> None:
         self.rules, self.owned, self.scales, self.materialise = rules, owned, scales, materialise
+        self.units, self.module_names = units, module_names or {}  # norms per privacy unit (units.py)
         self.batch_size = batch_size
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         self.squared = torch.zeros(batch_size, dtype=dtype, device=device)
@@ -114,10 +118,13 @@ class NormCollector:
             self.count(module)
             if isinstance(module, nn.Embedding):
                 pid = id(module.weight)
-                self._ids[pid] = None if pid in self._ids else x.reshape(x.shape[0], -1)
+                ids = x if self.units is None else self.units.regroup(x)
+                self._ids[pid] = None if pid in self._ids else ids.reshape(ids.shape[0], -1)
         return _NormTap.apply(output, self.anchor, self, module, x)
 
     def add(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        where = f"{self.module_names.get(module, '?')} ({type(module).__name__})"
+        x, grad_output = regroup_for_rule(self.units, x, grad_output, where)
         found = self.rules[module](module, x, grad_output)
         for name in self.owned[module]:
             param = getattr(module, name)
