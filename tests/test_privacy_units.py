@@ -275,18 +275,18 @@ def test_guarantee_names_its_unit(tmp_path, caplog) -> None:
     from hf_dp.hub import privacy_section
 
     with caplog.at_level("INFO", logger="hf_dp.privacy"):
-        trainer = make_trainer(tmp_path, target_epsilon=3.0, rows_are_blocks=True)
+        trainer = make_trainer(tmp_path, noise_multiplier=1.0, rows_are_blocks=True)
     assert "the guarantee is per block: N=32 blocks" in caplog.text
     report = trainer.privacy_report()
     assert report["unit"] == "block"
     report["epsilon"] = 3.0
     text = privacy_section(report)
     assert "private at the block level" in text and "N = 32 blocks" in text
-    users = make_trainer(tmp_path, dataset=UserRows(), target_epsilon=3.0, privacy_unit_column="user_id")
+    users = make_trainer(tmp_path, dataset=UserRows(), noise_multiplier=1.0, privacy_unit_column="user_id")
     text = privacy_section({**users.privacy_report(), "epsilon": 3.0})
     assert "private at the user level" in text and "N = 8 users" in text and "at most 4 examples" in text
     with pytest.raises(ValueError, match="privacy_unit_column=.author."):
-        make_trainer(tmp_path, dataset=UserRows(), target_epsilon=3.0, privacy_unit_column="author")
+        make_trainer(tmp_path, dataset=UserRows(), noise_multiplier=1.0, privacy_unit_column="author")
 
 
 def test_rows_cut_from_concatenated_text_are_reported_as_blocks(tmp_path) -> None:
@@ -297,9 +297,31 @@ def test_rows_cut_from_concatenated_text_are_reported_as_blocks(tmp_path) -> Non
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, models.VOCAB, (32, 16), generator=g).tolist()
     blocks = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 16] * 32, "labels": ids})
-    assert make_trainer(tmp_path, dataset=blocks, target_epsilon=3.0).privacy_report()["unit"] == "block"
-    declared = make_trainer(tmp_path, dataset=blocks, target_epsilon=3.0, rows_are_blocks=False)
+    assert make_trainer(tmp_path, dataset=blocks, noise_multiplier=1.0).privacy_report()["unit"] == "block"
+    declared = make_trainer(tmp_path, dataset=blocks, noise_multiplier=1.0, rows_are_blocks=False)
     assert declared.privacy_report()["unit"] == "example"
     ragged = [row[: 4 + i % 12] for i, row in enumerate(ids)]
     records = Dataset.from_dict({"input_ids": ragged, "labels": ragged})
-    assert make_trainer(tmp_path, dataset=records, target_epsilon=3.0).privacy_report()["unit"] == "example"
+    assert make_trainer(tmp_path, dataset=records, noise_multiplier=1.0).privacy_report()["unit"] == "example"
+
+
+def test_user_level_epsilon_is_accounted_over_users(tmp_path) -> None:
+    """ε of a user-level run: the subsampled Gaussian with q = B̄ / N_users (not rows), matching Google's
+    dp_accounting; δ defaults to N_users^-1.1."""
+    from tests.test_trainer import _dp_accounting_epsilon
+
+    trainer = make_trainer(
+        tmp_path,
+        dataset=UserRows(),
+        noise_multiplier=1.5,
+        max_steps=4,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        privacy_unit_column="user_id",
+    )
+    assert trainer.sample_rate == pytest.approx(2 / 8) and trainer.target_delta == pytest.approx(8**-1.1)
+    trainer.train()
+    assert trainer.state.global_step == 4
+    independent = _dp_accounting_epsilon(1.5, 2 / 8, 4, 8**-1.1, "prv")
+    assert trainer.get_epsilon() == pytest.approx(independent, rel=0.01)
+    assert all("epsilon" in h for h in trainer.state.log_history)
