@@ -27,6 +27,13 @@ from tests import models  # noqa: E402
 from tests.trainer_utils import TokenRows, pad_collate  # noqa: E402
 
 
+class UserRows(TokenRows):
+    """Token rows whose user_id column gives every 3 consecutive rows one user."""
+
+    def __getitem__(self, i: int) -> dict:
+        return {**super().__getitem__(i), "user_id": i // 3}
+
+
 def deepspeed_config(stage: int) -> dict:
     return {
         "zero_optimization": {"stage": stage},
@@ -79,6 +86,9 @@ def main() -> None:
     parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--clipping_mode", choices=["ghost", "per_sample"], default="ghost")
     parser.add_argument("--checkpointing", choices=["off", "reentrant", "non_reentrant"], default="off")
+    parser.add_argument(
+        "--users", action="store_true", help="user-level DP: 3 rows a user, at most 2 per step"
+    )
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume_from", default=None)
     parser.add_argument("--record_noise", action="store_true")
@@ -122,10 +132,15 @@ def main() -> None:
         deepspeed=deepspeed_config(cli.zero) if cli.zero is not None else None,
         activation_checkpointing=cli.checkpointing != "off",
         activation_checkpointing_kwargs={"use_reentrant": cli.checkpointing == "reentrant"},
+        privacy_unit_column="user_id" if cli.users else None,
+        max_examples_per_unit=2,
         **privacy,
     )
     trainer = DPTrainer(
-        model=model, args=args, train_dataset=TokenRows(cli.examples), data_collator=pad_collate
+        model=model,
+        args=args,
+        train_dataset=UserRows(cli.examples) if cli.users else TokenRows(cli.examples),
+        data_collator=pad_collate,
     )
     drawn: list[torch.Tensor] = []
     if cli.record_noise:
@@ -156,6 +171,7 @@ def main() -> None:
             "noise_multiplier": trainer.noise_multiplier,
             "sample_rate": trainer.sample_rate,
             "expected_batch_size": trainer.expected_batch_size,
+            "privacy_unit": trainer.privacy_report()["unit"],
             "steps": trainer.accountant.steps,
             "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
             "log_keys": sorted({k for log in trainer.state.log_history for k in log}),

@@ -101,6 +101,18 @@ def one_process_reference(runs: Runs) -> Path:
     return runs("reference", "single", "--per_device", "8")
 
 
+def test_user_level_dp_with_two_processes_matches_one_process(runs):
+    """Users sampled once for all processes, split between them by user (never a user's rows on two), each
+    user's rows clipped as one: DDP equals the one-process run without noise."""
+    reference = runs("reference_users", "single", "--users", "--per_device", "8")
+    out = runs("ddp_users", "torchrun", "--users")
+    run = assert_world(out, "MULTI_CPU")
+    assert run["privacy_unit"] == info(reference)["privacy_unit"] == "user"
+    assert run["sample_rate"] == info(reference)["sample_rate"] == pytest.approx(16 / 22)
+    assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
+    assert relative_difference(out / "final.pt", one_process_reference(runs) / "final.pt") > 1e-3
+
+
 def test_reference_clips(runs):
     """The parity tests below mean something only if clipping is active: a huge C gives another result."""
     reference = one_process_reference(runs)
