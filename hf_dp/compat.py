@@ -208,14 +208,8 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "ddp_static_graph": _honoured(),
     "ddp_backend": _honoured(),
     "ddp_timeout": _honoured(),
-    "fsdp": _refused(
-        "is not supported by DPTrainer yet (the sharded-training work); use DDP or DeepSpeed ZeRO-1/2/3",
-        lambda v: not v,
-    ),
-    "fsdp_config": _refused(
-        "is not supported by DPTrainer yet (the sharded-training work); use DDP or DeepSpeed ZeRO-1/2/3",
-        lambda v: not v,
-    ),
+    "fsdp": _honoured("FSDP2 only (fsdp_config version 2); checked before training (docs/distributed.md)"),
+    "fsdp_config": _honoured("version 2 required; FSDP1's flat parameters are refused"),
     "deepspeed": _honoured("ZeRO-1/2/3; checked before training (docs/distributed.md)"),
     "debug": _honoured(),
     "skip_memory_metrics": _honoured(),

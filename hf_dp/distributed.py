@@ -1,9 +1,9 @@
-"""What DP needs from multi-process training: a cross-process sum, and DeepSpeed settings that keep DP exact.
+"""What DP needs from multi-process training: a cross-process sum, and DeepSpeed / FSDP settings that keep DP exact.
 
 Under DDP every process holds its share's clipped sum in ``.grad``; they are summed once per logical
 batch and every process adds the same noise (replicated gradients). Under DeepSpeed ZeRO the gradient
 goes through ``engine.backward`` (the two-pass clipping strategy) and each process adds independent noise
-to the partition it owns. See docs/distributed.md.
+to the partition it owns; FSDP2 likewise, to the shard of each parameter it owns. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -89,3 +89,38 @@ def check_deepspeed_config(config: dict[str, Any]) -> None:
             )
     if config.get("gradient_predivide_factor", 1.0) != 1.0:
         raise ValueError("DeepSpeed gradient_predivide_factor must be 1.0 under DPTrainer")
+
+
+def check_fsdp(args) -> None:
+    """Refuse what FSDP cannot run exactly under DP (before training)."""
+    config = args.fsdp_config or {}
+    version = int(config.get("version", config.get("fsdp_version", 1)))
+    if version != 2:
+        raise ValueError(
+            f"fsdp_config version {version}: FSDP1 flattens the parameters into one FlatParameter per unit, which "
+            'per-parameter clipping cannot see through; set fsdp_config={"version": 2} (FSDP2, fully_shard)'
+        )
+    if requires_bookkeeping(args.dp_optimizer):
+        raise ValueError(
+            f"dp_optimizer={args.dp_optimizer!r} (scaled clipping or two evaluations per step) is not supported under "
+            "FSDP yet; use DDP or another dp_optimizer"
+        )
+
+
+def shard_on_cpu(trainer) -> None:
+    """accelerate enables FSDP only on accelerator devices: on CPU it silently runs DDP, dropping the Trainer's FSDP
+    plugin. For a multi-process CPU run with ``fsdp`` set, build that plugin and switch the shared accelerate state
+    to FSDP, so that ``accelerator.prepare`` really shards the model with ``fully_shard`` (gloo)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    args = trainer.args
+    if args.fsdp_plugin_args is None or trainer.is_fsdp_enabled:
+        return
+    if trainer.accelerator.state.distributed_type != DistributedType.MULTI_CPU:
+        return
+    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        shared["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
+    trainer.is_fsdp_enabled = True

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.clipping.geometry import dense_scale
@@ -108,9 +109,10 @@ class GaussianMechanism:
         std = self.sum_noise_std(plan)
         for p, total in zip(params, sums, strict=True):
             if std > 0:
-                noise = self.noise.sample(p.shape, std, p.device, total.dtype)
+                owned = _owned_part(total)  # FSDP: this process's shard; its key is its own
+                noise = self.noise.sample(owned.shape, std, owned.device, owned.dtype)
                 scale = plan.clip_scale.get(p) if plan.clip_scale else None
-                total.add_(noise if scale is None else noise / dense_scale(scale).to(noise))
+                owned.add_(noise if scale is None else noise / dense_scale(scale).to(noise))
             total.div_(self.expected_batch_size)
             p.grad = total if total.dtype == p.dtype else total.to(p.dtype)
         if self.private and plan is not self._accounted:
@@ -124,7 +126,7 @@ class GaussianMechanism:
             return wide if p.grad is None else wide.add_(p.grad.float())
         if p.grad is not None:
             return p.grad if p.grad.dtype == torch.promote_types(p.dtype, torch.float32) else p.grad.float()
-        return torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
+        return torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
 
     def attach(self, optimizer: torch.optim.Optimizer, planner: StepPlanner) -> None:
         """Release the planner's current plan before every ``optimizer.step()``; the update rule stays stock."""
@@ -141,5 +143,14 @@ class GaussianMechanism:
         return {"noise": self.noise.state_dict() if self.noise is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
+        """The noise stream of a checkpoint. The ledger comes back with it, so a release made before the restore
+        (torch's optimizer-state loading under FSDP steps the optimizer once on zero gradients) is forgotten:
+        the next release is accounted."""
+        self._accounted = None
         if self.noise is not None and state.get("noise") is not None:
             self.noise.load_state_dict(state["noise"])
+
+
+def _owned_part(total: torch.Tensor) -> torch.Tensor:
+    """The part of a gradient this process owns and noises: an FSDP2 DTensor's local shard (a view), else all."""
+    return total.to_local() if isinstance(total, DTensor) else total

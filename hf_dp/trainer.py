@@ -41,7 +41,7 @@ from hf_dp.data import (
     split_example_mask,
     units_of_column,
 )
-from hf_dp.distributed import check_deepspeed, check_launched_world
+from hf_dp.distributed import check_deepspeed, check_fsdp, check_launched_world, shard_on_cpu
 from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
 from hf_dp.losses import per_example_loss, unwrap_model
@@ -106,6 +106,8 @@ class DPTrainerMixin:
             self._zero_stage = check_deepspeed(
                 self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args
             )
+        if self.is_fsdp_enabled:
+            check_fsdp(self.args)
         self._planner = StepPlanner(self.privacy_plan.clip_norm)
         self._hook_clipping(self.model)
         self.add_callback(PrivacyBudgetCallback(self))
@@ -161,7 +163,12 @@ class DPTrainerMixin:
             self.args.world_size,
             deepspeed=self.is_deepspeed_enabled,
             checkpointing=checkpointing,
+            fsdp=self.is_fsdp_enabled,
         )
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        shard_on_cpu(self)  # accelerate would silently run FSDP as DDP on CPU
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """``model_init``'s fresh model (``train()`` builds one): the clipping hooks move to it."""
@@ -255,6 +262,8 @@ class DPTrainerMixin:
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The ``dp_optimizer`` rule (or the user's optimizer), released through the Gaussian mechanism."""
+        if self._dp_optimizer is None and self.is_fsdp_enabled and self.clipping_engine is not None:
+            self._hook_clipping(self.model)  # fully_shard replaced the parameters: clip the sharded ones
         if self.optimizer is None:
             model = model if model is not None else self.model
             groups = decay_groups(model, self.get_decay_parameter_names(model), self.args.weight_decay)
@@ -271,7 +280,8 @@ class DPTrainerMixin:
             self._planner.bind(self.optimizer)
             if isinstance(self._clipping, Bookkeeping):  # nothing but the strategy may have written .grad
                 self.optimizer.register_step_pre_hook(lambda *_: self._clipping.check_untouched())
-            partitioned = bool(self._zero_stage)  # ZeRO: each process noises the partition it owns
+            # ZeRO and FSDP: each process noises the partition (shard) it owns
+            partitioned = bool(self._zero_stage) or self.is_fsdp_enabled
             self._mechanism = self._privacy_state.mechanism = GaussianMechanism.for_run(
                 self.privacy_plan,
                 self.accountant,

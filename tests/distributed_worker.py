@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
@@ -45,8 +46,15 @@ def deepspeed_config(stage: int) -> dict:
     }
 
 
+LAYERS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
+
+
 def full_parameters(trainer: DPTrainer) -> dict[str, torch.Tensor]:
     params = dict(trainer.model.named_parameters())
+    if any(isinstance(p, DTensor) for p in params.values()):  # FSDP2: every process takes part in the gather
+        return {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()
+        }
     if trainer.is_deepspeed_enabled:
         import deepspeed
 
@@ -88,6 +96,9 @@ def main() -> None:
     parser.add_argument("--checkpointing", choices=["off", "reentrant", "non_reentrant"], default="off")
     parser.add_argument(
         "--users", action="store_true", help="user-level DP: 3 rows a user, at most 2 per step"
+    )
+    parser.add_argument(
+        "--fsdp", action="store_true", help="FSDP2 (fully_shard) through the Trainer's fsdp args"
     )
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume_from", default=None)
@@ -133,6 +144,10 @@ def main() -> None:
         activation_checkpointing=cli.checkpointing != "off",
         activation_checkpointing_kwargs={"use_reentrant": cli.checkpointing == "reentrant"},
         privacy_unit_column="user_id" if cli.users else None,
+        fsdp=cli.fsdp,
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [LAYERS[cli.model]]}
+        if cli.fsdp
+        else None,
         max_examples_per_unit=2,
         **privacy,
     )
@@ -171,6 +186,8 @@ def main() -> None:
             "noise_multiplier": trainer.noise_multiplier,
             "sample_rate": trainer.sample_rate,
             "expected_batch_size": trainer.expected_batch_size,
+            "sharded": all(isinstance(p, DTensor) for p in trainer.model.parameters()),
+            "backend": dist.get_backend() if dist.is_initialized() else None,
             "privacy_unit": trainer.privacy_report()["unit"],
             "steps": trainer.accountant.steps,
             "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf_dp import calibrate_noise_multiplier, compute_epsilon
-from hf_dp.distributed import check_deepspeed_config, check_launched_world
+from hf_dp.distributed import check_deepspeed_config, check_fsdp, check_launched_world
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "distributed_worker.py")
@@ -231,11 +231,61 @@ def test_zero2_noise_is_independent_per_partition_and_epsilon_matches_one_proces
     assert run["epsilon"] <= 4.0
 
 
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_fsdp2_matches_one_process_without_noise(runs, model):
+    """FSDP2 through the Trainer's own fsdp arguments really shards on CPU (every parameter a DTensor, gloo, two
+    processes; accelerate alone would silently run DDP), and the norm pass never reaches its reduce-scatter:
+    tied GPT-2 and Llama equal one process."""
+    if model == "gpt2":
+        reference = one_process_reference(runs)
+    else:
+        reference = runs("reference_llama", "single", "--per_device", "8", "--model", "llama")
+    out = runs(f"fsdp2_{model}", "torchrun", "--fsdp", "--model", model)
+    run = assert_world(out, "FSDP")
+    assert run["sharded"] and run["backend"] == "gloo" and run["norms_in_backward"]
+    assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
+
+
+def test_fsdp2_stateful_update_rule_matches_one_process(runs):
+    """DOPPLER keeps histories of ĝ per parameter: on DTensor shards it takes the one-process steps."""
+    reference = runs(
+        "reference_doppler", "single", "--per_device", "8", "--optimizer", "doppler", "--lr", "0.01"
+    )
+    out = runs("fsdp2_doppler", "torchrun", "--fsdp", "--optimizer", "doppler", "--lr", "0.01")
+    assert assert_world(out, "FSDP")["sharded"]
+    assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
+
+
+def test_fsdp2_noise_is_independent_per_shard_and_epsilon_matches_one_process(runs):
+    noisy = runs(
+        "fsdp2_noisy", "torchrun", "--fsdp", "--target_epsilon", "4", "--snapshot_step", "1", "--record_noise"
+    )
+    run = assert_world(noisy, "FSDP")
+    assert_noise_std(
+        noise_of_first_step(runs, noisy, "fsdp2_clean", "torchrun", "--fsdp"),
+        run["noise_multiplier"],
+        run["expected_batch_size"],
+    )
+    first, second = torch.load(noisy / "noise_process0.pt"), torch.load(noisy / "noise_process1.pt")
+    total = sum(p.numel() for p in torch.load(noisy / "final.pt").values())
+    # each process drew noise for the shards it owns: half of the coordinates per step, none twice
+    assert first.numel() + second.numel() == total * run["steps"]
+    assert first.numel() < 0.6 * total * run["steps"] and second.numel() < 0.6 * total * run["steps"]
+    n = min(first.numel(), second.numel())
+    assert abs(torch.corrcoef(torch.stack([first[:n], second[:n]]))[0, 1].item()) < 0.05
+    sigma = calibrate_noise_multiplier(4.0, 64**-1.1, run["sample_rate"], run["steps"], "prv")
+    assert run["noise_multiplier"] == pytest.approx(sigma, rel=1e-9)
+    assert run["epsilon"] == pytest.approx(
+        compute_epsilon(sigma, run["sample_rate"], 3, 64**-1.1, "prv"), rel=1e-6
+    )
+
+
 @pytest.mark.parametrize(
     ("name", "launcher", "extra", "distributed_type", "stage"),
     [
         ("ddp", "ddp.yaml", (), "MULTI_CPU", None),
         ("zero3", "torchrun", ("--zero", "3"), "DEEPSPEED", 3),
+        ("fsdp2", "torchrun", ("--fsdp",), "FSDP", None),
     ],
 )
 def test_resume_continues_the_uninterrupted_run(runs, name, launcher, extra, distributed_type, stage):
@@ -282,3 +332,16 @@ def test_processes_that_would_each_train_alone_are_refused():
     check_launched_world(SimpleNamespace(world_size=1), {})
     with pytest.raises(ValueError, match="started 2 processes .* sees 1; on CPU pass use_cpu=True"):
         check_launched_world(SimpleNamespace(world_size=1), {"WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize(
+    ("fsdp_config", "dp_optimizer", "message"),
+    [
+        ({"version": 1}, "sgd", "FSDP1 flattens the parameters"),
+        ({"version": 2}, "disk", "dp_optimizer='disk' .* not supported under FSDP"),
+        ({"version": 2}, "stp", "dp_optimizer='stp' .* not supported under FSDP"),
+    ],
+)
+def test_fsdp_settings_that_break_dp_are_refused(fsdp_config, dp_optimizer, message):
+    with pytest.raises(ValueError, match=message):
+        check_fsdp(SimpleNamespace(fsdp_config=fsdp_config, dp_optimizer=dp_optimizer))

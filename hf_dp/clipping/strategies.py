@@ -60,13 +60,19 @@ def norm_pass(
     probe: bool = False,
     keep_gradients: bool = False,
     units: PrivacyUnits | None = None,
+    taps_only: bool = False,
 ) -> tuple[NormCollector, torch.Tensor]:
     """One tapped forward and backward of Σ_i L_i: the collector holds the per-example norms, no ``.grad``
-    is written (activation checkpointing; ``ClippingEngine.norms_in_backward``)."""
+    is written (activation checkpointing; ``ClippingEngine.norms_in_backward``). ``taps_only``: differentiate
+    towards the taps alone (``autograd.grad``), so that no weight gradient is even formed: FSDP2 computes with
+    unsharded copies of the parameters, which freezing the sharded ones does not freeze."""
     with engine.norms_in_backward(batch_size, plan.clip_scale, probe, keep_gradients, units) as collector:
         losses = losses_of(module)
         collector.counting = False  # the backward's recomputations are not uses
-        losses.sum().backward()
+        if taps_only:
+            torch.autograd.grad(losses.sum(), collector.anchor)
+        else:
+            losses.sum().backward()
     return collector, losses
 
 
@@ -228,10 +234,18 @@ class TwoPass:
     """
 
     def __init__(
-        self, engine: ClippingEngine, module: nn.Module, world_size: int, norms_in_backward: bool = False
+        self,
+        engine: ClippingEngine,
+        module: nn.Module,
+        world_size: int,
+        norms_in_backward: bool = False,
+        sharded_parameters: bool = False,
     ) -> None:
         self.engine, self.module, self.world_size = engine, module, world_size
         self.norms_in_backward = norms_in_backward
+        self.sharded_parameters = (
+            sharded_parameters  # FSDP2: the norm pass differentiates towards its taps only
+        )
 
     def run(
         self,
@@ -248,7 +262,15 @@ class TwoPass:
         batch_size = mask.shape[0]
         state = rng_state()
         if self.norms_in_backward:
-            collector, losses = norm_pass(self.engine, self.module, losses_of, batch_size, plan, units=units)
+            collector, losses = norm_pass(
+                self.engine,
+                self.module,
+                losses_of,
+                batch_size,
+                plan,
+                units=units,
+                taps_only=self.sharded_parameters,
+            )
             norms = collector.norms()
         else:
             with self.engine.record(batch_size if units is None else units.rows, units):
@@ -282,12 +304,20 @@ class NonPrivate:
 
 
 def clipping_strategy(
-    engine: ClippingEngine | None, module: nn.Module, world_size: int, deepspeed: bool, checkpointing: bool
+    engine: ClippingEngine | None,
+    module: nn.Module,
+    world_size: int,
+    deepspeed: bool,
+    checkpointing: bool,
+    fsdp: bool = False,
 ) -> Bookkeeping | TwoPass | NonPrivate:
-    """What the run needs: no engine means no DP; DeepSpeed owns the gradients, so it gets the two passes;
-    activation checkpointing gets its norms inside a backward."""
+    """What the run needs: no engine means no DP; DeepSpeed and FSDP own the gradients, so they get the two passes
+    (FSDP's norm pass always computes its norms inside the backward: with the parameters frozen, nothing reaches
+    its reduce-scatter); activation checkpointing gets its norms inside a backward."""
     if engine is None:
-        return NonPrivate(None, world_size) if deepspeed else NonPrivate(module)
-    if deepspeed:
-        return TwoPass(engine, module, world_size, norms_in_backward=checkpointing)
+        return NonPrivate(None, world_size) if deepspeed or fsdp else NonPrivate(module)
+    if deepspeed or fsdp:
+        return TwoPass(
+            engine, module, world_size, norms_in_backward=checkpointing or fsdp, sharded_parameters=fsdp
+        )
     return Bookkeeping(engine, module, norms_in_backward=checkpointing)

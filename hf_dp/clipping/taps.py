@@ -47,7 +47,13 @@ class _NormTap(torch.autograd.Function):
     def backward(ctx, grad_output):
         (x,) = ctx.saved_tensors
         ctx.collector.add(ctx.module, x, grad_output)
-        return grad_output, None, None, None, None
+        return (
+            grad_output,
+            grad_output.new_zeros(()),
+            None,
+            None,
+            None,
+        )  # the anchor: what ``taps_only`` asks for
 
 
 class _AgainstIds:
