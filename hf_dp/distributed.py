@@ -91,35 +91,39 @@ def check_deepspeed_config(config: dict[str, Any]) -> None:
         raise ValueError("DeepSpeed gradient_predivide_factor must be 1.0 under DPTrainer")
 
 
-def check_fsdp(args) -> None:
+def check_fsdp(fsdp_version: int, dp_optimizer: str) -> None:
     """Refuse what FSDP cannot run exactly under DP (before training)."""
-    config = args.fsdp_config or {}
-    version = int(config.get("version", config.get("fsdp_version", 1)))
-    if version != 2:
+    if fsdp_version != 2:
         raise ValueError(
-            f"fsdp_config version {version}: FSDP1 flattens the parameters into one FlatParameter per unit, which "
-            'per-parameter clipping cannot see through; set fsdp_config={"version": 2} (FSDP2, fully_shard)'
+            f"FSDP version {fsdp_version}: FSDP1 flattens the parameters into one FlatParameter per unit, which "
+            'per-parameter clipping cannot see through; use FSDP2 (fsdp_config={"version": 2}, or fsdp_version: 2 '
+            "in the accelerate config)"
         )
-    if requires_bookkeeping(args.dp_optimizer):
+    if requires_bookkeeping(dp_optimizer):
         raise ValueError(
-            f"dp_optimizer={args.dp_optimizer!r} (scaled clipping or two evaluations per step) is not supported under "
+            f"dp_optimizer={dp_optimizer!r} (scaled clipping or two evaluations per step) is not supported under "
             "FSDP yet; use DDP or another dp_optimizer"
         )
 
 
 def shard_on_cpu(trainer) -> None:
     """accelerate enables FSDP only on accelerator devices: on CPU it silently runs DDP, dropping the Trainer's FSDP
-    plugin. For a multi-process CPU run with ``fsdp`` set, build that plugin and switch the shared accelerate state
+    plugin. For a multi-process CPU run with ``fsdp`` set (or launched with an FSDP config), build that plugin and switch the shared accelerate state
     to FSDP, so that ``accelerator.prepare`` really shards the model with ``fully_shard`` (gloo)."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     args = trainer.args
-    if args.fsdp_plugin_args is None or trainer.is_fsdp_enabled:
+    from_launcher = (
+        os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    )  # accelerate launch, FSDP config
+    if (args.fsdp_plugin_args is None and not from_launcher) or trainer.is_fsdp_enabled:
         return
     if trainer.accelerator.state.distributed_type != DistributedType.MULTI_CPU:
         return
-    plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+    plugin = FullyShardedDataParallelPlugin(
+        **(args.fsdp_plugin_args or {})
+    )  # the rest from the launcher's env
     for shared in (PartialState._shared_state, AcceleratorState._shared_state):
         shared["distributed_type"] = DistributedType.FSDP
     AcceleratorState._shared_state["fsdp_plugin"] = plugin

@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument(
         "--fsdp", action="store_true", help="FSDP2 (fully_shard) through the Trainer's fsdp args"
     )
+    parser.add_argument("--lora", action="store_true", help="peft LoRA (r 4) on every linear layer")
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume_from", default=None)
     parser.add_argument("--record_noise", action="store_true")
@@ -118,6 +119,12 @@ def main() -> None:
         model = models.llama()
     else:
         model = models.gpt2(resid_pdrop=cli.dropout, embd_pdrop=cli.dropout, attn_pdrop=cli.dropout)
+    if cli.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+        )
     privacy = (
         {"target_epsilon": cli.target_epsilon} if cli.target_epsilon else {"noise_multiplier": cli.sigma}
     )

@@ -246,6 +246,28 @@ def test_fsdp2_matches_one_process_without_noise(runs, model):
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
 
 
+def test_fsdp2_through_accelerate_launch_matches_one_process(runs):
+    """`accelerate launch` with recipes/configs/fsdp2.yaml (the script sets no fsdp argument) shards as well."""
+    out = runs("fsdp2_accelerate", "fsdp2.yaml")
+    run = assert_world(out, "FSDP")
+    assert run["sharded"] and run["backend"] == "gloo"
+    assert relative_difference(out / "final.pt", one_process_reference(runs) / "final.pt") < 1e-4
+
+
+def test_fsdp2_lora_matches_one_process(runs):
+    """peft LoRA on every linear layer of Llama, the base sharded and frozen: the adapters take the one-process
+    steps."""
+    reference = runs("reference_lora", "single", "--per_device", "8", "--model", "llama", "--lora")
+    out = runs("fsdp2_lora", "torchrun", "--fsdp", "--model", "llama", "--lora")
+    assert assert_world(out, "FSDP")["sharded"]
+    ours, theirs = torch.load(out / "final.pt"), torch.load(reference / "final.pt")
+    adapters = [n for n in theirs if "lora_B" in n]
+    assert len(adapters) == 14 and all(theirs[n].norm() > 0 for n in adapters)  # B starts at zero
+    x = torch.cat([ours[n].flatten() for n in adapters])
+    y = torch.cat([theirs[n].flatten() for n in adapters])
+    assert ((x - y).norm() / y.norm()).item() < 1e-4
+
+
 def test_fsdp2_stateful_update_rule_matches_one_process(runs):
     """DOPPLER keeps histories of ĝ per parameter: on DTensor shards it takes the one-process steps."""
     reference = runs(
@@ -335,13 +357,13 @@ def test_processes_that_would_each_train_alone_are_refused():
 
 
 @pytest.mark.parametrize(
-    ("fsdp_config", "dp_optimizer", "message"),
+    ("version", "dp_optimizer", "message"),
     [
-        ({"version": 1}, "sgd", "FSDP1 flattens the parameters"),
-        ({"version": 2}, "disk", "dp_optimizer='disk' .* not supported under FSDP"),
-        ({"version": 2}, "stp", "dp_optimizer='stp' .* not supported under FSDP"),
+        (1, "sgd", "FSDP1 flattens the parameters"),
+        (2, "disk", "dp_optimizer='disk' .* not supported under FSDP"),
+        (2, "stp", "dp_optimizer='stp' .* not supported under FSDP"),
     ],
 )
-def test_fsdp_settings_that_break_dp_are_refused(fsdp_config, dp_optimizer, message):
+def test_fsdp_settings_that_break_dp_are_refused(version, dp_optimizer, message):
     with pytest.raises(ValueError, match=message):
-        check_fsdp(SimpleNamespace(fsdp_config=fsdp_config, dp_optimizer=dp_optimizer))
+        check_fsdp(version, dp_optimizer)
