@@ -91,8 +91,13 @@ def check_deepspeed_config(config: dict[str, Any]) -> None:
         raise ValueError("DeepSpeed gradient_predivide_factor must be 1.0 under DPTrainer")
 
 
-def check_fsdp(fsdp_version: int, dp_optimizer: str) -> None:
+def check_fsdp(fsdp_version: int, dp_optimizer: str, reentrant_checkpointing: bool = False) -> None:
     """Refuse what FSDP cannot run exactly under DP (before training)."""
+    if reentrant_checkpointing:
+        raise ValueError(
+            "FSDP with reentrant activation checkpointing: the norm pass differentiates towards its taps only, which "
+            "reentrant checkpointing cannot do; pass activation_checkpointing_kwargs={'use_reentrant': False}"
+        )
     if fsdp_version != 2:
         raise ValueError(
             f"FSDP version {fsdp_version}: FSDP1 flattens the parameters into one FlatParameter per unit, which "

@@ -107,7 +107,12 @@ class DPTrainerMixin:
                 self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args
             )
         if self.is_fsdp_enabled:
-            check_fsdp(self.accelerator.state.fsdp_plugin.fsdp_version, self.args.dp_optimizer)
+            kwargs = self.args.activation_checkpointing_kwargs or {}
+            check_fsdp(
+                self.accelerator.state.fsdp_plugin.fsdp_version,
+                self.args.dp_optimizer,
+                bool(self.args.activation_checkpointing) and bool(kwargs.get("use_reentrant", False)),
+            )
         self._planner = StepPlanner(self.privacy_plan.clip_norm)
         self._hook_clipping(self.model)
         self.add_callback(PrivacyBudgetCallback(self))

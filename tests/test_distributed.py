@@ -131,6 +131,7 @@ def test_reference_clips(runs):
         ("zero3_per_sample", "torchrun", ("--zero", "3", "--clipping_mode", "per_sample"), "DEEPSPEED", 3),
         ("ddp_checkpointing", "torchrun", ("--checkpointing", "non_reentrant"), "MULTI_CPU", None),
         ("zero3_checkpointing", "torchrun", ("--zero", "3", "--checkpointing", "reentrant"), "DEEPSPEED", 3),
+        ("fsdp2_checkpointing", "torchrun", ("--fsdp", "--checkpointing", "non_reentrant"), "FSDP", None),
     ],
 )
 def test_two_processes_match_one_process_without_noise(runs, name, launcher, extra, distributed_type, stage):
@@ -367,3 +368,5 @@ def test_processes_that_would_each_train_alone_are_refused():
 def test_fsdp_settings_that_break_dp_are_refused(version, dp_optimizer, message):
     with pytest.raises(ValueError, match=message):
         check_fsdp(version, dp_optimizer)
+    with pytest.raises(ValueError, match="use_reentrant': False"):
+        check_fsdp(2, "sgd", reentrant_checkpointing=True)
