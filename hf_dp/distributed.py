@@ -76,10 +76,10 @@ def check_deepspeed_config(config: dict[str, Any]) -> None:
             f"DeepSpeed gradient_clipping={clipping} would clip the aggregate gradient; set it to 0 or 'auto' "
             "(per-example clipping is per_sample_max_grad_norm)"
         )
-    if enabled("fp16") or enabled("bf16"):
+    if enabled("fp16"):
         raise ValueError(
-            "DeepSpeed fp16/bf16 training is not supported by DPTrainer yet (loss scaling and per-example norms "
-            "in half precision are unchecked); set fp16.enabled and bf16.enabled to false or 'auto'"
+            "DeepSpeed fp16 skips a step when its dynamic loss scale overflows, a decision taken on the unnoised "
+            "gradient (private data); use bf16 (bf16.enabled) or float32"
         )
     zero = config.get("zero_optimization", {})
     for key in ("offload_optimizer", "offload_param"):

@@ -37,6 +37,7 @@ class UserRows(TokenRows):
 
 def deepspeed_config(stage: int) -> dict:
     return {
+        "bf16": {"enabled": "auto"},
         "zero_optimization": {"stage": stage},
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -55,6 +56,10 @@ def full_parameters(trainer: DPTrainer) -> dict[str, torch.Tensor]:
         return {
             n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()
         }
+    if trainer.is_deepspeed_enabled and trainer.args.bf16:  # the float32 master weights, not their bf16 copy
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in params.items()}
     if trainer.is_deepspeed_enabled:
         import deepspeed
 
@@ -101,6 +106,7 @@ def main() -> None:
         "--fsdp", action="store_true", help="FSDP2 (fully_shard) through the Trainer's fsdp args"
     )
     parser.add_argument("--lora", action="store_true", help="peft LoRA (r 4) on every linear layer")
+    parser.add_argument("--bf16", action="store_true", help="bf16 (DeepSpeed's bf16 section, or autocast)")
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume_from", default=None)
     parser.add_argument("--record_noise", action="store_true")
@@ -152,6 +158,7 @@ def main() -> None:
         activation_checkpointing_kwargs={"use_reentrant": cli.checkpointing == "reentrant"},
         privacy_unit_column="user_id" if cli.users else None,
         fsdp=cli.fsdp,
+        bf16=cli.bf16,
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [LAYERS[cli.model]]}
         if cli.fsdp
         else None,
