@@ -1,8 +1,9 @@
-"""Scaling from 1 to 2 processes on CPU, DP vs non-private (DDP and DeepSpeed ZeRO-2), interleaved rounds.
+"""Scaling from 1 to 2 processes on CPU, DP vs non-private (DDP, DeepSpeed ZeRO-2/3, FSDP2), interleaved rounds.
 
 Each configuration is a fresh launch (python / torchrun) of this same file with ``--worker``; the worker
 trains a GPT-2-shaped model with DPTrainer for a fixed number of steps of the same logical batch and
-reports the time per optimizer step, measured after one warm-up step. On 2 cores one process runs 2
+reports the time per optimizer step, measured after one warm-up step, and the peak resident memory of each
+process (the largest over the processes of a launch). On 2 cores one process runs 2
 threads and each of 2 processes runs 1 thread, so this measures the parallel efficiency of the
 multi-process paths (extra communication, DeepSpeed's two passes), not a speed-up from more hardware.
 
@@ -26,8 +27,14 @@ CONFIGS = {
     "1 process, DP": ("single", (), False),
     "2 processes DDP, non-private": ("torchrun", (), True),
     "2 processes DDP, DP": ("torchrun", (), False),
+    "2 processes ZeRO-2, non-private": ("torchrun", ("--zero", "2"), True),
     "2 processes ZeRO-2, DP": ("torchrun", ("--zero", "2"), False),
+    "2 processes ZeRO-3, non-private": ("torchrun", ("--zero", "3"), True),
+    "2 processes ZeRO-3, DP": ("torchrun", ("--zero", "3"), False),
+    "2 processes FSDP2, non-private": ("torchrun", ("--fsdp",), True),
+    "2 processes FSDP2, DP": ("torchrun", ("--fsdp",), False),
 }
+BACKENDS = ["1 process", "2 processes DDP", "2 processes ZeRO-2", "2 processes ZeRO-3", "2 processes FSDP2"]
 
 
 def worker(cli: argparse.Namespace) -> None:
@@ -95,6 +102,8 @@ def worker(cli: argparse.Namespace) -> None:
         seed=0,
         disable_dp=cli.non_private,
         deepspeed=deepspeed,
+        fsdp=cli.fsdp,
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]} if cli.fsdp else None,
         **privacy,
         poisson_sampling=False,  # the same batch size every step, so step times compare
     )
@@ -102,11 +111,19 @@ def worker(cli: argparse.Namespace) -> None:
     trainer = DPTrainer(model=model, args=args, train_dataset=Rows())
     trainer.add_callback(clock)
     trainer.train()
+    import resource
+
+    import torch.distributed as dist
+
+    peak = torch.tensor(float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024)  # MiB (Linux: KiB)
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if args.process_index == 0:
         per_step = (clock.times[-1] - clock.times[0]) / (len(clock.times) - 1)
-        print(json.dumps({"seconds_per_step": per_step, "world_size": args.world_size}))
+        info = {"seconds_per_step": per_step, "peak_rss_mib": peak.item(), "world_size": args.world_size}
+        info["distributed_type"] = str(trainer.accelerator.distributed_type)
+        print(json.dumps(info))
     trainer.accelerator.wait_for_everyone()
-    import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -147,6 +164,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--zero", type=int, default=None)
     parser.add_argument("--non_private", action="store_true")
+    parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch", type=int, default=16, help="logical batch (2 micro-batches)")
     parser.add_argument("--seq", type=int, default=128)
@@ -157,12 +175,20 @@ def main() -> None:
         return worker(cli)
     load_at_start = os.getloadavg()
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    peaks: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    kinds: dict[str, str] = {}
     port = 29900
     for round_ in range(cli.rounds):  # interleaved: every configuration once per round
         for name, (kind, extra, non_private) in CONFIGS.items():
             port += 1
-            times[name].append(launch(kind, extra, non_private, cli, port)["seconds_per_step"])
-            print(f"round {round_}: {name}: {times[name][-1]:.3f} s/step", flush=True)
+            run = launch(kind, extra, non_private, cli, port)
+            times[name].append(run["seconds_per_step"])
+            peaks[name].append(run["peak_rss_mib"])
+            kinds[name] = run["distributed_type"]
+            print(
+                f"round {round_}: {name}: {times[name][-1]:.3f} s/step, peak {peaks[name][-1]:.0f} MiB",
+                flush=True,
+            )
     base = "1 process, non-private"
     results = {
         "setup": {
@@ -176,6 +202,8 @@ def main() -> None:
             "cores": os.cpu_count(),
         },
         "seconds_per_step": times,
+        "peak_rss_mib_per_process": {name: max(p) for name, p in peaks.items()},
+        "distributed_type": kinds,
         "paired_median_ratio_vs_1_process_non_private": {
             name: statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
             for name in times
@@ -184,15 +212,15 @@ def main() -> None:
             name: min(times[name]) / min(times[base]) for name in times
         },
         "dp_over_non_private_same_launch": {
-            "1 process": statistics.median(
-                a / b for a, b in zip(times["1 process, DP"], times[base], strict=True)
-            ),
-            "2 processes DDP": statistics.median(
-                a / b
-                for a, b in zip(
-                    times["2 processes DDP, DP"], times["2 processes DDP, non-private"], strict=True
-                )
-            ),
+            backend: {
+                "paired_median_time": statistics.median(
+                    a / b
+                    for a, b in zip(times[f"{backend}, DP"], times[f"{backend}, non-private"], strict=True)
+                ),
+                "min_time": min(times[f"{backend}, DP"]) / min(times[f"{backend}, non-private"]),
+                "peak_memory": max(peaks[f"{backend}, DP"]) / max(peaks[f"{backend}, non-private"]),
+            }
+            for backend in BACKENDS
         },
     }
     Path(cli.out).write_text(json.dumps(results, indent=2))
