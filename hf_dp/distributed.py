@@ -126,9 +126,9 @@ def shard_on_cpu(trainer) -> None:
         return
     if trainer.accelerator.state.distributed_type != DistributedType.MULTI_CPU:
         return
-    plugin = FullyShardedDataParallelPlugin(
-        **(args.fsdp_plugin_args or {})
-    )  # the rest from the launcher's env
+    plugin = FullyShardedDataParallelPlugin(**(args.fsdp_plugin_args or {}))  # or all from the launcher's env
+    if trainer.accelerator.state.mixed_precision != "no":  # what AcceleratorState does for FSDP on GPUs
+        plugin.set_mixed_precision(trainer.accelerator.state.mixed_precision)
     for shared in (PartialState._shared_state, AcceleratorState._shared_state):
         shared["distributed_type"] = DistributedType.FSDP
     AcceleratorState._shared_state["fsdp_plugin"] = plugin

@@ -271,6 +271,20 @@ def test_fsdp2_through_accelerate_launch_matches_one_process(runs):
     assert relative_difference(out / "final.pt", one_process_reference(runs) / "final.pt") < 1e-4
 
 
+def test_fsdp2_bf16_mixed_precision_is_applied_and_close_to_float32(runs):
+    """bf16=True under FSDP2 becomes FSDP's MixedPrecisionPolicy (bf16 compute over float32 sharded weights and
+    gradients, noise in float32): the update is the float32 one-process update up to bf16 rounding (measured
+    0.45%), and not equal to it (the policy is applied, not silently dropped as accelerate does on CPU)."""
+    out = runs("fsdp2_bf16", "torchrun", "--fsdp", "--bf16")
+    assert assert_world(out, "FSDP")["sharded"]
+    torch.manual_seed(0)  # the worker's model
+    start = dict(models.gpt2().named_parameters())
+    initial = torch.cat([start[name].detach().flatten() for name in sorted(start)])
+    ours = flat(out / "final.pt") - initial
+    reference = flat(one_process_reference(runs) / "final.pt") - initial
+    assert 1e-4 < ((ours - reference).norm() / reference.norm()).item() < 2e-2
+
+
 def test_fsdp2_lora_matches_one_process(runs):
     """peft LoRA on every linear layer of Llama, the base sharded and frozen: the adapters take the one-process
     steps."""
