@@ -279,3 +279,30 @@ def test_bf16_autocast_with_checkpointing_is_close_to_the_float32_step(tmp_path)
         steps.append(torch.cat([(before[n] - p.detach()).flatten() for n, p in model.named_parameters()]))
     assert steps[0].norm() > 0
     assert (steps[1] - steps[0]).norm() < 0.05 * steps[0].norm()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_no_grad_forward_inside_the_loss_changes_nothing(checkpointing: bool) -> None:
+    """A frozen reference computed inside the per-example loss (DPO with the peft adapter disabled): a no_grad
+    forward is not a reentrant checkpoint (book-keeping stays), and peft re-enabling the adapters' requires_grad
+    as it exits cannot leak an unclipped gradient out of the norm pass."""
+    torch.manual_seed(0)
+    model = llama_lora().double().train()
+    batch = models.token_batch(4)
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    reference, _ = models.brute_force(model, batch, max_norm=0.5 * norms.min().item())
+    if checkpointing:
+        unwrap_model(model).activation_checkpointing_enable({"use_reentrant": False})
+
+    def loss_with_reference(module, inputs):
+        with torch.no_grad(), model.disable_adapter():
+            module(**{k: v for k, v in inputs.items() if k != "labels"})
+        return per_example_loss(module, inputs)
+
+    engine = ClippingEngine(model)
+    strategy = Bookkeeping(engine, model, norms_in_backward=checkpointing)
+    ours = checkpointed_step(
+        model, batch, 0.5 * norms.min().item(), strategy=strategy, loss_fn=loss_with_reference
+    )
+    assert strategy.norms_in_backward == checkpointing
+    assert_close(ours, reference, rtol=1e-9, floor=1e-6)

@@ -30,7 +30,7 @@ from hf_dp.clipping.geometry import (
 )
 from hf_dp.clipping.per_example import Materialised, PerExampleGradient, Weighted, combined_squared_norm
 from hf_dp.clipping.rules import functorch_per_example_grads, rule_for
-from hf_dp.clipping.taps import NormCollector, frozen, is_checkpointing
+from hf_dp.clipping.taps import NormCollector, frozen, in_reentrant_checkpoint, is_checkpointing
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -244,7 +244,9 @@ class ClippingEngine:
     def _stop_recording_if_checkpointed(self) -> None:
         """Book-keeping would keep the inputs a checkpoint drops (non-reentrant) or never sees them (reentrant, run
         under no_grad): stop recording and let the strategy switch to norms in the backward."""
-        if self._recording and (not torch.is_grad_enabled() or is_checkpointing()):
+        if self._recording and (
+            (not torch.is_grad_enabled() and in_reentrant_checkpoint()) or is_checkpointing()
+        ):
             self.saw_checkpointing, self._recording, self._calls = True, False, []
 
     def _expand_broadcast_batch(self, module: nn.Module, args: tuple, kwargs: dict):
@@ -259,7 +261,12 @@ class ClippingEngine:
 
     def _record(self, module: nn.Module, args: tuple, kwargs: dict, output):
         self._stop_recording_if_checkpointed()
-        if self._collector is not None and self._collector.counting and not torch.is_grad_enabled():
+        if (
+            self._collector is not None
+            and self._collector.counting
+            and not torch.is_grad_enabled()
+            and in_reentrant_checkpoint()
+        ):
             self._collector.count(module)  # reentrant checkpointing: tapped when recomputed in the backward
         if not self._active():
             return None

@@ -16,9 +16,11 @@ nodes; reentrant checkpointing runs the forward under no_grad, untapped, and tap
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from hf_dp.clipping.geometry import ClipScale
@@ -200,15 +202,33 @@ class NormCollector:
 
 @contextlib.contextmanager
 def frozen(params: list[nn.Parameter]) -> Iterator[None]:
-    """The norm pass computes no weight gradient and writes no ``.grad``: the clipped parameters are frozen."""
-    flags = [p.requires_grad for p in params]
+    """The norm pass computes no weight gradient and writes no ``.grad``: the clipped parameters are frozen, and
+    their gradients set aside and put back, so that a parameter the forward itself unfreezes (peft's
+    ``disable_adapter`` sets ``requires_grad`` on the adapters when it exits) cannot leave an unclipped gradient."""
+    flags, grads = [p.requires_grad for p in params], [p.grad for p in params]
     for p in params:
         p.requires_grad_(False)
+        p.grad = None
     try:
         yield
     finally:
-        for p, flag in zip(params, flags, strict=True):
+        for p, flag, grad in zip(params, flags, grads, strict=True):
             p.requires_grad_(flag)
+            p.grad = grad
+
+
+_REENTRANT_FORWARD = torch_checkpoint.CheckpointFunction.forward.__code__
+
+
+def in_reentrant_checkpoint() -> bool:
+    """Inside the first forward of a reentrant ``torch.utils.checkpoint`` (run under no_grad, recomputed in the
+    backward); a no_grad forward of the user's own (a frozen reference model, an evaluation) is not."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def is_checkpointing() -> bool:
