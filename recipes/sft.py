@@ -1,0 +1,323 @@
+"""Differentially private chat SFT through TRL's own SFTTrainer (``hf_dp.trl.DPSFTTrainer``), on E2E turned
+into instructions.
+
+    python recipes/sft.py                          # ε = 8, a tiny Llama from scratch, assistant-only loss
+    python recipes/sft.py --lora                   # LoRA adapters through TRL's peft_config
+    python recipes/sft.py --packing                # the sampled records of each micro-batch packed padding-free
+    python recipes/sft.py --disable_dp             # the non-private baseline
+    python recipes/sft.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --lora      # with Hub access
+    accelerate launch --config_file recipes/configs/single_process.yaml recipes/sft.py ...
+
+Data (``../shared/data/e2e``): each training row of ``trainset.csv`` becomes one conversation, the user asking
+for a sentence about the meaning representation (``name[The Eagle], eatType[pub], ...``) and the assistant
+answering with its human reference; the loss covers the assistant turn only (TRL's ``assistant_only_loss``),
+each conversation is one privacy unit, and its loss is the mean over its own assistant tokens. The first
+``--max_eval_samples`` rows of ``devset.csv`` give a held-out loss (TRL's own evaluation loss) and a
+greedy sample.
+
+Model: without ``--model_name_or_path`` a tiny Llama is trained FROM SCRATCH (no chat model is available
+offline: 2 layers x 64, tied embeddings; ``--model_config`` takes a JSON file or inline JSON of ``LlamaConfig``
+fields) with the real GPT-2 tokenizer from ``../shared/data/tokenizers/gpt2`` and a plain chat template with
+``{% generation %}`` markers (a model whose tokenizer has a chat template keeps it). Every ``DPSFTConfig``
+argument (TRL's ``SFTConfig`` and hf_dp's ``DPTrainingArguments``) is accepted; the recipe changes some
+defaults (``RECIPE_DEFAULTS``: sized to finish in about a minute on 2 CPU cores) and sets ε = 8 unless
+``--target_epsilon``, ``--noise_multiplier`` or ``--disable_dp`` is given. Loss and ε are printed as training
+goes; the last line reads ``E2E chat SFT: dev loss … at epsilon … (delta …, N steps)``, and ``--results_json``
+(default ``benchmarks/results/sft_e2e.json``) keeps the settings and results.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python recipes/sft.py` from anywhere
+
+from recipes.common import set_offline_defaults  # noqa: E402
+
+set_offline_defaults()
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    HfArgumentParser,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+    set_seed,
+)
+
+from hf_dp.trl import DPSFTConfig, DPSFTTrainer  # noqa: E402
+from recipes.common import (  # noqa: E402
+    COMMON_DEFAULTS,
+    PRIVACY_KEYS,
+    REPO,
+    lora_targets,
+    parse_recipe_args,
+    report_run,
+    shared_data_dir,
+)
+from recipes.table2text import load_tokenizer  # noqa: E402
+
+# TRL's defaults stay, except where a tiny model on 2 CPU cores wants otherwise: no bf16 autocast and no
+# activation checkpointing (TRL turns both on; pass --bf16 / --activation_checkpointing on a GPU), a learning
+# rate for a model trained from scratch, and TRL's own column handling (remove_unused_columns). Sized to finish
+# in about a minute on 2 CPU cores, where the 50,257-token LM head costs most (≈ 2.5 s a step of 16
+# conversations): a pipeline check at reduced scale, not a tuned run (scale N, B̄ and the steps up on a GPU).
+RECIPE_DEFAULTS: dict[str, Any] = {
+    **COMMON_DEFAULTS,
+    "remove_unused_columns": True,
+    "output_dir": "out/sft",
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 2,
+    "per_device_eval_batch_size": 32,
+    "max_steps": 15,
+    "learning_rate": 1e-2,
+    "lr_scheduler_type": "constant",
+    "per_sample_max_grad_norm": 1.0,
+    "logging_steps": 5,
+    "max_length": 128,
+    "assistant_only_loss": True,
+    "bf16": False,
+    "activation_checkpointing": False,
+}
+DEFAULT_EPSILON = 8.0
+DEFAULT_RESULTS = str(REPO / "benchmarks" / "results" / "sft_e2e.json")
+TINY_LLAMA = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+# A plain chat template for a tokenizer without one: the assistant turn, its end-of-text token included, inside
+# {% generation %} so that TRL's assistant_only_loss trains on it alone.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}Assistant:{% generation %} {{ message['content'] }}{{ eos_token }}"
+    "{% endgeneration %}"
+    "{% else %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+INSTRUCTION = "Write one sentence about this restaurant: {mr}"
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "A pretrained causal LM (Hub name or folder). Default: a tiny Llama from scratch."},
+    )
+    model_config: str | None = field(
+        default=None,
+        metadata={
+            "help": f"From scratch: LlamaConfig fields as a JSON file or inline JSON (default {TINY_LLAMA})."
+        },
+    )
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Default: the model's, or ../shared/data/tokenizers/gpt2 for a model from scratch."
+        },
+    )
+    lora: bool = field(
+        default=False,
+        metadata={"help": "Train LoRA adapters only (TRL's peft_config).", "aliases": ["--use_lora"]},
+    )
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (scale alpha / r)."})
+    lora_target_modules: str = field(
+        default="q_proj,k_proj,v_proj,o_proj",
+        metadata={"help": "Comma-separated module names, or all-linear."},
+    )
+
+
+@dataclass
+class DataArguments:
+    data_dir: str | None = field(default=None, metadata={"help": "Default: ../shared/data/e2e."})
+    max_train_samples: int | None = field(
+        default=1000, metadata={"help": "Train on the first N rows of trainset.csv (0: all 42,061)."}
+    )
+    max_eval_samples: int = field(default=64, metadata={"help": "Held-out loss on the first N dev rows."})
+    max_new_tokens: int = field(default=32, metadata={"help": "Length of the greedy sample."})
+    results_json: str | None = field(
+        default=DEFAULT_RESULTS, metadata={"help": "Write settings and results here ('' to skip)."}
+    )
+    save_model: bool = field(
+        default=False,
+        metadata={"help": "Save the model and tokenizer in output_dir (e.g. for recipes/dpo.py)."},
+    )
+
+
+# ---- data, tokenizer, model (shared with recipes/dpo.py) -------------------------------------------------
+
+
+def read_e2e_rows(path: Path, limit: int | None = None) -> list[dict[str, str]]:
+    """The (mr, ref) rows of an official E2E CSV, in file order, the first ``limit`` of them."""
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = [{"mr": row["mr"].strip(), "ref": row["ref"].strip()} for row in csv.DictReader(f)]
+    return rows[:limit] if limit else rows
+
+
+def e2e_dir(data: DataArguments) -> Path:
+    return Path(data.data_dir) if data.data_dir else shared_data_dir() / "e2e"
+
+
+def user_turn(mr: str) -> dict[str, str]:
+    return {"role": "user", "content": INSTRUCTION.format(mr=mr)}
+
+
+def conversation(row: dict[str, str]) -> dict[str, list[dict[str, str]]]:
+    return {"messages": [user_turn(row["mr"]), {"role": "assistant", "content": row["ref"]}]}
+
+
+def load_chat_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
+    """The model's tokenizer (or the GPT-2 BPE for a model from scratch) with a chat template."""
+    tokenizer = load_tokenizer(model_args)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def model_config_overrides(spec: str | None) -> dict[str, Any]:
+    if spec is None:
+        return dict(TINY_LLAMA)
+    text = Path(spec).read_text() if Path(spec).is_file() else spec
+    return {**TINY_LLAMA, **json.loads(text)}
+
+
+def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
+    """A pretrained causal LM, or a tiny Llama from scratch sized to the tokenizer."""
+    if model_args.model_name_or_path:
+        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **model_config_overrides(model_args.model_config),
+    )
+    return LlamaForCausalLM(config)
+
+
+def peft_config_of(model_args: ModelArguments):
+    """TRL's ``peft_config`` for ``--lora`` (None without it)."""
+    if not model_args.lora:
+        return None
+    from peft import LoraConfig, TaskType
+
+    return LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=lora_targets(model_args.lora_target_modules),
+    )
+
+
+def training_settings(args: Any, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The training arguments worth recording: the recipe's defaults and the privacy knobs."""
+    return {key: getattr(args, key) for key in (*defaults, *PRIVACY_KEYS)}
+
+
+@torch.no_grad()
+def greedy_reply(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, mr: str, max_new_tokens: int
+) -> str:
+    """The model's greedy answer to the user turn for ``mr``."""
+    model.eval()
+    ids = tokenizer.apply_chat_template([user_turn(mr)], add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    ids = ids.to(model.device)
+    output = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return " ".join(tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True).split())
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+
+def run(argv: list[str] | None = None) -> tuple[DPSFTTrainer, dict[str, Any]]:
+    """Parse ``argv`` (default: the command line), train, evaluate; return the trainer and the record."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, DPSFTConfig))
+    model_args, data_args, args = parse_recipe_args(parser, RECIPE_DEFAULTS, DEFAULT_EPSILON, argv)
+    folder = e2e_dir(data_args)
+    train_rows = read_e2e_rows(folder / "trainset.csv", data_args.max_train_samples)
+    dev_rows = read_e2e_rows(folder / "devset.csv", data_args.max_eval_samples)
+    tokenizer = load_chat_tokenizer(model_args)
+    set_seed(args.seed)  # the same seed gives the same initial weights
+    model = build_model(model_args, tokenizer)
+    trainer = DPSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list([conversation(row) for row in train_rows]),
+        processing_class=tokenizer,
+        peft_config=peft_config_of(model_args),
+    )
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    print(
+        f"E2E chat SFT: N={trainer.num_train_examples} conversations  expected batch={trainer.expected_batch_size}  "
+        f"q={trainer.sample_rate:.5f}  steps={trainer.planned_steps}  sigma={trainer.noise_multiplier:.4f}  "
+        f"C={args.per_sample_max_grad_norm:g}  delta={trainer.target_delta:.3g}  trainable params={trainable:,}  "
+        f"packing={args.packing}  lora={model_args.lora}",
+        flush=True,
+    )
+    started = time.time()
+    train_output = trainer.train()
+    train_seconds = time.time() - started
+    dev = Dataset.from_list([conversation(row) for row in dev_rows])
+    eval_loss = trainer.evaluate(eval_dataset=dev)["eval_loss"]
+    sample_mr = dev_rows[0]["mr"]
+    sample = greedy_reply(trainer.model, tokenizer, sample_mr, data_args.max_new_tokens)
+    print(f"sample: {sample_mr} -> {sample}", flush=True)
+    epsilon, steps = trainer.get_epsilon(), trainer.state.global_step
+    if data_args.save_model:
+        trainer.save_model()
+        tokenizer.save_pretrained(args.output_dir)
+    record = {
+        "task": "E2E chat SFT (assistant-only)" if args.assistant_only_loss else "E2E chat SFT",
+        "eval_loss": eval_loss,
+        "eval_rows": len(dev_rows),
+        "train_loss": train_output.training_loss,
+        "epsilon": epsilon,
+        "delta": trainer.target_delta,
+        "noise_multiplier": trainer.noise_multiplier,
+        "privacy_unit": trainer.privacy_report()["unit"],
+        "sample_rate": trainer.sample_rate,
+        "expected_batch_size": trainer.expected_batch_size,
+        "num_train_examples": trainer.num_train_examples,
+        "steps": steps,
+        "train_seconds": round(train_seconds, 1),
+        "trainable_parameters": trainable,
+        "sample": {"mr": sample_mr, "generated": sample, "reference": dev_rows[0]["ref"]},
+        "settings": {
+            "model": model_args,
+            "data": data_args,
+            "training": training_settings(args, RECIPE_DEFAULTS),
+        },
+    }
+    report_run(trainer, record, data_args.results_json or None, f"E2E chat SFT: dev loss {eval_loss:.4f}")
+    return trainer, record
+
+
+def main() -> None:
+    run()
+
+
+if __name__ == "__main__":
+    main()
