@@ -191,7 +191,15 @@ def test_the_audit_catches_a_canary_sampled_every_step_while_q_below_1_is_claime
     assert result.flagged, str(result)
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+# sgd and disk (two evaluations per step) in the default run; the sweep over the other rules is a benchmark
+# (pytest -m benchmark; benchmarks/audit_table.py writes the same audit for every rule)
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        name if name in ("sgd", "disk") else pytest.param(name, marks=pytest.mark.benchmark)
+        for name in OPTIMIZERS
+    ],
+)
 def test_every_update_rule_stays_below_its_reported_epsilon(tmp_path, optimizer):
     result = run_step_audit(tmp_path, trials=1000, dp_optimizer=optimizer)
     assert result.optimizer == optimizer
@@ -201,8 +209,8 @@ def test_every_update_rule_stays_below_its_reported_epsilon(tmp_path, optimizer)
 @pytest.mark.parametrize(
     "setting",
     [
-        {"clipping_mode": "per_sample"},
-        {"poisson_sampling": False},
+        pytest.param({"clipping_mode": "per_sample"}, marks=pytest.mark.benchmark),
+        pytest.param({"poisson_sampling": False}, marks=pytest.mark.benchmark),
         {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4},
     ],
     ids=["per_sample", "fixed_batches", "accumulation_4"],
@@ -275,7 +283,12 @@ def test_the_command_line_refuses_an_unknown_audit_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "config,backend", [("ddp.yaml", "ddp"), ("deepspeed_zero2.yaml", "deepspeed-zero2")], ids=["ddp", "zero2"]
+    "config,backend",
+    [
+        ("ddp.yaml", "ddp"),
+        pytest.param("deepspeed_zero2.yaml", "deepspeed-zero2", marks=pytest.mark.benchmark),
+    ],
+    ids=["ddp", "zero2"],
 )
 def test_the_command_line_audits_two_processes(tmp_path, config, backend):
     """accelerate launch -m hf_dp.audit on 2 gloo processes. SGD's released update is ĝ: with the canary its

@@ -53,7 +53,6 @@ def test_every_training_arguments_field_has_a_policy_and_a_docs_row():
         ({"auto_find_batch_size": True}, "auto_find_batch_size=True"),
         ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5.0"),
         ({"use_liger_kernel": True}, "use_liger_kernel=True"),
-        ({"fsdp": True}, "fsdp=True is not supported"),
         ({"optim_args": "a=1"}, "put the options in dp_optimizer_kwargs"),
         ({"optim_target_modules": ["q"]}, "optim_target_modules"),
         ({"optim": "adafactor", "dp_optimizer": None}, "optim='adafactor' has no DP version"),
