@@ -71,10 +71,7 @@ def token_loss_per_example(
     log-softmax for the backward, and is 2-3× faster than recomputing it on CPU).
     """
     if shift:
-        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        if units is not None and units.unit_of_token is not None:
-            unit = units.unit_of_token.to(labels.device)
-            labels = labels.masked_fill(F.pad(unit[:, 1:] != unit[:, :-1], (0, 1)), IGNORE_INDEX)
+        labels = shifted_labels(labels, units)
     if logits.dtype in (torch.float32, torch.float64):  # no copy to make; F.cross_entropy is the fastest
         token_losses = _cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), label_smoothing
@@ -85,6 +82,16 @@ def token_loss_per_example(
         return units.mean_over_tokens(token_losses, labels != IGNORE_INDEX)
     counts = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
     return token_losses.sum(dim=1) / counts
+
+
+def shifted_labels(labels: torch.Tensor, units: PrivacyUnits | None = None) -> torch.Tensor:
+    """A causal LM's targets: position t predicts labels_{t+1} (one -100 column appended). In a packed row the
+    last position of a record would predict the next record's first token: it gets -100."""
+    labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    if units is not None and units.unit_of_token is not None:
+        unit = units.unit_of_token.to(labels.device)
+        labels = labels.masked_fill(F.pad(unit[:, 1:] != unit[:, :-1], (0, 1)), IGNORE_INDEX)
+    return labels
 
 
 class _TokenCrossEntropy(torch.autograd.Function):

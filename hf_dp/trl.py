@@ -29,7 +29,7 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 from hf_dp.arguments import DPTrainingArguments
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.data import split_dp_keys
-from hf_dp.losses import IGNORE_INDEX
+from hf_dp.losses import IGNORE_INDEX, shifted_labels
 from hf_dp.trainer import DPTrainerMixin
 
 logger = logging.getLogger(__name__)
@@ -285,10 +285,7 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
         micro = self._micro_batch
         units = None if micro is None else micro.units
         inputs = dict(inputs)
-        labels = F.pad(inputs.pop("labels")[:, 1:], (0, 1), value=IGNORE_INDEX)  # position t predicts t + 1
-        if units is not None and units.unit_of_token is not None:  # no position predicts the next record
-            unit = units.unit_of_token.to(labels.device)
-            labels = labels.masked_fill(F.pad(unit[:, 1:] != unit[:, :-1], (0, 1)), IGNORE_INDEX)
+        labels = shifted_labels(inputs.pop("labels"), units)  # no position predicts the next record
         outputs = model(**inputs)
         nll = -_token_log_probs(outputs["logits"] if isinstance(outputs, dict) else outputs[0], labels)
         token_losses = nll * torch.exp(-nll).detach()
