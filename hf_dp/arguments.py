@@ -223,6 +223,11 @@ class DPTrainingArguments(TrainingArguments):
             )
         if self.max_examples_per_unit < 1:
             fail(f"max_examples_per_unit must be >= 1, got {self.max_examples_per_unit}")
+        if self.privacy_unit_column is None and self.max_examples_per_unit != 4:
+            fail(
+                f"max_examples_per_unit={self.max_examples_per_unit} caps a user's rows per step, which needs "
+                "privacy_unit_column (user-level DP); set privacy_unit_column or drop max_examples_per_unit"
+            )
         if self.privacy_unit_column is not None and self.rows_are_blocks:
             fail(
                 "privacy_unit_column groups rows into users and rows_are_blocks says rows are blocks; drop one"

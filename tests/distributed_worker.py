@@ -162,7 +162,7 @@ def main() -> None:
         fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [LAYERS[cli.model]]}
         if cli.fsdp
         else None,
-        max_examples_per_unit=2,
+        max_examples_per_unit=2 if cli.users else 4,
         **privacy,
     )
     trainer = DPTrainer(

@@ -285,6 +285,8 @@ def test_guarantee_names_its_unit(tmp_path, caplog) -> None:
     users = make_trainer(tmp_path, dataset=UserRows(), noise_multiplier=1.0, privacy_unit_column="user_id")
     text = privacy_section({**users.privacy_report(), "epsilon": 3.0})
     assert "private at the user level" in text and "N = 8 users" in text and "at most 4 examples" in text
+    with pytest.raises(ValueError, match="max_examples_per_unit=2 caps a user's rows per step, which needs"):
+        make_trainer(tmp_path, noise_multiplier=1.0, max_examples_per_unit=2)
     with pytest.raises(ValueError, match="privacy_unit_column=.author."):
         make_trainer(tmp_path, dataset=UserRows(), noise_multiplier=1.0, privacy_unit_column="author")
 
