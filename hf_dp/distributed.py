@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_dp.optim.registry import requires_bookkeeping
+from hf_dp.optim.registry import scaled_geometry, shifted_evaluations
 
 
 def sum_across_processes(tensors: list[torch.Tensor]) -> None:
@@ -50,10 +50,16 @@ def check_launched_world(args, environ: Mapping[str, str] = os.environ) -> None:
 def check_deepspeed(config: dict[str, Any], args) -> int:
     """Refuse what DeepSpeed cannot run exactly (before training), allow our torch optimizer; the ZeRO stage."""
     check_deepspeed_config(config)
-    if requires_bookkeeping(args.dp_optimizer):
+    if scaled_geometry(args.dp_optimizer) or shifted_evaluations(args.dp_optimizer):
+        what, instead = (
+            ("a clip scale from its optimizer state", "FSDP2, DDP")
+            if scaled_geometry(args.dp_optimizer)
+            else ("evaluations away from θ", "DDP")
+        )
         raise ValueError(
-            f"dp_optimizer={args.dp_optimizer!r} (scaled clipping or two evaluations per step) is not supported under "
-            "DeepSpeed yet; use DDP (accelerate launch without DeepSpeed) or another dp_optimizer"
+            f"dp_optimizer={args.dp_optimizer!r} ({what}) is not supported under DeepSpeed, whose optimizer holds "
+            f"flattened partitions, not the layers' parameters (docs/distributed.md); use {instead} or another "
+            "dp_optimizer"
         )
     config.setdefault("zero_allow_untested_optimizer", True)  # DeepSpeed calls any torch optimizer "untested"
     return zero_stage(config)
@@ -104,10 +110,11 @@ def check_fsdp(fsdp_version: int, dp_optimizer: str, reentrant_checkpointing: bo
             'per-parameter clipping cannot see through; use FSDP2 (fsdp_config={"version": 2}, or fsdp_version: 2 '
             "in the accelerate config)"
         )
-    if requires_bookkeeping(dp_optimizer):
+    if shifted_evaluations(dp_optimizer):
         raise ValueError(
-            f"dp_optimizer={dp_optimizer!r} (scaled clipping or two evaluations per step) is not supported under "
-            "FSDP yet; use DDP or another dp_optimizer"
+            f"dp_optimizer={dp_optimizer!r} (two evaluations per step, clipped as one) is not supported under FSDP, "
+            "whose norm pass computes each layer's norm inside one backward (docs/distributed.md); use DDP or "
+            "another dp_optimizer"
         )
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hf_dp.accounting import PrivacyAccountant
-from hf_dp.clipping.geometry import dense_scale
+from hf_dp.clipping.geometry import owned_scale
 from hf_dp.distributed import sum_across_processes
 from hf_dp.noise import GaussianNoise
 from hf_dp.optim.plan import StepPlan, StepPlanner
@@ -112,7 +112,7 @@ class GaussianMechanism:
                 owned = _owned_part(total)  # FSDP: this process's shard; its key is its own
                 noise = self.noise.sample(owned.shape, std, owned.device, owned.dtype)
                 scale = plan.clip_scale.get(p) if plan.clip_scale else None
-                owned.add_(noise if scale is None else noise / dense_scale(scale).to(noise))
+                owned.add_(noise if scale is None else noise / owned_scale(scale, total).to(noise))
             total.div_(self.expected_batch_size)
             p.grad = total if total.dtype == p.dtype else total.to(p.dtype)
         if self.private and plan is not self._accounted:

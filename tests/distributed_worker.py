@@ -30,6 +30,7 @@ from transformers import TrainerCallback  # noqa: E402
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+from hf_dp.clipping.geometry import dense_scale, unsharded  # noqa: E402
 from hf_dp.noise import GaussianNoise  # noqa: E402
 from tests import models  # noqa: E402
 from tests.trainer_utils import TokenRows, pad_collate  # noqa: E402
@@ -75,6 +76,36 @@ def full_parameters(trainer: DPTrainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in params.items()}
 
 
+def dense_whole(scale) -> torch.Tensor:
+    """A clip scale as one whole tensor (gathering DTensor parts)."""
+    return dense_scale(unsharded(scale)).detach().clone()
+
+
+class _RecordRelease(TrainerCallback):
+    """After the mechanism's release (a later step pre-hook), save ĝ and the clip scales of that step, whole."""
+
+    def __init__(self, trainer: DPTrainer, out: str) -> None:
+        self.trainer, self.out, self.step = trainer, out, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._dp_optimizer.register_step_pre_hook(self.record)
+
+    def record(self, optimizer, *_):
+        self.step += 1
+        names = {p: n for n, p in self.trainer.model.named_parameters()}
+        scales = self.trainer._planner.current.clip_scale or {}
+        released = {
+            names[p]: (
+                (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone(),
+                dense_whole(scales[p]) if p in scales else None,
+            )
+            for group in optimizer.param_groups
+            for p in group["params"]
+        }
+        if self.trainer.args.process_index == 0:
+            torch.save(released, os.path.join(self.out, f"release_step{self.step}.pt"))
+
+
 class _Snapshot(TrainerCallback):
     """Saves the full parameters after one optimizer step (every process takes part in the ZeRO-3 gather)."""
 
@@ -101,12 +132,16 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--gas", type=int, default=2)
     parser.add_argument("--examples", type=int, default=64)
     parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--optimizer_kwargs", default=None, help="dp_optimizer_kwargs, as JSON")
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--clip", type=float, default=0.5)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--clipping_mode", choices=["ghost", "per_sample"], default="ghost")
     parser.add_argument("--checkpointing", choices=["off", "reentrant", "non_reentrant"], default="off")
+    parser.add_argument(
+        "--fsdp_checkpointing", action="store_true", help="FSDP's own fsdp_config['activation_checkpointing']"
+    )
     parser.add_argument(
         "--users", action="store_true", help="user-level DP: 3 rows a user, at most 2 per step"
     )
@@ -118,6 +153,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume_from", default=None)
     parser.add_argument("--record_noise", action="store_true")
+    parser.add_argument(
+        "--record_release",
+        action="store_true",
+        help="save every step's released ĝ and its plan's clip scales, whole (release_step<k>.pt)",
+    )
     parser.add_argument(
         "--secret",
         action="store_true",
@@ -157,6 +197,7 @@ def run(cli: argparse.Namespace) -> None:
         learning_rate=cli.lr,
         lr_scheduler_type="constant",
         dp_optimizer=cli.optimizer,
+        dp_optimizer_kwargs=cli.optimizer_kwargs,
         accountant=cli.accountant,
         per_sample_max_grad_norm=cli.clip,
         clipping_mode=cli.clipping_mode,
@@ -170,7 +211,11 @@ def run(cli: argparse.Namespace) -> None:
         privacy_unit_column="user_id" if cli.users else None,
         fsdp=cli.fsdp,
         bf16=cli.bf16,
-        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [LAYERS[cli.model]]}
+        fsdp_config={
+            "version": 2,
+            "transformer_layer_cls_to_wrap": [LAYERS[cli.model]],
+            "activation_checkpointing": cli.fsdp_checkpointing,
+        }
         if cli.fsdp
         else None,
         max_examples_per_unit=2 if cli.users else 4,
@@ -194,6 +239,8 @@ def run(cli: argparse.Namespace) -> None:
         GaussianNoise.sample = recording_sample
     if cli.snapshot_step:
         trainer.add_callback(_Snapshot(trainer, cli.snapshot_step, cli.out))
+    if cli.record_release:
+        trainer.add_callback(_RecordRelease(trainer, cli.out))
     try:
         trainer.train(resume_from_checkpoint=cli.resume_from)
     finally:
@@ -210,6 +257,9 @@ def run(cli: argparse.Namespace) -> None:
             "zero_stage": trainer._zero_stage,
             "norms_in_backward": getattr(trainer._clipping, "norms_in_backward", None),
             "checkpointing": trainer.model.is_activation_checkpointing,
+            "checkpoint_wrapped": any(
+                type(m).__name__.endswith("CheckpointWrapper") for m in trainer.model.modules()
+            ),
             "epsilon": trainer.get_epsilon(),
             "noise_multiplier": trainer.noise_multiplier,
             "sample_rate": trainer.sample_rate,

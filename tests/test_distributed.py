@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 from hf_dp import calibrate_noise_multiplier, compute_epsilon
 from hf_dp.distributed import check_deepspeed, check_deepspeed_config, check_fsdp, check_launched_world
-from hf_dp.optim.registry import dp_optimizer_names, requires_bookkeeping
+from hf_dp.optim.registry import dp_optimizer_names, scaled_geometry, shifted_evaluations
 from tests import models
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +42,20 @@ STATEFUL = {
     "doppler": ("--optimizer", "doppler", "--lr", "0.01"),
 }
 SHARDED = {"fsdp2": ("--fsdp",), "zero2": ("--zero", "2"), "zero3": ("--zero", "3")}
+# Update rules that clip in a geometry ‖s ⊙ g_i‖ built from their per-parameter state, on FSDP2 (DeepSpeed refuses
+# them): STP with the dense and the factored (rank-1) scale, DP² through its SGD step into two adaptive steps.
+SCALED = {
+    "stp": ("--optimizer", "stp", "--lr", "0.01"),
+    "stp_factored": ("--optimizer", "stp", "--lr", "0.01", "--optimizer_kwargs", '{"factored": true}'),
+    "dp2": (
+        "--optimizer",
+        "dp2",
+        "--lr",
+        "0.01",
+        "--optimizer_kwargs",
+        '{"sgd_steps": 1, "adaptive_steps": 2, "adaptive_clip_norm": 1.0}',
+    ),
+}
 
 # Every run, by name: its launcher (one process, torchrun, or an accelerate config from recipes/configs) and
 # the worker's arguments. "{name}" in an argument is that run's output folder.
@@ -54,7 +69,7 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reference_disk": ("single", ("--per_device", "8", "--optimizer", "disk", "--lr", "0.05")),
     **{
         f"reference_{rule}": ("single", ("--per_device", "8", *rule_args))
-        for rule, rule_args in STATEFUL.items()
+        for rule, rule_args in {**STATEFUL, **SCALED}.items()
     },
     "dropout_plain": ("single", ("--per_device", "8", "--dropout", "0.2")),
     "dropout_zero2": ("single", ("--per_device", "8", "--dropout", "0.2", "--zero", "2")),
@@ -91,6 +106,7 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "fsdp2_gpt2": ("torchrun_fsdp", ("--fsdp",)),
     "fsdp2_llama": ("torchrun_fsdp", ("--fsdp", "--model", "llama")),
     "fsdp2_checkpointing": ("torchrun_fsdp", ("--fsdp", "--checkpointing", "non_reentrant")),
+    "fsdp2_fsdp_checkpointing": ("torchrun_fsdp", ("--fsdp", "--fsdp_checkpointing")),
     "fsdp2_bf16": ("torchrun_fsdp", ("--fsdp", "--bf16")),
     "fsdp2_lora": ("torchrun_fsdp", ("--fsdp", "--model", "llama", "--lora")),
     "fsdp2_clean": ("torchrun_fsdp", ("--fsdp", "--snapshot_step", "1")),
@@ -105,6 +121,14 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
         f"{backend}_{rule}": ("torchrun_fsdp" if backend == "fsdp2" else "torchrun", (*flags, *rule_args))
         for backend, flags in SHARDED.items()
         for rule, rule_args in STATEFUL.items()
+    },
+    **{f"fsdp2_{rule}": ("torchrun_fsdp", ("--fsdp", *rule_args)) for rule, rule_args in SCALED.items()},
+    **{
+        f"fsdp2_{rule}_noisy": (
+            "torchrun_fsdp",
+            ("--fsdp", *SCALED[rule], "--sigma", "100", "--record_release"),
+        )
+        for rule in ("stp", "stp_factored")
     },
 }
 
@@ -136,7 +160,7 @@ class Runs:
     def launch(self, launcher: str) -> None:
         folders = {name: str(self.folder(name)) for name in JOBS}
         jobs = [
-            ["--out", folders[name], *(a.format(**folders) for a in args)]
+            ["--out", folders[name], *(re.sub(r"\{(\w+)\}", lambda m: folders[m[1]], a) for a in args)]
             for name, (job_launcher, args) in JOBS.items()
             if job_launcher == launcher
         ]
@@ -227,6 +251,7 @@ def test_reference_clips(runs):
         ("ddp_checkpointing", "MULTI_CPU", None),
         ("zero3_checkpointing", "DEEPSPEED", 3),
         ("fsdp2_checkpointing", "FSDP", None),
+        ("fsdp2_fsdp_checkpointing", "FSDP", None),  # fsdp_config["activation_checkpointing"]
     ],
 )
 def test_two_processes_match_one_process_without_noise(runs, name, distributed_type, stage):
@@ -234,6 +259,7 @@ def test_two_processes_match_one_process_without_noise(runs, name, distributed_t
     reference, out = runs("reference"), runs(name)
     run = assert_world(out, distributed_type, stage)
     assert run["checkpointing"] == ("--checkpointing" in JOBS[name][1])
+    assert run["checkpoint_wrapped"] == ("--fsdp_checkpointing" in JOBS[name][1])
     assert run["norms_in_backward"] == (run["checkpointing"] or distributed_type == "FSDP")
     assert run["expected_batch_size"] == info(reference)["expected_batch_size"] == 16
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
@@ -455,30 +481,54 @@ def test_processes_that_would_each_train_alone_are_refused():
         check_launched_world(SimpleNamespace(world_size=1), {"WORLD_SIZE": "2"})
 
 
-@pytest.mark.parametrize(
-    ("version", "dp_optimizer", "message"),
-    [
-        (1, "sgd", "FSDP1 flattens the parameters"),
-    ],
-)
-def test_fsdp_settings_that_break_dp_are_refused(version, dp_optimizer, message):
-    with pytest.raises(ValueError, match=message):
-        check_fsdp(version, dp_optimizer)
+def test_fsdp_settings_that_break_dp_are_refused():
+    with pytest.raises(ValueError, match="FSDP1 flattens the parameters"):
+        check_fsdp(1, "sgd")
     with pytest.raises(ValueError, match="use_reentrant': False"):
         check_fsdp(2, "sgd", reentrant_checkpointing=True)
 
 
+@pytest.mark.parametrize("rule", SCALED)
+def test_a_clip_geometry_from_sharded_optimizer_state_matches_one_process_on_fsdp2(runs, rule):
+    """STP's and DP²'s scale s lives on the optimizer's DTensor shards: the norm pass gathers each layer's s as it
+    computes that layer's ‖s ⊙ g_i‖, and each process noises its shard with the matching part of s."""
+    reference, out = runs(f"reference_{rule}"), runs(f"fsdp2_{rule}")
+    assert assert_world(out, "FSDP")["sharded"]
+    assert relative_difference(reference / "final.pt", runs("reference") / "final.pt") > 1e-3  # rule acted
+    assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
+
+
+@pytest.mark.parametrize("rule", ["stp", "stp_factored"])
+def test_fsdp2_noise_is_shaped_by_the_matching_shard_of_the_clip_scale(runs, rule):
+    """Each process adds N(0, σ²C²) ⊘ s to its shard with ITS rows of s: at σ = 100 the released ĝ of step 2
+    (s from ν̂ of step 1, far from uniform) times s·B̄/(σC) is N(0, 1) per coordinate. Measured 1.0001; the halves
+    of s swapped (a shard noised with the other's scale) gives 1.78 (dense s) and 1.07 (factored)."""
+    out = runs(f"fsdp2_{rule}_noisy")
+    run = assert_world(out, "FSDP")
+    released = torch.load(out / "release_step2.pt")
+    assert all(scale is not None for _, scale in released.values())
+    log_scale = torch.cat([scale.log().flatten() for _, scale in released.values()])
+    assert log_scale.std() > 0.2  # a uniform s could not tell the shards' rows apart
+    z = torch.cat([(g * scale).flatten() for g, scale in released.values()])
+    z *= run["expected_batch_size"] / (run["noise_multiplier"] * CLIP)
+    assert z.numel() > 5000 and z.std().item() == pytest.approx(1.0, abs=0.03)  # 4 standard errors
+
+
 @pytest.mark.parametrize("rule", dp_optimizer_names())
 def test_every_update_rule_runs_or_is_refused_in_one_line_on_every_sharded_backend(rule):
-    """Every registered name either runs on FSDP2 and ZeRO-2/3 (the parity tests above) or is refused before
-    training, with the reason (docs/distributed.md argues each refusal)."""
-    runs_sharded = rule == "sgd" or rule in STATEFUL
-    assert runs_sharded != requires_bookkeeping(rule)
-    if runs_sharded:
+    """Every registered name runs on FSDP2 and ZeRO-2/3 (the parity tests above), or on FSDP2 only (a scale
+    from optimizer state), or is refused before training, with the reason (docs/distributed.md argues each)."""
+    on_fsdp2 = rule == "sgd" or rule in STATEFUL or rule in SCALED
+    on_deepspeed = rule == "sgd" or rule in STATEFUL
+    assert on_fsdp2 == (not shifted_evaluations(rule))
+    assert on_deepspeed == (not shifted_evaluations(rule) and not scaled_geometry(rule))
+    if on_fsdp2:
         check_fsdp(2, rule)
+    else:
+        with pytest.raises(ValueError, match=rf"dp_optimizer='{rule}' .* not supported under FSDP"):
+            check_fsdp(2, rule)
+    if on_deepspeed:
         check_deepspeed({}, SimpleNamespace(dp_optimizer=rule))
-        return
-    with pytest.raises(ValueError, match=rf"dp_optimizer='{rule}' .* not supported under FSDP"):
-        check_fsdp(2, rule)
-    with pytest.raises(ValueError, match=rf"dp_optimizer='{rule}' .* not supported under DeepSpeed"):
-        check_deepspeed({}, SimpleNamespace(dp_optimizer=rule))
+    else:
+        with pytest.raises(ValueError, match=rf"dp_optimizer='{rule}' .* not supported under DeepSpeed"):
+            check_deepspeed({}, SimpleNamespace(dp_optimizer=rule))

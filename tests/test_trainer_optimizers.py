@@ -174,7 +174,8 @@ def test_a_users_registered_rule_trains_through_dptrainer(tmp_path, monkeypatch)
         seen["mean_noise_std"] = mean_noise_std
         return torch.optim.SGD(params, lr=lr)  # a stand-in update rule
 
-    assert "sign_sgd" in registry.dp_optimizer_names() and not registry.requires_bookkeeping("sign_sgd")
+    assert "sign_sgd" in registry.dp_optimizer_names()
+    assert not registry.scaled_geometry("sign_sgd") and not registry.shifted_evaluations("sign_sgd")
     trainer = make_trainer(tmp_path, noise_multiplier=1.0, dp_optimizer="sign_sgd", learning_rate=0.1)
     trainer.train()
     assert trainer.accountant.steps == 2

@@ -100,8 +100,6 @@ class ClippingEngine:
         self.materialise = mode == "per_sample"
         self._owned = self._assign_parameters(model, allow_functorch_fallback)
         self._rules = {module: rule_for(module) for module in self._owned}
-        unique = {id(getattr(m, n)): getattr(m, n) for m, names in self._owned.items() for n in names}
-        self.parameters: list[nn.Parameter] = list(unique.values())  # what this engine clips, each once
         self._clipped_numel = sum(p.numel() for p in self.parameters)
         self._model_numel = sum(p.numel() for p in model.parameters())
         self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -121,6 +119,13 @@ class ClippingEngine:
                 module.register_forward_pre_hook(self._expand_broadcast_batch, with_kwargs=True)
             )
             self._handles.append(module.register_forward_hook(self._record, with_kwargs=True))
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """What this engine clips, each once, as its modules hold them now: FSDP2's ``prepare`` swaps sharded
+        Parameters into the modules after the engine is built (and the optimizer's groups with them)."""
+        unique = {id(getattr(m, n)): getattr(m, n) for m, names in self._owned.items() for n in names}
+        return list(unique.values())
 
     # ---- set-up -------------------------------------------------------------------------------------
 
@@ -204,11 +209,14 @@ class ClippingEngine:
         probe: bool = False,
         keep_gradients: bool = False,
         units: PrivacyUnits | None = None,
+        freeze: bool = True,
     ) -> Iterator[NormCollector]:
         """Tap the forward of one micro-batch; ``backward()`` of Σ_i L_i then fills ``collector.norms()`` without
         keeping any layer input alive and without touching ``.grad`` (the clipped parameters are frozen).
         ``keep_gradients``: the collector also keeps each example's explicit gradient (see ``keeps_gradients``).
-        ``units``: the norms are per privacy unit (``batch_size`` of them), as in ``record``."""
+        ``units``: the norms are per privacy unit (``batch_size`` of them), as in ``record``. ``freeze=False``
+        when the backward differentiates towards ``collector.anchor`` only (FSDP2, which decides from
+        ``requires_grad`` in a forward which gradients it will reduce: frozen there, they never would be)."""
         missing = [self._module_names.get(m, "?") for m, rule in self._rules.items() if rule is None]
         if missing:
             raise UnsupportedModuleError(
@@ -233,7 +241,7 @@ class ClippingEngine:
         )
         self._collector, self._batch_size = collector, batch_size if units is None else units.rows
         try:
-            with frozen(self.parameters):
+            with frozen(self.parameters if freeze else []):
                 yield collector
         finally:
             self._collector = None

@@ -14,6 +14,7 @@ from typing import Literal, get_args
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 ClippingFn = Literal["abadi", "automatic"]
 ClippingMode = Literal["ghost", "per_sample"]
@@ -49,3 +50,24 @@ ClipScales = Mapping[nn.Parameter, ClipScale]
 def dense_scale(scale: ClipScale) -> torch.Tensor:
     """The scale as a tensor shaped like its parameter."""
     return scale.dense() if isinstance(scale, FactoredScale) else scale
+
+
+def unsharded(scale: ClipScale) -> ClipScale:
+    """The whole scale of an FSDP2-sharded parameter (its DTensor parts gathered), for the norm pass, which sees
+    each layer's whole per-example gradient; a plain scale as it is. Gathered layer by layer, when the layer's
+    norm is computed, so at most one layer's scale is whole at a time."""
+    if isinstance(scale, FactoredScale):
+        return FactoredScale(rows=unsharded(scale.rows), cols=unsharded(scale.cols))
+    return scale.full_tensor() if isinstance(scale, DTensor) else scale
+
+
+def owned_scale(scale: ClipScale, gradient: torch.Tensor) -> torch.Tensor:
+    """The dense scale over the part of ``gradient`` this process noises: an FSDP2 DTensor gradient's local shard
+    (a whole scale is cut into that shard locally), else all of it."""
+    if not isinstance(gradient, DTensor):
+        return dense_scale(unsharded(scale))
+    if not isinstance(scale, DTensor):
+        mesh = gradient.device_mesh
+        whole = dense_scale(unsharded(scale)).to(gradient.device)
+        scale = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return scale.redistribute(gradient.device_mesh, gradient.placements).to_local()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_dp.clipping.geometry import ClipScale, FactoredScale, dense_scale
+from hf_dp.clipping.geometry import ClipScale, FactoredScale, dense_scale, unsharded
 
 # Materialised per-example gradients are built this many floats at a time (about 256 MB).
 _CHUNK_FLOATS = 64 * 1024 * 1024
@@ -199,6 +199,7 @@ def combined_squared_norm(
     ⟨G^k_i, G^l_i⟩ by cross-Grams when every pair's Gram is cheaper, else from the explicit weighted sum;
     a scale s is folded into the factors first, and a dense s on dense factors needs the explicit sum."""
     if scale is not None:
+        scale = unsharded(scale)
         scaled = [(weight, part.scaled(scale)) for weight, part in terms]
         if any(part is None for _, part in scaled):
             return _explicit_squared_norm(terms, shape, dense_scale(scale))

@@ -66,7 +66,9 @@ def norm_pass(
     is written (activation checkpointing; ``ClippingEngine.norms_in_backward``). ``taps_only``: differentiate
     towards the taps alone (``autograd.grad``), so that no weight gradient is even formed: FSDP2 computes with
     unsharded copies of the parameters, which freezing the sharded ones does not freeze."""
-    with engine.norms_in_backward(batch_size, plan.clip_scale, probe, keep_gradients, units) as collector:
+    with engine.norms_in_backward(
+        batch_size, plan.clip_scale, probe, keep_gradients, units, freeze=not taps_only
+    ) as collector:
         losses = losses_of(module)
         collector.counting = False  # the backward's recomputations are not uses
         if taps_only:
@@ -135,7 +137,7 @@ class Bookkeeping:
             return MicroStep(mask.new_zeros(batch_size), None)
         if self.norms_in_backward:
             losses = self._two_passes(losses_of, mask, plan, verify, units)
-        elif len(plan.evaluations) == 1 and plan.evaluations[0].shift is None:
+        elif plan.single_evaluation:
             state = rng_state()
             with self.engine.record(rows, units):
                 losses = losses_of(self.module)
@@ -163,7 +165,7 @@ class Bookkeeping:
         (same dropout masks); both on the bare module. With few trainable weights (LoRA) the first backward also
         keeps each example's explicit gradient and the clipped sum is formed from them: one pass. The first
         step always takes two passes, to check the taps against autograd."""
-        if len(plan.evaluations) > 1 or plan.evaluations[0].shift is not None:
+        if not plan.single_evaluation:
             raise ValueError(
                 "this dp_optimizer evaluates each example at two parameter points (DiSK), which activation "
                 "checkpointing does not support yet: turn activation_checkpointing off or pick another dp_optimizer"
@@ -255,10 +257,8 @@ class TwoPass:
         model: nn.Module,
         units: PrivacyUnits | None = None,
     ) -> MicroStep:
-        if plan.requires_bookkeeping:
-            raise ValueError(
-                "a scaled clip geometry or shifted evaluations need the book-keeping clipping strategy"
-            )
+        if not plan.single_evaluation:
+            raise ValueError("evaluations away from θ (DiSK) need the book-keeping clipping strategy")
         batch_size = mask.shape[0]
         state = rng_state()
         if self.norms_in_backward:
@@ -275,7 +275,8 @@ class TwoPass:
         else:
             with self.engine.record(batch_size if units is None else units.rows, units):
                 losses = losses_of(self.module)
-            norms = self.engine.per_example_norms([(self.engine.per_example_gradients(losses), 1.0)])
+            gradients = self.engine.per_example_gradients(losses)
+            norms = self.engine.per_example_norms([(gradients, 1.0)], clip_scale=plan.clip_scale)
         factors = self.engine.clip_factors(norms, plan.clip_norm) * mask
         replay_rng(state)
         losses = losses_of(model)

@@ -93,6 +93,14 @@ class NormCollector:
         module_names: dict[nn.Module, str] | None = None,
     ) -> None:
         self.rules, self.owned, self.scales, self.materialise = rules, owned, scales, materialise
+        # each scale by where its parameter is used: FSDP2 swaps the module's sharded parameter for an unsharded
+        # one (another object) during the forward and backward, so the backward's ids are not the scales' keys
+        self._site_scales = {
+            (module, name): scales[id(getattr(module, name))]
+            for module, names in owned.items()
+            for name in names
+            if id(getattr(module, name)) in scales
+        }
         self.units, self.module_names = units, module_names or {}  # norms per privacy unit (units.py)
         self.batch_size = batch_size
         self.anchor = torch.zeros((), device=device, requires_grad=True)
@@ -137,6 +145,8 @@ class NormCollector:
         for name in self.owned[module]:
             param = getattr(module, name)
             pid, part = id(param), found[name]
+            if (module, name) in self._site_scales:
+                self.scales[pid] = self._site_scales[module, name]
             if self.probe:
                 projection = part.project(self.direction(param))
                 self.projections[pid] = self.projections.get(pid, 0) + projection

@@ -100,7 +100,7 @@ class DiSK(DPOptimizer):
         self.param_groups = self.base.param_groups  # loading made new group dicts: share the base's again
 
 
-@register_dp_optimizer("disk", requires_bookkeeping=True)
+@register_dp_optimizer("disk", shifted_evaluations=True)
 def build(
     params: Iterable[Any],
     *,

@@ -50,10 +50,10 @@ class StepPlan:
     evaluations: tuple[Evaluation, ...] = field(default=(Evaluation(),))
 
     @property
-    def requires_bookkeeping(self) -> bool:
-        """True when only the book-keeping strategy can clip this plan exactly: a scaled geometry or
-        evaluations away from θ (the two-pass strategy clips Σ_i c_i L_i at θ only, for now)."""
-        return bool(self.clip_scale) or len(self.evaluations) > 1 or self.evaluations[0].shift is not None
+    def single_evaluation(self) -> bool:
+        """One evaluation, at θ: every plan but DiSK's. Only the book-keeping strategy combines several (the
+        norm-pass strategies clip Σ_i c_i L_i at θ)."""
+        return len(self.evaluations) == 1 and self.evaluations[0].shift is None
 
 
 @runtime_checkable

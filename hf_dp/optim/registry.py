@@ -8,8 +8,10 @@ Register your own rule in a few lines::
     def build_signsgd(params, *, mean_noise_std, lr=1e-3):
         return SignSGD(params, lr=lr)
 
-then ``DPTrainingArguments(dp_optimizer="signsgd", ...)``. ``requires_bookkeeping=True`` says the rule's step
-plans need the book-keeping clipping strategy (a scaled geometry or several evaluations per step).
+then ``DPTrainingArguments(dp_optimizer="signsgd", ...)``. Say what the rule's step plans ask of clipping, since
+the sharded backends cannot give all of it: ``scaled_geometry=True`` (it clips ‖s ⊙ g_i‖ with s from its
+per-parameter state; refused under DeepSpeed, whose optimizer holds flattened partitions) and
+``shifted_evaluations=True`` (it evaluates each example away from θ; refused under DeepSpeed and FSDP).
 """
 
 from __future__ import annotations
@@ -23,14 +25,23 @@ import torch
 Builder = Callable[..., torch.optim.Optimizer]
 
 _BUILDERS: dict[str, Builder] = {}
-_NEEDS_BOOKKEEPING: set[str] = set()
+_SCALED_GEOMETRY: set[str] = set()
+_SHIFTED_EVALUATIONS: set[str] = set()
 
 
-def register_dp_optimizer(name: str, *, requires_bookkeeping: bool = False) -> Callable[[Builder], Builder]:
+def register_dp_optimizer(
+    name: str, *, scaled_geometry: bool = False, shifted_evaluations: bool = False
+) -> Callable[[Builder], Builder]:
     def register(build: Builder) -> Builder:
         _BUILDERS[name] = build
-        if requires_bookkeeping:
-            _NEEDS_BOOKKEEPING.add(name)
+        for flagged, names in (
+            (scaled_geometry, _SCALED_GEOMETRY),
+            (shifted_evaluations, _SHIFTED_EVALUATIONS),
+        ):
+            if flagged:
+                names.add(name)
+            else:
+                names.discard(name)
         return build
 
     return register
@@ -40,8 +51,14 @@ def dp_optimizer_names() -> tuple[str, ...]:
     return tuple(sorted(_BUILDERS))
 
 
-def requires_bookkeeping(name: str) -> bool:
-    return name in _NEEDS_BOOKKEEPING
+def scaled_geometry(name: str) -> bool:
+    """The rule clips ‖s ⊙ g_i‖ with a scale built from its per-parameter state (STP, DP²)."""
+    return name in _SCALED_GEOMETRY
+
+
+def shifted_evaluations(name: str) -> bool:
+    """The rule evaluates each example at points other than θ within one step (DiSK)."""
+    return name in _SHIFTED_EVALUATIONS
 
 
 def make_dp_optimizer(
