@@ -267,8 +267,6 @@ class DPTrainerMixin:
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The ``dp_optimizer`` rule (or the user's optimizer), released through the Gaussian mechanism."""
-        if self._dp_optimizer is None and self.is_fsdp_enabled and self.clipping_engine is not None:
-            self._hook_clipping(self.model)  # fully_shard replaced the parameters: clip the sharded ones
         if self.optimizer is None:
             model = model if model is not None else self.model
             groups = decay_groups(model, self.get_decay_parameter_names(model), self.args.weight_decay)

@@ -102,7 +102,6 @@ class ClippingEngine:
         self._rules = {module: rule_for(module) for module in self._owned}
         self._clipped_numel = sum(p.numel() for p in self.parameters)
         self._model_numel = sum(p.numel() for p in model.parameters())
-        self._names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         self._module_names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
         self._calls: list[_RecordedForward] = []
         self._batch_size: int | None = None  # rows of the micro-batch in the forward
@@ -170,7 +169,9 @@ class ClippingEngine:
         return owned
 
     def parameter_name(self, param: nn.Parameter) -> str:
-        return self._names.get(id(param), "?")
+        """The parameter's name in the model, as the modules hold it now (see ``parameters``)."""
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        return names.get(id(param), "?")
 
     def remove_hooks(self) -> None:
         """Leave the user's model as it was (the trainer calls this when training ends)."""
