@@ -493,6 +493,7 @@ class ClippingEngine:
         return total.clamp(min=0).sqrt()
 
     def _verify(self, parts: dict, reference: dict, ones: torch.Tensor, tolerance: float) -> None:
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
         largest = max((g.norm().item() for g in reference.values() if g is not None), default=0.0)
         for pid, (param, param_parts) in parts.items():
             ours = None
@@ -505,12 +506,12 @@ class ClippingEngine:
             error = (ours - ref.float()).norm().item()
             if error > tolerance * max(ref.norm().item(), 1e-3 * largest, 1e-12):
                 raise UnsupportedModuleError(
-                    f"parameter {self._names[pid]} gets gradient from outside the forward of the module that owns "
+                    f"parameter {names.get(pid, '?')} gets gradient from outside the forward of the module that owns "
                     f"it (engine {ours.norm().item():.4g} vs autograd {ref.norm().item():.4g}), so its per-example "
                     "norm would be wrong: freeze it or call it through its module"
                 )
         missing = [
-            self._names[pid] for pid, g in reference.items() if pid not in parts and g is not None and g.any()
+            names.get(pid, "?") for pid, g in reference.items() if pid not in parts and g is not None and g.any()
         ]
         if missing:
             raise UnsupportedModuleError(
