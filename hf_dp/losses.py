@@ -65,14 +65,14 @@ def token_loss_per_example(
     Trainer's ``LabelSmoother`` applied to each example alone.
 
     For causal LMs position t predicts labels_{t+1}: the LABELS are shifted (one -100 column appended),
-    never the logits, which would copy the B·T·V logit tensor. For bf16/fp16 logits the CE runs over the
-    labelled tokens a chunk at a time (``_TokenCrossEntropy``), so no float32 copy or log-softmax of all the
-    logits is ever held; float32/float64 logits go to F.cross_entropy directly (it keeps one logit-sized
-    log-softmax for the backward, and is 2-3× faster than recomputing it on CPU).
+    never the logits, which would copy the B·T·V logit tensor. The CE runs over the labelled tokens a chunk
+    at a time (``_TokenCrossEntropy``), so no float32 copy or log-softmax of all the logits is ever held
+    (HF's loss holds both). Float32/float64 logits of at most one chunk go to F.cross_entropy in one call:
+    its log-softmax is then no larger than a chunk, and it is 2-3× faster than recomputing it on CPU.
     """
     if shift:
         labels = shifted_labels(labels, units)
-    if logits.dtype in (torch.float32, torch.float64):  # no copy to make; F.cross_entropy is the fastest
+    if logits.dtype in (torch.float32, torch.float64) and logits.numel() <= _LOGITS_PER_CHUNK:
         token_losses = _cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), label_smoothing
         ).view(labels.shape)

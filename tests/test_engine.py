@@ -60,6 +60,46 @@ def test_clipped_sum_matches_brute_force(name: str, clipping: str, mode: str) ->
     assert_close(ours, reference, rtol=TOLERANCE[dtype], floor=1e-3 if dtype == torch.float32 else 1e-6)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_layer_materialised_inside_the_backward_matches_brute_force(monkeypatch, name: str) -> None:
+    """Layers whose B explicit per-example gradients are smaller than their output gradient (T > d_in: the LM
+    head at long context) form them inside the backward and keep neither input nor output gradient; forced
+    here for every layer with a rule (tied GPT-2: the head's explicit part meets the embedding's index part)."""
+    monkeypatch.setattr("hf_dp.clipping.engine.MATERIALISE_BELOW_OUTPUT_SHARE", float("inf"))
+    build, make_batch = MODELS[name]
+    dtype = DTYPE.get(name, torch.float64)
+    model = build().to(dtype).eval()
+    batch = make_batch()
+    _, ref_norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * ref_norms.min().item()
+    reference, ref_norms = models.brute_force(model, batch, max_norm=max_norm)
+    engine = ClippingEngine(model)
+    with engine.record(batch["input_ids"].shape[0]):
+        losses = per_example_loss(model, batch)
+    kept = [call.module for call in engine._calls]
+    assert all(engine._rules[module] is None for module in kept)  # only the torch.func fallback's are kept
+    model.zero_grad(set_to_none=True)
+    norms = engine.clipped_backward(losses, max_norm, verify=True)
+    engine.remove_hooks()
+    ours = {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
+    torch.testing.assert_close(norms.double(), ref_norms, rtol=TOLERANCE[dtype], atol=0)
+    assert_close(ours, reference, rtol=TOLERANCE[dtype], floor=1e-3 if dtype == torch.float32 else 1e-6)
+
+
+def test_a_long_sequence_materialises_the_lm_head_in_the_backward() -> None:
+    """Unforced: with T > d_in the head's (and every linear layer's) per-example gradients are formed inside the
+    backward; with T < d_in they are kept factored for book-keeping."""
+    for length, expected in ((40, True), (10, False)):
+        model = models.llama().double().eval()
+        batch = models.token_batch(batch=3, length=length)
+        engine = ClippingEngine(model)
+        with engine.record(3):
+            per_example_loss(model, batch)
+        recorded = {engine._module_names[call.module] for call in engine._calls}
+        engine.remove_hooks()
+        assert ("lm_head" not in recorded) == expected, recorded
+
+
 @pytest.mark.parametrize("mode", ["ghost", "per_sample"])
 def test_float32_gpt2_within_float_tolerance(mode: str) -> None:
     model = models.gpt2().eval()

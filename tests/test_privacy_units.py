@@ -68,12 +68,15 @@ def strategy_step(
         step.backward.backward()
     else:
         strategy = Bookkeeping(engine, model, norms_in_backward=strategy_name == "checkpointing")
-        strategy.run(loss_of, mask, StepPlan(max_norm), model, units)
+        with pytest.MonkeyPatch.context() as patch:
+            if strategy_name == "in_backward":  # every layer's per-example gradients formed in the backward
+                patch.setattr("hf_dp.clipping.engine.MATERIALISE_BELOW_OUTPUT_SHARE", float("inf"))
+            strategy.run(loss_of, mask, StepPlan(max_norm), model, units)
     engine.remove_hooks()
     return {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("strategy_name", ["ghost", "per_sample", "checkpointing", "two_pass"])
+@pytest.mark.parametrize("strategy_name", ["ghost", "per_sample", "in_backward", "checkpointing", "two_pass"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_units_of_rows_are_clipped_as_one(name: str, strategy_name: str) -> None:
     """A unit of several rows (a user's examples, a DPO pair's two rows): one clip of their summed gradient."""
@@ -116,7 +119,7 @@ def packed_batch(seed: int = 0) -> tuple[dict, list[torch.Tensor]]:
 PACKED_MODELS = {"gpt2_tied": models.gpt2, "llama": models.llama}
 
 
-@pytest.mark.parametrize("strategy_name", ["ghost", "checkpointing", "two_pass"])
+@pytest.mark.parametrize("strategy_name", ["ghost", "in_backward", "checkpointing", "two_pass"])
 @pytest.mark.parametrize("name", list(PACKED_MODELS))
 def test_packed_records_are_clipped_each_on_its_own(name: str, strategy_name: str) -> None:
     """Records packed into rows (position ids restarting, no attention mask, no cache): each record's gradient

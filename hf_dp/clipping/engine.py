@@ -5,6 +5,9 @@ respect to the recorded outputs gives every output gradient without computing an
 From (input, output gradient) each layer rule gives per-example gradients in factored form, their
 norms are summed per Parameter object (so tied weights get the norm of the sum, cross terms
 included), c_i = clip factor, and Σ_i c_i G_i is written to ``.grad`` by one GEMM per layer.
+Where B explicit per-example gradients are smaller than the output gradient book-keeping would keep
+(long sequences: T > d_in, e.g. the LM head), the layer's are formed inside that backward instead, as
+soon as its output gradient exists, and its input and output gradient are let go (``_MaterialiseTap``).
 
 A step may evaluate each example at several parameter points and clip the weighted combination
 u_i = Σ_e w_e g_i^e once (DiSK), in a scaled geometry ‖s ⊙ u_i‖ ≤ C (scale-then-privatize, DP²):
@@ -37,6 +40,9 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 # With checkpointing, explicit per-example gradients replace the second pass when all B of them take at most
 # this share of the model's parameter count (LoRA adapters: ~1%; full fine-tuning never qualifies).
 KEPT_GRADIENTS_SHARE = 0.05
+# Book-keeping materialises a layer's B per-example gradients inside the backward when they take fewer floats
+# than this share of the output gradient it would otherwise keep until the backward ends.
+MATERIALISE_BELOW_OUTPUT_SHARE = 1.0
 
 
 class UnsupportedModuleError(ValueError):
@@ -49,6 +55,24 @@ class _RecordedForward:
     args: tuple
     kwargs: dict
     outputs: list[torch.Tensor]
+
+
+class _MaterialiseTap(torch.autograd.Function):
+    """y ↦ y whose backward hands (the module's input x, ∂L/∂y) to the engine, which forms the module's
+    explicit per-example gradients there; ``anchor`` (in the engine's ``autograd.grad`` inputs) makes every
+    tap's backward run."""
+
+    @staticmethod
+    def forward(ctx, output, anchor, engine, module, x):
+        ctx.engine, ctx.module = engine, module
+        ctx.save_for_backward(x)
+        return output.detach()  # a fresh tensor, not a view: the model may modify it in place
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        ctx.engine._materialise(ctx.module, x, grad_output)
+        return grad_output, grad_output.new_zeros(()), None, None, None
 
 
 @dataclass
@@ -108,6 +132,9 @@ class ClippingEngine:
         self._units: PrivacyUnits | None = None  # None: each row is its own privacy unit
         self._recording = False
         self._collector: NormCollector | None = None
+        # book-keeping's explicit per-example gradients formed in the backward (see _MaterialiseTap)
+        self._anchor: torch.Tensor | None = None
+        self._materialised: list[tuple[nn.Module, dict[str, PerExampleGradient]]] = []
         self.saw_checkpointing = False  # a recorded forward ran under torch.utils.checkpoint
         self.nonfinite_examples = 0  # examples clipped to zero because their gradient overflowed
         # the float32 clipped sums of bf16/fp16 parameters, which the mechanism noises and casts
@@ -193,6 +220,7 @@ class ClippingEngine:
         into privacy units (None: one unit per row), and the per-example losses and norms are then per unit."""
         self._calls, self._batch_size, self._recording = [], batch_size, True
         self._units = None if units is None or units.is_trivial else units
+        self._anchor, self._materialised = None, []
         try:
             yield
         finally:
@@ -301,8 +329,40 @@ class ClippingEngine:
                     "checkpointing): register a rule for a module that does, or turn checkpointing off"
                 )
             return self._collector.tap(module, first, output)
+        if self._materialises_in_backward(module, first, output):
+            if self._anchor is None:
+                self._anchor = torch.zeros((), device=output.device, requires_grad=True)
+            return _MaterialiseTap.apply(output, self._anchor, self, module, first)
         self._calls.append(_RecordedForward(module, tuple(args), dict(kwargs), outputs))
         return None
+
+    def _materialises_in_backward(self, module: nn.Module, x: torch.Tensor | None, output) -> bool:
+        """B explicit per-example gradients of the module take fewer floats than its output gradient (a
+        linear layer: T > d_in), which book-keeping would keep to the end of the backward."""
+        if self._rules[module] is None or x is None or not isinstance(output, torch.Tensor):
+            return False
+        params = [getattr(module, name) for name in self._owned[module]]
+        if any(
+            hasattr(p, "ds_shape") for p in params
+        ):  # ZeRO-3 partitions: shaped by ds_shape, kept factored
+            return False
+        floats = (self._batch_size or 0) * sum(p.numel() for p in params)
+        return floats < MATERIALISE_BELOW_OUTPUT_SHARE * output.numel()
+
+    def _materialise(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """In the backward: the module's explicit per-example gradients (B, *param.shape) from (x, ∂L/∂y)."""
+        where = f"{self._module_names.get(module, '?')} ({type(module).__name__})"
+        x, grad_output = regroup_for_rule(self._units, x, grad_output, where)
+        with torch.no_grad():
+            found = self._rules[module](module, x, grad_output)
+            explicit = {}
+            for name, part in found.items():
+                shape = getattr(module, name).shape
+                if isinstance(part, Materialised):
+                    explicit[name] = part
+                else:
+                    explicit[name] = Materialised(part.materialise(0, part.batch_size).reshape(-1, *shape))
+        self._materialised.append((module, explicit))
 
     # ---- per-example gradients, then the clipped sum ----------------------------------------------
 
@@ -341,12 +401,19 @@ class ClippingEngine:
                 f"{tuple(per_example_loss.shape)}"
             )
         outputs = [o for call in calls for o in call.outputs if o.requires_grad]
+        anchor = [] if self._anchor is None else [self._anchor]
         params = self.parameters if verify else []
-        grads = torch.autograd.grad(per_example_loss.sum(), outputs + params, allow_unused=True)
+        self._materialised = []
+        grads = torch.autograd.grad(per_example_loss.sum(), outputs + anchor + params, allow_unused=True)
         output_grads = iter(grads[: len(outputs)])
-        reference = dict(zip((id(p) for p in params), grads[len(outputs) :], strict=True))
+        reference = dict(zip((id(p) for p in params), grads[len(outputs) + len(anchor) :], strict=True))
+        materialised, self._materialised, self._anchor = self._materialised, [], None
         with torch.no_grad():
             parts = self._per_example_parts(calls, output_grads)
+            for module, found in materialised:
+                for name in self._owned[module]:
+                    param = getattr(module, name)
+                    parts.setdefault(id(param), (param, []))[1].append(found[name])
             if verify:
                 # mixed precision (bf16 autocast) rounds the two computations differently
                 tolerance = max(
@@ -511,7 +578,9 @@ class ClippingEngine:
                     "norm would be wrong: freeze it or call it through its module"
                 )
         missing = [
-            names.get(pid, "?") for pid, g in reference.items() if pid not in parts and g is not None and g.any()
+            names.get(pid, "?")
+            for pid, g in reference.items()
+            if pid not in parts and g is not None and g.any()
         ]
         if missing:
             raise UnsupportedModuleError(
