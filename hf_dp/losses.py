@@ -20,7 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from hf_dp.clipping.units import PrivacyUnits
 
 IGNORE_INDEX = -100
-_LOGITS_PER_CHUNK = 1 << 24  # logits taken into the cross-entropy at a time (64 MB in float32)
+_LOGITS_PER_CHUNK = 1 << 22  # logits taken into the cross-entropy at a time (16 MB in float32)
 
 
 def _names(mapping: dict) -> set[str]:
@@ -65,19 +65,13 @@ def token_loss_per_example(
     Trainer's ``LabelSmoother`` applied to each example alone.
 
     For causal LMs position t predicts labels_{t+1}: the LABELS are shifted (one -100 column appended),
-    never the logits, which would copy the B·T·V logit tensor. The CE runs over the labelled tokens a chunk
-    at a time (``_TokenCrossEntropy``), so no float32 copy or log-softmax of all the logits is ever held
-    (HF's loss holds both). Float32/float64 logits of at most one chunk go to F.cross_entropy in one call:
-    its log-softmax is then no larger than a chunk, and it is 2-3× faster than recomputing it on CPU.
+    never the logits, which would copy the B·T·V logit tensor. The CE runs a chunk of rows at a time
+    (``_TokenCrossEntropy``): no float32 copy and no log-softmax of all the logits is ever held (HF's loss,
+    the stock Trainer's, holds both), only the logits and, in the backward, their gradient.
     """
     if shift:
         labels = shifted_labels(labels, units)
-    if logits.dtype in (torch.float32, torch.float64) and logits.numel() <= _LOGITS_PER_CHUNK:
-        token_losses = _cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), label_smoothing
-        ).view(labels.shape)
-    else:
-        token_losses = _TokenCrossEntropy.apply(logits, labels, label_smoothing)
+    token_losses = _TokenCrossEntropy.apply(logits, labels, label_smoothing)
     if units is not None and units.unit_of_token is not None:
         return units.mean_over_tokens(token_losses, labels != IGNORE_INDEX)
     counts = (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)
@@ -97,41 +91,54 @@ def shifted_labels(labels: torch.Tensor, units: PrivacyUnits | None = None) -> t
 class _TokenCrossEntropy(torch.autograd.Function):
     """CE(logits_{i,t}, labels_{i,t}) in at least float32, shape ``labels.shape``, 0 where labels_{i,t} = -100.
 
-    Our own chunking because F.cross_entropy on all B·T·V logits keeps their log-softmax for the backward
-    (and upcasts nothing, so bf16/fp16 logits would first need a float32 copy of all of them), and HF's loss,
-    which makes that copy, averages over the batch, mixing examples. Here only rows whose label is not -100
-    are gathered, ``_LOGITS_PER_CHUNK`` logits at a time; the backward saves just the logits themselves and
-    recomputes each chunk's CE to write its gradient into one B·T·V buffer.
+    With z a row of logits, y its label and lse = log Σ_v exp z_v: CE = (1 − ε)(lse − z_y) + ε(lse − mean_v z_v)
+    (ε the label smoothing, as F.cross_entropy) and ∂CE/∂z = softmax(z) − (1 − ε)·onehot(y) − ε/V.
+
+    Our own because F.cross_entropy keeps a log-softmax of all B·T·V logits for its backward (and needs a
+    float32 copy of bf16/fp16 logits), and HF's loss, which does both, averages over the batch, mixing
+    examples. Here the forward goes ``_LOGITS_PER_CHUNK`` logits at a time and keeps only lse per row; the
+    backward writes exp(z − lse) straight into the gradient buffer, chunk by chunk, and finishes it in place.
     """
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-        batch, position = (labels != IGNORE_INDEX).nonzero(as_tuple=True)
-        targets = labels[batch, position]
-        ctx.save_for_backward(logits, batch, position, targets)
+        flat = logits.reshape(-1, logits.shape[-1])
+        targets = labels.reshape(-1, 1).to(flat.device)
+        labelled = targets[:, 0] != IGNORE_INDEX
+        targets = targets.clamp(min=0)  # an ignored row's target is never read: its loss and gradient are 0
+        wide = torch.promote_types(logits.dtype, torch.float32)
+        lse = torch.empty(flat.shape[0], dtype=wide, device=flat.device)
+        losses = torch.empty_like(lse)
+        for rows in _chunks(flat.shape[0], flat.shape[1]):
+            z = flat[rows].to(wide)
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            losses[rows] = (1 - label_smoothing) * (lse[rows] - z.gather(1, targets[rows])[:, 0])
+            if label_smoothing:
+                losses[rows] += label_smoothing * (lse[rows] - z.mean(dim=-1))
+        ctx.save_for_backward(logits, targets, labelled, lse)
         ctx.label_smoothing = label_smoothing
-        losses = torch.zeros(
-            labels.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device
-        )
-        for rows in _chunks(targets.shape[0], logits.shape[-1]):
-            index = (batch[rows], position[rows])
-            losses[index] = _cross_entropy(logits[index], targets[rows], label_smoothing)
-        return losses
+        return losses.where(labelled, 0.0).view(labels.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, batch, position, targets = ctx.saved_tensors
-        logits = logits.detach()
-        grad = torch.zeros_like(logits)
-        for rows in _chunks(targets.shape[0], logits.shape[-1]):
-            index = (batch[rows], position[rows])
-            with torch.enable_grad():
-                chunk = _at_least_float32(logits[index]).requires_grad_()
-                losses = _cross_entropy(chunk, targets[rows], ctx.label_smoothing)
-                (chunk_grad,) = torch.autograd.grad(losses, chunk, grad_losses[index])
-            grad[index] = chunk_grad.to(grad.dtype)
-        return grad, None, None
+        logits, targets, labelled, lse = ctx.saved_tensors
+        flat = logits.detach().reshape(-1, logits.shape[-1])
+        smoothing, vocab = ctx.label_smoothing, flat.shape[1]
+        weights = grad_losses.reshape(-1).to(lse.dtype).where(labelled, 0.0)[:, None]
+        grad = torch.empty(flat.shape, dtype=logits.dtype, device=flat.device)
+        for rows in _chunks(flat.shape[0], vocab):
+            in_place = grad.dtype == lse.dtype
+            g = grad[rows] if in_place else torch.empty(grad[rows].shape, dtype=lse.dtype, device=grad.device)
+            torch.sub(flat[rows], lse[rows, None], out=g)
+            g.exp_().mul_(weights[rows])  # w·softmax(z)
+            if smoothing:
+                g.sub_(weights[rows] * (smoothing / vocab))
+            g.scatter_add_(1, targets[rows], weights[rows] * -(1 - smoothing))
+            g.masked_fill_(~labelled[rows, None], 0.0)  # 0 even where an ignored row's logits overflowed
+            if not in_place:
+                grad[rows] = g
+        return grad.view(logits.shape), None, None
 
 
 def _chunks(rows: int, vocab: int) -> Iterator[slice]:
@@ -142,17 +149,6 @@ def _chunks(rows: int, vocab: int) -> Iterator[slice]:
 
 def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    """Per-row cross-entropy in at least float32 (0 for a row labelled -100)."""
-    return F.cross_entropy(
-        _at_least_float32(logits),
-        labels,
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-        label_smoothing=label_smoothing,
-    )
 
 
 def sequence_loss_per_example(

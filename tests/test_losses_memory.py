@@ -132,3 +132,16 @@ def test_the_only_logit_sized_tensor_made_is_the_gradient(monkeypatch, dtype):
     # not a float32 copy, a log-softmax or its gradient (HF's loss makes all three), nor one gradient per chunk
     assert list(made.storages) == [logits.grad.untyped_storage().data_ptr()], made.storages
     assert logits.grad.dtype == dtype
+
+
+def test_an_ignored_position_with_overflowed_logits_contributes_nothing():
+    """A position labelled -100 is never read: inf logits there leave the loss and every gradient finite (0 there)."""
+    logits, labels = logits_and_labels(torch.float32)
+    logits = logits.detach().clone()
+    logits[1, 6] = float("inf")  # row 1 is padding from position 4 on
+    logits.requires_grad_()
+    loss, grad = loss_and_grad(ours, logits, labels, False, 0.1)
+    expected, expected_grad = exact(logits.detach().nan_to_num(posinf=0.0), labels, False, 0.1)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all() and not grad[1, 6].any()
+    torch.testing.assert_close(loss, expected.float())
+    torch.testing.assert_close(grad, expected_grad.float())
