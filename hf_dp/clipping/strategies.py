@@ -209,16 +209,21 @@ class Bookkeeping:
         self, collector: NormCollector, factors: torch.Tensor, before: dict[int, float]
     ) -> None:
         """⟨Σ_i c_i g_i, V_p⟩ from autograd must equal Σ_i c_i ⟨G_i, V_p⟩ from the norm pass for every parameter p:
-        otherwise some use of p escaped the taps and its norm would be too small."""
+        otherwise some use of p escaped the taps and its norm would be too small. The error is measured against
+        ‖Σ_i c_i g_i‖ too (the typical size of a projection on V_p ~ N(0, I), which may land near 0 by chance)."""
         after = self._projections(collector)
-        tolerance = 2e-2 if collector.low_precision else 1e-3  # the two passes round bf16 differently
+        # the two passes round bf16 differently: measured up to 1.5% of a parameter's gradient (Llama 8×512, T 512)
+        tolerance = 5e-2 if collector.low_precision else 1e-3
         for param in self.engine.parameters:
             pid = id(param)
             projection = collector.projections.get(pid)
             ours = 0.0 if projection is None else float((factors.double() * projection.double()).sum())
             scale = 0.0 if projection is None else float((factors.double() * projection.double()).abs().sum())
             theirs = after[pid] - before[pid]
-            if abs(ours - theirs) > tolerance * max(scale, abs(theirs), 1e-6):
+            gradient = (
+                0.0 if param.grad is None else float(param.grad.double().norm())
+            )  # was 0 before this pass
+            if abs(ours - theirs) > tolerance * max(scale, abs(theirs), gradient, 1e-6):
                 raise UnsupportedModuleError(
                     f"parameter {self.engine.parameter_name(param)} gets gradient from outside the forward of the "
                     f"module that owns it (norm pass {ours:.4g} vs autograd {theirs:.4g} along a probe), so its "
