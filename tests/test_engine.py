@@ -86,6 +86,32 @@ def test_every_layer_materialised_inside_the_backward_matches_brute_force(monkey
     assert_close(ours, reference, rtol=TOLERANCE[dtype], floor=1e-3 if dtype == torch.float32 else 1e-6)
 
 
+def test_only_trained_parameters_are_materialised_in_the_backward(monkeypatch) -> None:
+    """BiTFiT (biases trained, weights frozen): a Linear's bias is formed in the backward, its frozen weight's
+    B × d_out × d_in per-example gradients are never built."""
+    from hf_dp.clipping.per_example import OuterProductSum
+
+    built = []
+    materialise = OuterProductSum.materialise
+    monkeypatch.setattr(
+        OuterProductSum, "materialise", lambda self, a, b: built.append(1) or materialise(self, a, b)
+    )
+    model = models.bert_classifier().double().eval()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.endswith("bias"))  # every biased module is then taken in the backward
+    batch = models.classification_batch(3)
+    _, ref_norms = models.brute_force(model, batch, max_norm=1e9)
+    engine = ClippingEngine(model)
+    with engine.record(batch["input_ids"].shape[0]):
+        losses = per_example_loss(model, batch)
+    assert engine._anchor is not None  # the token-wise layers were taken in the backward (the pooler is not)
+    model.zero_grad(set_to_none=True)
+    norms = engine.clipped_backward(losses, 1e9)
+    engine.remove_hooks()
+    assert not built
+    torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-8, atol=0)
+
+
 def test_a_long_sequence_materialises_the_lm_head_in_the_backward() -> None:
     """Unforced: with T > d_in the head's (and every linear layer's) per-example gradients are formed inside the
     backward; with T < d_in they are kept factored for book-keeping."""

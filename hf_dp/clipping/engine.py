@@ -356,8 +356,8 @@ class ClippingEngine:
         with torch.no_grad():
             found = self._rules[module](module, x, grad_output)
             explicit = {}
-            for name, part in found.items():
-                shape = getattr(module, name).shape
+            for name in self._owned[module]:  # not a frozen weight beside a trained bias (BiTFiT)
+                part, shape = found[name], getattr(module, name).shape
                 if isinstance(part, Materialised):
                     explicit[name] = part
                 else:
