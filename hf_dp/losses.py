@@ -127,8 +127,8 @@ class _TokenCrossEntropy(torch.autograd.Function):
         smoothing, vocab = ctx.label_smoothing, flat.shape[1]
         weights = grad_losses.reshape(-1).to(lse.dtype).where(labelled, 0.0)[:, None]
         grad = torch.empty(flat.shape, dtype=logits.dtype, device=flat.device)
+        in_place = grad.dtype == lse.dtype  # else each chunk is finished in float32, then cast
         for rows in _chunks(flat.shape[0], vocab):
-            in_place = grad.dtype == lse.dtype
             g = grad[rows] if in_place else torch.empty(grad[rows].shape, dtype=lse.dtype, device=grad.device)
             torch.sub(flat[rows], lse[rows, None], out=g)
             g.exp_().mul_(weights[rows])  # w·softmax(z)

@@ -75,19 +75,23 @@ def roberta_classifier(num_labels: int = 2) -> RobertaForSequenceClassification:
     return RobertaForSequenceClassification(config)
 
 
-def llama() -> LlamaForCausalLM:
+def llama(**sizes) -> LlamaForCausalLM:
+    """A tiny Llama (GQA); ``sizes`` override its LlamaConfig fields."""
     return LlamaForCausalLM(
         LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=16,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            pad_token_id=PAD,
-            bos_token_id=1,
-            eos_token_id=2,
-            max_position_embeddings=32,
+            **{
+                "num_hidden_layers": 2,
+                "hidden_size": 16,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "intermediate_size": 32,
+                "vocab_size": VOCAB,
+                "pad_token_id": PAD,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "max_position_embeddings": 32,
+                **sizes,
+            }
         )
     )
 

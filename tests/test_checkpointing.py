@@ -285,20 +285,15 @@ def test_bf16_first_step_check_allows_rounding_at_llm_like_shapes() -> None:
     """At 2 layers × 64, T 64 the two bf16 passes differ by up to 3.5% of a probe projection (which may land
     near 0 by chance; a check relative to it refused this model) but by 1.4% of the parameter's gradient,
     the scale the check uses now. The step stays the float32 one to bf16 precision."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=2,
+    model = models.llama(
         hidden_size=64,
         intermediate_size=176,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=1000,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    model = LlamaForCausalLM(config).train()
+        max_position_embeddings=64,
+    ).train()
     model.activation_checkpointing_enable({"use_reentrant": False})
     ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids.clone()}

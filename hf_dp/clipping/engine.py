@@ -7,7 +7,7 @@ norms are summed per Parameter object (so tied weights get the norm of the sum, 
 included), c_i = clip factor, and Σ_i c_i G_i is written to ``.grad`` by one GEMM per layer.
 Where B explicit per-example gradients are smaller than the output gradient book-keeping would keep
 (long sequences: T > d_in, e.g. the LM head), the layer's are formed inside that backward instead, as
-soon as its output gradient exists, and its input and output gradient are let go (``_MaterialiseTap``).
+soon as its output gradient exists, and its input and output gradient are let go (``_materialise``).
 
 A step may evaluate each example at several parameter points and clip the weighted combination
 u_i = Σ_e w_e g_i^e once (DiSK), in a scaled geometry ‖s ⊙ u_i‖ ≤ C (scale-then-privatize, DP²):
@@ -33,7 +33,7 @@ from hf_dp.clipping.geometry import (
 )
 from hf_dp.clipping.per_example import Materialised, PerExampleGradient, Weighted, combined_squared_norm
 from hf_dp.clipping.rules import functorch_per_example_grads, rule_for
-from hf_dp.clipping.taps import NormCollector, frozen, in_reentrant_checkpoint, is_checkpointing
+from hf_dp.clipping.taps import NormCollector, frozen, in_reentrant_checkpoint, is_checkpointing, tap
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -55,24 +55,6 @@ class _RecordedForward:
     args: tuple
     kwargs: dict
     outputs: list[torch.Tensor]
-
-
-class _MaterialiseTap(torch.autograd.Function):
-    """y ↦ y whose backward hands (the module's input x, ∂L/∂y) to the engine, which forms the module's
-    explicit per-example gradients there; ``anchor`` (in the engine's ``autograd.grad`` inputs) makes every
-    tap's backward run."""
-
-    @staticmethod
-    def forward(ctx, output, anchor, engine, module, x):
-        ctx.engine, ctx.module = engine, module
-        ctx.save_for_backward(x)
-        return output.detach()  # a fresh tensor, not a view: the model may modify it in place
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (x,) = ctx.saved_tensors
-        ctx.engine._materialise(ctx.module, x, grad_output)
-        return grad_output, grad_output.new_zeros(()), None, None, None
 
 
 @dataclass
@@ -132,7 +114,7 @@ class ClippingEngine:
         self._units: PrivacyUnits | None = None  # None: each row is its own privacy unit
         self._recording = False
         self._collector: NormCollector | None = None
-        # book-keeping's explicit per-example gradients formed in the backward (see _MaterialiseTap)
+        # book-keeping's explicit per-example gradients formed in the backward (see _materialise)
         self._anchor: torch.Tensor | None = None
         self._materialised: list[tuple[nn.Module, dict[str, PerExampleGradient]]] = []
         self.saw_checkpointing = False  # a recorded forward ran under torch.utils.checkpoint
@@ -332,7 +314,7 @@ class ClippingEngine:
         if self._materialises_in_backward(module, first, output):
             if self._anchor is None:
                 self._anchor = torch.zeros((), device=output.device, requires_grad=True)
-            return _MaterialiseTap.apply(output, self._anchor, self, module, first)
+            return tap(output, self._anchor, self._materialise, module, first)
         self._calls.append(_RecordedForward(module, tuple(args), dict(kwargs), outputs))
         return None
 
@@ -344,25 +326,28 @@ class ClippingEngine:
         params = [getattr(module, name) for name in self._owned[module]]
         if any(
             hasattr(p, "ds_shape") for p in params
-        ):  # ZeRO-3 partitions: shaped by ds_shape, kept factored
+        ):  # ZeRO-3 partitions (shaped by ds_shape): kept factored
             return False
         floats = (self._batch_size or 0) * sum(p.numel() for p in params)
         return floats < MATERIALISE_BELOW_OUTPUT_SHARE * output.numel()
 
     def _materialise(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor) -> None:
-        """In the backward: the module's explicit per-example gradients (B, *param.shape) from (x, ∂L/∂y)."""
+        """In the backward: the module's explicit per-example gradients (B, *param.shape) from (x, ∂L/∂y), for its
+        trained parameters only (not a frozen weight beside a trained bias: BiTFiT)."""
+        with torch.no_grad():
+            found = self._apply_rule(module, x, grad_output)
+            explicit = {
+                name: found[name].explicit(getattr(module, name).shape) for name in self._owned[module]
+            }
+        self._materialised.append((module, explicit))
+
+    def _apply_rule(
+        self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor
+    ) -> dict[str, PerExampleGradient]:
+        """The module's layer rule on (x, ∂L/∂y), per privacy unit."""
         where = f"{self._module_names.get(module, '?')} ({type(module).__name__})"
         x, grad_output = regroup_for_rule(self._units, x, grad_output, where)
-        with torch.no_grad():
-            found = self._rules[module](module, x, grad_output)
-            explicit = {}
-            for name in self._owned[module]:  # not a frozen weight beside a trained bias (BiTFiT)
-                part, shape = found[name], getattr(module, name).shape
-                if isinstance(part, Materialised):
-                    explicit[name] = part
-                else:
-                    explicit[name] = Materialised(part.materialise(0, part.batch_size).reshape(-1, *shape))
-        self._materialised.append((module, explicit))
+        return self._rules[module](module, x, grad_output)
 
     # ---- per-example gradients, then the clipped sum ----------------------------------------------
 
@@ -403,7 +388,6 @@ class ClippingEngine:
         outputs = [o for call in calls for o in call.outputs if o.requires_grad]
         anchor = [] if self._anchor is None else [self._anchor]
         params = self.parameters if verify else []
-        self._materialised = []
         grads = torch.autograd.grad(per_example_loss.sum(), outputs + anchor + params, allow_unused=True)
         output_grads = iter(grads[: len(outputs)])
         reference = dict(zip((id(p) for p in params), grads[len(outputs) + len(anchor) :], strict=True))
@@ -513,9 +497,7 @@ class ClippingEngine:
             names, rule = self._owned[call.module], self._rules[call.module]
             if rule is not None:
                 grad_out = grads[0] if grads[0] is not None else torch.zeros_like(call.outputs[0])
-                where = f"{self._module_names.get(call.module, '?')} ({type(call.module).__name__})"
-                x, grad_out = regroup_for_rule(self._units, call.args[0], grad_out, where)
-                found = rule(call.module, x, grad_out)
+                found = self._apply_rule(call.module, call.args[0], grad_out)
             else:
                 found = self._fallback(call, grads, names)
             for name in names:

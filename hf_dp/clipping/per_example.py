@@ -85,6 +85,10 @@ class OuterProductSum:
             )
         return torch.bmm(self.left[start:stop].transpose(1, 2), self.right[start:stop])
 
+    def explicit(self, shape: torch.Size) -> Materialised:
+        """All B explicit per-example gradients, shaped (B, *shape)."""
+        return Materialised(self.materialise(0, self.batch_size).reshape(-1, *shape))
+
     def materialise_chunks(self) -> Iterator[torch.Tensor]:
         """Yield the explicit per-example gradients (b, rows, cols) a few examples at a time."""
         for start, stop in _chunks(self.batch_size, self.rows * self.right.shape[2]):
@@ -156,6 +160,9 @@ class Materialised:
 
     def materialise(self, start: int, stop: int) -> torch.Tensor:
         return self.grads[start:stop]
+
+    def explicit(self, shape: torch.Size) -> Materialised:
+        return self
 
     def without_examples(self, drop: torch.Tensor) -> Materialised:
         """G_i = 0 for the examples in ``drop`` (B,), bool."""

@@ -220,9 +220,8 @@ class Bookkeeping:
             ours = 0.0 if projection is None else float((factors.double() * projection.double()).sum())
             scale = 0.0 if projection is None else float((factors.double() * projection.double()).abs().sum())
             theirs = after[pid] - before[pid]
-            gradient = (
-                0.0 if param.grad is None else float(param.grad.double().norm())
-            )  # was 0 before this pass
+            # ‖Σ_i c_i g_i‖: the gradient was None or 0 before this first micro-batch (check_untouched)
+            gradient = 0.0 if param.grad is None else float(param.grad.double().norm())
             if abs(ours - theirs) > tolerance * max(scale, abs(theirs), gradient, 1e-6):
                 raise UnsupportedModuleError(
                     f"parameter {self.engine.parameter_name(param)} gets gradient from outside the forward of the "

@@ -2,7 +2,7 @@
 
 Book-keeping keeps every layer's input until one backward has produced all output gradients, which is what
 activation checkpointing exists to avoid. Here each parameter-owning module's output passes through an
-identity ``_NormTap`` that saves the module's input through autograd (so checkpointing drops and recomputes
+identity ``tap`` that saves the module's input through autograd (so checkpointing drops and recomputes
 it like any other saved activation) and, when the output gradient arrives, turns (input, output gradient)
 into this module's contribution to ‖s ⊙ g_i‖² with the layer's rule, then lets both go. A parameter used
 several times in one forward (tied embeddings, a shared layer) keeps its parts until its last use arrives
@@ -35,27 +35,32 @@ from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
 
 
-class _NormTap(torch.autograd.Function):
-    """y ↦ y whose backward hands (the module's input x, ∂L/∂y) to the collector. ``anchor`` requires grad, so y
-    does even while the parameters are frozen for the norm pass."""
+Receiver = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
+
+
+class _Tap(torch.autograd.Function):
+    """y ↦ y whose backward hands (module, its input x, ∂L/∂y) to ``receive``. ``anchor`` requires grad, so y does
+    even while the parameters are frozen, and differentiating towards it runs every tap's backward."""
 
     @staticmethod
-    def forward(ctx, output, anchor, collector, module, x):
-        ctx.collector, ctx.module = collector, module
+    def forward(ctx, output, anchor, receive, module, x):
+        ctx.receive, ctx.module = receive, module
         ctx.save_for_backward(x)
         return output.detach()  # a fresh tensor, not a view: the model may modify it in place
 
     @staticmethod
     def backward(ctx, grad_output):
         (x,) = ctx.saved_tensors
-        ctx.collector.add(ctx.module, x, grad_output)
-        return (
-            grad_output,
-            grad_output.new_zeros(()),
-            None,
-            None,
-            None,
-        )  # the anchor: what ``taps_only`` asks for
+        ctx.receive(ctx.module, x, grad_output)
+        return grad_output, grad_output.new_zeros(()), None, None, None  # zero for the anchor
+
+
+def tap(
+    output: torch.Tensor, anchor: torch.Tensor, receive: Receiver, module: nn.Module, x: torch.Tensor
+) -> torch.Tensor:
+    """``output`` unchanged, with ``receive(module, x, ∂L/∂output)`` called when its gradient arrives; x is saved
+    through autograd (a checkpoint drops and recomputes it)."""
+    return _Tap.apply(output, anchor, receive, module, x)
 
 
 class _AgainstIds:
@@ -136,7 +141,7 @@ class NormCollector:
                 pid = id(module.weight)
                 ids = x if self.units is None else self.units.regroup(x)
                 self._ids[pid] = None if pid in self._ids else ids.reshape(ids.shape[0], -1)
-        return _NormTap.apply(output, self.anchor, self, module, x)
+        return tap(output, self.anchor, self.add, module, x)
 
     def add(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor) -> None:
         where = f"{self.module_names.get(module, '?')} ({type(module).__name__})"
@@ -151,7 +156,7 @@ class NormCollector:
                 projection = part.project(self.direction(param))
                 self.projections[pid] = self.projections.get(pid, 0) + projection
             if self.kept is not None:
-                grads = part.materialise(0, self.batch_size).reshape(self.batch_size, *param.shape)
+                grads = part.explicit(param.shape).grads
                 if pid in self.kept:
                     self.kept[pid][1].add_(grads)  # another use: the per-example gradient is the sum
                 else:
