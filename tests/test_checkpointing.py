@@ -179,11 +179,17 @@ def test_the_norm_pass_keeps_no_checkpointed_activation_alive() -> None:
     assert total > 0 and alive == 0
 
 
-def test_a_parameter_used_outside_its_module_is_caught_with_checkpointing() -> None:
-    model = _SideUse().double()
-    batch = {"input_ids": torch.randn(3, 4, dtype=torch.float64)}
-    with pytest.raises(UnsupportedModuleError, match="head.weight gets gradient from outside"):
-        checkpointed_step(model, batch, 1.0, loss_fn=lambda m, b: m(b["input_ids"]).pow(2).sum(dim=1))
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_parameter_used_outside_its_module_is_caught_with_checkpointing(bf16: bool) -> None:
+    """Also under bf16 autocast, where the check allows the two passes' rounding (5% of the gradient)."""
+    torch.manual_seed(0)
+    model = _SideUse() if bf16 else _SideUse().double()
+    batch = {"input_ids": torch.randn(3, 4, dtype=torch.float32 if bf16 else torch.float64)}
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16),
+        pytest.raises(UnsupportedModuleError, match="head.weight gets gradient from outside"),
+    ):
+        checkpointed_step(model, batch, 1.0, loss_fn=lambda m, b: m(b["input_ids"]).float().pow(2).sum(dim=1))
 
 
 def test_shifted_evaluations_are_refused_with_checkpointing() -> None:
