@@ -56,17 +56,28 @@ def float64_rms_norm(monkeypatch):
     monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
 
 
-def checkpointed_step(
-    model, batch, max_norm, plan=None, strategy=None, loss_fn=per_example_loss
-) -> dict[str, torch.Tensor]:
-    """One micro-batch through the book-keeping strategy with norms in the backward; the clipped sum per name."""
+def checkpointed_steps(
+    model, batch, max_norm, plan=None, strategy=None, loss_fn=per_example_loss, steps=2
+) -> list[dict[str, torch.Tensor]]:
+    """The micro-batch through the book-keeping strategy with norms in the backward, ``steps`` times: the first
+    step checks (two whole passes), later ones skip the tail where the check allowed it. Each step's clipped sum
+    per name."""
     engine = strategy.engine if strategy else ClippingEngine(model)
     strategy = strategy or Bookkeeping(engine, model, norms_in_backward=True)
-    model.zero_grad(set_to_none=True)
     mask = torch.ones(batch["input_ids"].shape[0])
-    strategy.run(lambda module: loss_fn(module, batch), mask, plan or StepPlan(max_norm), model)
+    sums = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        strategy.run(lambda module: loss_fn(module, batch), mask, plan or StepPlan(max_norm), model)
+        sums.append({n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad})
+        strategy.check_untouched()
     engine.remove_hooks()
-    return {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
+    return sums
+
+
+def checkpointed_step(model, batch, max_norm, **kwargs) -> dict[str, torch.Tensor]:
+    """One micro-batch, one (first, checked) step."""
+    return checkpointed_steps(model, batch, max_norm, steps=1, **kwargs)[0]
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -80,8 +91,8 @@ def test_checkpointed_clipped_sum_matches_brute_force(name: str, reentrant: bool
     reference, _ = models.brute_force(model, batch, max_norm=max_norm)
     unwrap_model(model).activation_checkpointing_enable({"use_reentrant": reentrant})
     assert unwrap_model(model).is_activation_checkpointing
-    ours = checkpointed_step(model, batch, max_norm)
-    assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    for ours in checkpointed_steps(model, batch, max_norm):  # the checked first step, then the tail skipped
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
 
 
 def test_checkpointed_scaled_geometry_matches_brute_force() -> None:
@@ -92,8 +103,8 @@ def test_checkpointed_scaled_geometry_matches_brute_force() -> None:
     scale = factored_scales(model)
     reference, _ = models.brute_force_combined(model, batch, 0.3, scale=scale)
     model.activation_checkpointing_enable({"use_reentrant": False})
-    ours = checkpointed_step(model, batch, 0.3, plan=StepPlan(0.3, clip_scale=scale))
-    assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    for ours in checkpointed_steps(model, batch, 0.3, plan=StepPlan(0.3, clip_scale=scale)):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
 
 
 class _UserCheckpointed(nn.Module):
@@ -136,9 +147,10 @@ def test_a_model_checkpointed_by_its_user_is_detected_and_exact(reentrant: bool)
     model.reentrant = reentrant
     engine = ClippingEngine(model)
     strategy = Bookkeeping(engine, model)  # nothing told it about checkpointing
-    ours = checkpointed_step(model, batch, 0.5, strategy=strategy, loss_fn=_next_token_loss)
-    assert engine.saw_checkpointing and strategy.norms_in_backward
-    assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    for ours in checkpointed_steps(model, batch, 0.5, strategy=strategy, loss_fn=_next_token_loss):
+        assert engine.saw_checkpointing and strategy.norms_in_backward
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert strategy.skips_tail  # the tied head
 
 
 def _live_inner_inputs(model, engine, batch, checkpointing: bool) -> tuple[int, int]:
@@ -341,3 +353,60 @@ def test_a_no_grad_forward_inside_the_loss_changes_nothing(checkpointing: bool) 
     )
     assert strategy.norms_in_backward == checkpointing
     assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("name", ["llama", "gpt2_tied"])
+def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: str, reentrant: bool) -> None:
+    """After the first step's check, the weighted pass stops at the final norm's input: the LM head runs once a
+    step (in the norm pass), the loss once, and the clipped sum is still brute force's (tail.py)."""
+    build, make_batch = MODELS[name]
+    model = build().double().train()
+    batch = make_batch()
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    head_calls, loss_calls = [], []
+    model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(len(loss_calls)))
+
+    def counted_loss(module, batch):
+        loss_calls.append(None)
+        return per_example_loss(module, batch)
+
+    engine = ClippingEngine(model)
+    strategy = Bookkeeping(engine, model, norms_in_backward=True)
+    first, second = checkpointed_steps(model, batch, max_norm, strategy=strategy, loss_fn=counted_loss)
+    assert strategy.skips_tail
+    # step 1: norm pass, whole weighted pass, the check's forward up to the tail; step 2: norm pass, body only
+    assert len(loss_calls) == 5 and head_calls == [1, 2, 4]
+    assert_close(second, reference, rtol=1e-9, floor=1e-6)
+
+
+class _AuxiliaryLoss(_UserCheckpointed):
+    """Its loss also reads a body activation directly (like a router's auxiliary loss), not only through the
+    tail's input: skipping the tail would drop that term's gradient."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        h = h + torch_checkpoint.checkpoint(self.blocks[0], h, use_reentrant=False)
+        self.auxiliary = h.pow(2).mean(dim=(1, 2))
+        h = h + torch_checkpoint.checkpoint(self.blocks[1], h, use_reentrant=False)
+        return self.head(h)
+
+
+def test_a_loss_that_reaches_the_body_outside_the_tail_keeps_the_whole_weighted_pass() -> None:
+    torch.manual_seed(0)
+    model = _AuxiliaryLoss(None).double()
+
+    def loss_fn(module, batch):
+        return _next_token_loss(module, batch) + module.auxiliary
+
+    batch = models.token_batch()
+    reference, norms = models.brute_force(model, batch, max_norm=0.5, loss_fn=loss_fn)
+    assert norms.min() > 0.5
+    engine = ClippingEngine(model)
+    strategy = Bookkeeping(engine, model, norms_in_backward=True)
+    for ours in checkpointed_steps(model, batch, 0.5, strategy=strategy, loss_fn=loss_fn):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert strategy.skips_tail is False  # the first step's check found the difference

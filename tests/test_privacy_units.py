@@ -72,6 +72,10 @@ def strategy_step(
             if strategy_name == "in_backward":  # every layer's per-example gradients formed in the backward
                 patch.setattr("hf_dp.clipping.engine.MATERIALISE_BELOW_OUTPUT_SHARE", float("inf"))
             strategy.run(loss_of, mask, StepPlan(max_norm), model, units)
+            if strategy_name == "checkpointing":  # again: the checked first step allows skipping the tail
+                strategy.check_untouched()
+                model.zero_grad(set_to_none=True)
+                strategy.run(loss_of, mask, StepPlan(max_norm), model, units)
     engine.remove_hooks()
     return {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
 

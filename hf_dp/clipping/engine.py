@@ -221,13 +221,15 @@ class ClippingEngine:
         keep_gradients: bool = False,
         units: PrivacyUnits | None = None,
         freeze: bool = True,
+        keep_tail: bool = False,
     ) -> Iterator[NormCollector]:
         """Tap the forward of one micro-batch; ``backward()`` of Σ_i L_i then fills ``collector.norms()`` without
         keeping any layer input alive and without touching ``.grad`` (the clipped parameters are frozen).
         ``keep_gradients``: the collector also keeps each example's explicit gradient (see ``keeps_gradients``).
         ``units``: the norms are per privacy unit (``batch_size`` of them), as in ``record``. ``freeze=False``
         when the backward differentiates towards ``collector.anchor`` only (FSDP2, which decides from
-        ``requires_grad`` in a forward which gradients it will reduce: frozen there, they never would be)."""
+        ``requires_grad`` in a forward which gradients it will reduce: frozen there, they never would be).
+        ``keep_tail``: the collector keeps what the weighted pass needs to skip the model's tail (tail.py)."""
         missing = [self._module_names.get(m, "?") for m, rule in self._rules.items() if rule is None]
         if missing:
             raise UnsupportedModuleError(
@@ -249,6 +251,7 @@ class ClippingEngine:
             keep_gradients,
             None if units is None or units.is_trivial else units,
             self._module_names,
+            keep_tail,
         )
         self._collector, self._batch_size = collector, batch_size if units is None else units.rows
         try:
@@ -286,7 +289,9 @@ class ClippingEngine:
             and not torch.is_grad_enabled()
             and in_reentrant_checkpoint()
         ):
-            self._collector.count(module)  # reentrant checkpointing: tapped when recomputed in the backward
+            self._collector.count(
+                module, checkpointed=True
+            )  # reentrant checkpointing: tapped when recomputed in the backward
         if not self._active():
             return None
         outputs = [

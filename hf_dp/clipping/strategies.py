@@ -22,6 +22,7 @@ from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.evaluate import ParameterShifter, evaluate_at_points, replay_rng, rng_state
+from hf_dp.clipping.tail import Tail, forward_to
 from hf_dp.clipping.taps import NormCollector
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.optim.plan import StepPlan
@@ -61,13 +62,15 @@ def norm_pass(
     keep_gradients: bool = False,
     units: PrivacyUnits | None = None,
     taps_only: bool = False,
+    keep_tail: bool = False,
 ) -> tuple[NormCollector, torch.Tensor]:
     """One tapped forward and backward of Σ_i L_i: the collector holds the per-example norms, no ``.grad``
     is written (activation checkpointing; ``ClippingEngine.norms_in_backward``). ``taps_only``: differentiate
     towards the taps alone (``autograd.grad``), so that no weight gradient is even formed: FSDP2 computes with
-    unsharded copies of the parameters, which freezing the sharded ones does not freeze."""
+    unsharded copies of the parameters, which freezing the sharded ones does not freeze. ``keep_tail``: keep what
+    the weighted pass needs to skip the model's tail (tail.py)."""
     with engine.norms_in_backward(
-        batch_size, plan.clip_scale, probe, keep_gradients, units, freeze=not taps_only
+        batch_size, plan.clip_scale, probe, keep_gradients, units, freeze=not taps_only, keep_tail=keep_tail
     ) as collector:
         losses = losses_of(module)
         collector.counting = False  # the backward's recomputations are not uses
@@ -99,6 +102,7 @@ class Bookkeeping:
     def __init__(self, engine: ClippingEngine, module: nn.Module, norms_in_backward: bool = False) -> None:
         self.engine, self.module = engine, module
         self.norms_in_backward = norms_in_backward  # activation checkpointing: two passes, see _two_passes
+        self.skips_tail: bool | None = None  # the weighted pass skips the tail (tail.py): None until checked
         self.shifter = ParameterShifter()
         self._verified = False
         self._left: list | None = None  # the gradients' (identity, version) after this strategy's last write
@@ -162,9 +166,10 @@ class Bookkeeping:
         self, losses_of: LossFn, mask: torch.Tensor, plan: StepPlan, verify: bool, units: PrivacyUnits | None
     ) -> torch.Tensor:
         """Activation checkpointing: norms inside a first backward, then Σ_i c_i L_i back-propagated into ``.grad``
-        (same dropout masks); both on the bare module. With few trainable weights (LoRA) the first backward also
-        keeps each example's explicit gradient and the clipped sum is formed from them: one pass. The first
-        step always takes two passes, to check the taps against autograd."""
+        (same dropout masks); both on the bare module. The weighted pass skips the model's tail (LM head and loss)
+        from the first step's check on, if that found it exact (tail.py). With few trainable weights (LoRA) the
+        first backward also keeps each example's explicit gradient and the clipped sum is formed from them: one
+        pass. The first step always takes two whole passes, to check the taps against autograd."""
         if not plan.single_evaluation:
             raise ValueError(
                 "this dp_optimizer evaluates each example at two parameter points (DiSK), which activation "
@@ -172,9 +177,18 @@ class Bookkeeping:
             )
         batch_size = mask.shape[0]
         one_pass = not verify and self.engine.keeps_gradients(batch_size)
+        keep_tail = not one_pass and self.skips_tail is not False
         state = rng_state()
         collector, losses = norm_pass(
-            self.engine, self.module, losses_of, batch_size, plan, verify, one_pass, units
+            self.engine,
+            self.module,
+            losses_of,
+            batch_size,
+            plan,
+            verify,
+            one_pass,
+            units,
+            keep_tail=keep_tail,
         )
         if not torch.isfinite(losses[mask.bool()]).all():
             raise FloatingPointError(
@@ -190,14 +204,68 @@ class Bookkeeping:
                     part = part.without_examples(overflowed) if overflowed.any() else part
                     self.engine.add_to_sum(param, part, factors)
             return losses
+        tail = collector.tail() if keep_tail else None
         replay_rng(state)
+        if tail is not None and self.skips_tail:
+            self._weighted_body_backward(tail, losses_of, factors, units)
+            self.engine.move_to_low_precision_sums()
+            return losses
         before = self._projections(collector) if verify else None
-        losses = losses_of(self.module)
-        (factors.detach().to(losses.dtype) * losses).sum().backward()
+        (factors.detach().to(losses.dtype) * losses_of(self.module)).sum().backward()
         if verify:
             self._check_projections(collector, factors, before)
+            if keep_tail:
+                replay_rng(state)
+                self.skips_tail = tail is not None and self._tail_matches(
+                    tail, losses_of, factors, units, collector
+                )
         self.engine.move_to_low_precision_sums()
         return losses
+
+    def _weighted_body_backward(
+        self, tail: Tail, losses_of: LossFn, factors: torch.Tensor, units: PrivacyUnits | None
+    ) -> None:
+        """Σ_i c_i g_i into ``.grad`` without the tail: the body's backward from the tail's input h, then the tail's
+        own Σ_i c_i G_i."""
+        hidden = forward_to(tail.boundary, lambda: losses_of(self.module))
+        if hidden.requires_grad:
+            hidden.backward(tail.hidden_gradient(factors, units))
+        with torch.no_grad():
+            for param, part in tail.clipped_parts(factors):
+                self.engine.add_to_sum(param, part, factors)
+
+    def _tail_matches(
+        self,
+        tail: Tail,
+        losses_of: LossFn,
+        factors: torch.Tensor,
+        units: PrivacyUnits | None,
+        collector: NormCollector,
+    ) -> bool:
+        """The first step: the clipped sum without the tail equals the whole weighted pass's, now in ``.grad``
+        (same tolerance as the taps' check), for every clipped parameter."""
+        params = self.engine.parameters
+        whole = [p.grad for p in params]  # set aside: reentrant checkpointing allows backward() only
+        for param in params:
+            param.grad = None
+        hidden = forward_to(tail.boundary, lambda: losses_of(self.module))
+        if hidden.requires_grad:
+            hidden.backward(tail.hidden_gradient(factors, units))
+        sums = {id(p): None if p.grad is None else p.grad.float() for p in params}
+        for param, grad in zip(params, whole, strict=True):
+            param.grad = grad
+        with torch.no_grad():
+            for param, part in tail.clipped_parts(factors):
+                sums[id(param)] = part.accumulate(sums[id(param)], factors, param.float())
+        tolerance = 5e-2 if collector.low_precision else 1e-3
+        largest = max((float(p.grad.norm()) for p in params if p.grad is not None), default=0.0)
+        for param in params:
+            whole = torch.zeros_like(param, dtype=torch.float32) if param.grad is None else param.grad.float()
+            ours = sums[id(param)]
+            ours = torch.zeros_like(whole) if ours is None else ours
+            if float((ours - whole).norm()) > tolerance * max(float(whole.norm()), 1e-3 * largest, 1e-12):
+                return False
+        return True
 
     def _projections(self, collector: NormCollector) -> dict[int, float]:
         return {

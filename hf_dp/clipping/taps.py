@@ -16,6 +16,7 @@ nodes; reentrant checkpointing runs the forward under no_grad, untapped, and tap
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator
 
@@ -30,6 +31,7 @@ from hf_dp.clipping.per_example import (
     PerExampleGradient,
     combined_squared_norm,
 )
+from hf_dp.clipping.tail import Tail, TailBoundary, keep_form
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
@@ -80,7 +82,8 @@ class NormCollector:
 
     ``probe`` (the first step): also ⟨G_i, V_p⟩ for a random V_p per parameter (``direction``, regenerated from
     its seed when needed, never stored), so the strategy can check that the norm pass saw every use of every
-    parameter against autograd's gradient.
+    parameter against autograd's gradient. ``keep_tail``: also keep what the weighted pass needs to skip the
+    uses after the last checkpointed one (``tail``, see tail.py).
     """
 
     def __init__(
@@ -96,6 +99,7 @@ class NormCollector:
         keep_gradients: bool = False,
         units: PrivacyUnits | None = None,
         module_names: dict[nn.Module, str] | None = None,
+        keep_tail: bool = False,
     ) -> None:
         self.rules, self.owned, self.scales, self.materialise = rules, owned, scales, materialise
         # each scale by where its parameter is used: FSDP2 swaps the module's sharded parameter for an unsharded
@@ -120,6 +124,12 @@ class NormCollector:
         self.projections: dict[int, torch.Tensor] = {}
         # few trainable weights (LoRA): keep each example's explicit gradient, so no second pass is needed
         self.kept: dict[int, tuple[nn.Parameter, torch.Tensor]] | None = {} if keep_gradients else None
+        # the first forward's uses in order: the tail is every use after the last checkpointed one
+        self.keep_tail = keep_tail
+        self._calls, self._last_checkpointed = 0, 0
+        self._calls_of: dict[nn.Module, int] = {}
+        self._boundary: tuple[int, TailBoundary] | None = None  # (its use's number, the boundary)
+        self._tail_parts: list[tuple[nn.Parameter, PerExampleGradient]] = []
 
     def direction(self, param: nn.Parameter) -> torch.Tensor:
         """The probe V_p of a parameter: N(0, I), the same values at every call (one seed; each parameter is checked
@@ -127,29 +137,54 @@ class NormCollector:
         generator = torch.Generator(device=param.device).manual_seed(0)
         return torch.randn(param.shape, generator=generator, dtype=self.squared.dtype, device=param.device)
 
-    def count(self, module: nn.Module) -> None:
-        """One more use of the module's parameters in the forward (not in a recomputation)."""
+    def count(self, module: nn.Module, checkpointed: bool = False) -> int:
+        """One more use of the module's parameters in the forward (not in a recomputation); its number."""
         for name in self.owned[module]:
             pid = id(getattr(module, name))
             self.uses[pid] = self.uses.get(pid, 0) + 1
+        self._calls += 1
+        self._calls_of[module] = self._calls_of.get(module, 0) + 1
+        if checkpointed:
+            self._last_checkpointed = self._calls
+        return self._calls
 
     def tap(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         self.low_precision |= output.dtype in (torch.bfloat16, torch.float16)
+        receive = self.add
         if self.counting:
-            self.count(module)
+            checkpointed = is_checkpointing()
+            call = self.count(module, checkpointed)
             if isinstance(module, nn.Embedding):
                 pid = id(module.weight)
                 ids = x if self.units is None else self.units.regroup(x)
                 self._ids[pid] = None if pid in self._ids else ids.reshape(ids.shape[0], -1)
-        return tap(output, self.anchor, self.add, module, x)
+            if self.keep_tail and self._last_checkpointed and not checkpointed:
+                receive = functools.partial(self.add, call=call)  # a tail use if no checkpointed use follows
+                if call == self._last_checkpointed + 1 and x.requires_grad:
+                    self._boundary = (call, TailBoundary(module, self._calls_of[module]))
+                    self._boundary[1].watch(x)
+        return tap(output, self.anchor, receive, module, x)
 
-    def add(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+    def tail(self) -> Tail | None:
+        """After the backward: the tail the weighted pass may skip (None: no checkpointed use, or no tail)."""
+        if self._boundary is None or not self._tail_parts:
+            return None
+        call, boundary = self._boundary
+        if call != self._last_checkpointed + 1 or boundary.gradient is None:
+            return None
+        return Tail(boundary, self._tail_parts)
+
+    def add(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor, call: int = 0) -> None:
         where = f"{self.module_names.get(module, '?')} ({type(module).__name__})"
         x, grad_output = regroup_for_rule(self.units, x, grad_output, where)
         found = self.rules[module](module, x, grad_output)
+        in_tail = call > self._last_checkpointed
         for name in self.owned[module]:
             param = getattr(module, name)
             pid, part = id(param), found[name]
+            if in_tail:  # kept for the weighted pass, in the form its norm is also computed from
+                part = keep_form(part, param.shape)
+                self._tail_parts.append((param, part))
             if (module, name) in self._site_scales:
                 self.scales[pid] = self._site_scales[module, name]
             if self.probe:

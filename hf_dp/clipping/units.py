@@ -81,11 +81,11 @@ class PrivacyUnits:
     def sum_rows(self, per_row: torch.Tensor) -> torch.Tensor:
         """Σ over each unit's rows of a per-row tensor (R, ...) → (U, ...) (row units only)."""
         total = per_row.new_zeros(self.count, *per_row.shape[1:])
-        return total.index_add_(0, self._unit_of_row(), per_row)
+        return total.index_add_(0, self.unit_of_row(), per_row)
 
     def mean_over_rows(self, per_row: torch.Tensor) -> torch.Tensor:
         """The mean over each unit's rows, (R,) → (U,): a user's loss is the mean of its examples' losses."""
-        counts = torch.bincount(self._unit_of_row(), minlength=self.count).to(per_row.dtype)
+        counts = torch.bincount(self.unit_of_row(), minlength=self.count).to(per_row.dtype)
         return self.sum_rows(per_row) / counts
 
     def mean_over_tokens(self, token_losses: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ class PrivacyUnits:
         tokens = None if self.unit_of_token is None else self.unit_of_token.to(device)
         return PrivacyUnits(self.rows, self.count, self.slots.to(device), self.per_row, tokens)
 
-    def _unit_of_row(self) -> torch.Tensor:
+    def unit_of_row(self) -> torch.Tensor:
         if not self.per_row:
             raise UnitLayoutError("records packed in a row are not whole rows")
         unit_of_row = torch.empty(self.rows, dtype=torch.long, device=self.slots.device)

@@ -1,0 +1,116 @@
+"""Activation checkpointing's weighted pass without the model's tail.
+
+The tail is what runs after the last checkpointed block: a causal LM's final norm and LM head, and the loss. It is
+position-wise (each position's loss depends on the body only through that position's hidden state h), so
+∂L_i/∂h is ∂(Σ_j L_j)/∂h restricted to unit i's rows or tokens, and the weighted pass's gradient at h is
+
+    ∂(Σ_i c_i L_i)/∂h = spread(c) ⊙ ∂(Σ_j L_j)/∂h        (spread: c_i on each row or token of unit i).
+
+So the norm pass keeps ∂(Σ_j L_j)/∂h (B·T·d floats) and the tail's per-example gradients G_i (explicit, or the
+layer's factors when those are smaller), and the weighted pass runs the body alone: forward up to h, backward
+from h with spread(c) ⊙ ∂(Σ L)/∂h, plus Σ_i c_i G_i for the tail's parameters. That drops the LM head's forward,
+both of its backward GEMMs and the loss from the second pass (a third of a checkpointed Llama 8×512 step at
+vocabulary 32k). The first step checks the result against the whole weighted pass and uses the whole pass for good
+if they differ (a loss term that reaches the body other than through h, e.g. a router's auxiliary loss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hf_dp.clipping.per_example import OuterProductSum, PerExampleGradient
+from hf_dp.clipping.units import PrivacyUnits
+
+
+@dataclass
+class TailBoundary:
+    """The tail's input h: the input of its first module's ``call``-th call, and ∂(Σ_i L_i)/∂h from the norm pass."""
+
+    module: nn.Module
+    call: int
+    gradient: torch.Tensor | None = None
+
+    def watch(self, hidden: torch.Tensor) -> None:
+        """Keep h's gradient when the norm pass's backward reaches it."""
+
+        def keep(gradient: torch.Tensor) -> None:
+            self.gradient = gradient.detach().clone()
+
+        hidden.register_hook(keep)
+
+
+@dataclass
+class Tail:
+    """What the norm pass kept of the tail: its boundary and each use's per-example gradients."""
+
+    boundary: TailBoundary
+    parts: list[tuple[nn.Parameter, PerExampleGradient]] = field(default_factory=list)
+
+    def hidden_gradient(self, factors: torch.Tensor, units: PrivacyUnits | None) -> torch.Tensor:
+        """spread(c) ⊙ ∂(Σ_i L_i)/∂h, exactly 0 on the rows and tokens of units with c_i = 0 (their gradient may
+        not be finite)."""
+        gradient = self.boundary.gradient
+        weights = spread(factors, units, gradient.shape).to(gradient.dtype)
+        return torch.where(weights != 0, gradient * weights, 0.0)
+
+    def clipped_parts(self, factors: torch.Tensor) -> list[tuple[nn.Parameter, PerExampleGradient]]:
+        """The tail's parts without the examples whose clip factor is 0 (0 · inf would be nan)."""
+        dropped = factors == 0
+        if not dropped.any():
+            return self.parts
+        return [(param, part.without_examples(dropped)) for param, part in self.parts]
+
+
+def keep_form(part: PerExampleGradient, shape: torch.Size) -> PerExampleGradient:
+    """The smaller exact form of a tail use's per-example gradients: explicit (B, *shape), or the layer's factors."""
+    if isinstance(part, OuterProductSum) and part.left.is_floating_point():
+        factors = part.left.numel() + part.right.numel()
+        if part.batch_size * shape.numel() <= factors:
+            return part.explicit(shape)
+    return part
+
+
+def spread(factors: torch.Tensor, units: PrivacyUnits | None, shape: torch.Size) -> torch.Tensor:
+    """c per unit → c on each row (or token) of a (R, T, ...) tensor, broadcastable to ``shape``."""
+    if units is None or units.is_trivial:
+        per_row = factors
+    elif units.per_row:
+        per_row = factors[units.unit_of_row()]
+    else:
+        of_token = units.unit_of_token
+        per_token = torch.where(of_token >= 0, factors[of_token.clamp(min=0)], 0.0)
+        return per_token.reshape(*per_token.shape, *[1] * (len(shape) - 2))
+    return per_row.reshape(-1, *[1] * (len(shape) - 1))
+
+
+class _ReachedBoundary(Exception):
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+
+def forward_to(boundary: TailBoundary, forward: Callable[[], object]) -> torch.Tensor:
+    """Run ``forward`` until it calls the tail's first module (``boundary.call``-th time) and return that call's
+    input h, without running the tail."""
+    calls = 0
+
+    def stop(module: nn.Module, args: tuple) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == boundary.call:
+            raise _ReachedBoundary(args[0])
+
+    handle = boundary.module.register_forward_pre_hook(stop)
+    try:
+        forward()
+    except _ReachedBoundary as reached:
+        return reached.hidden
+    finally:
+        handle.remove()
+    raise RuntimeError(
+        "the weighted pass never reached the tail the norm pass saw: its forward changed between passes"
+    )
