@@ -22,6 +22,7 @@ from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.evaluate import ParameterShifter, evaluate_at_points, replay_rng, rng_state
+from hf_dp.clipping.loss_scale import LossScale, unscaled_gradients
 from hf_dp.clipping.taps import NormCollector
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.optim.plan import StepPlan
@@ -94,11 +95,19 @@ class Bookkeeping:
     It owns ``.grad`` between two releases: at a logical batch's first micro-batch every gradient must be
     None or zero, and ``check_untouched`` (before the release) and every later micro-batch find each ``.grad``
     exactly as this strategy left it (same tensor, same version), or training stops before any noise is added.
+    ``fp16``: the forwards run under fp16 autocast and every backward is of S·L_i, unscaled before clipping.
     """
 
-    def __init__(self, engine: ClippingEngine, module: nn.Module, norms_in_backward: bool = False) -> None:
+    def __init__(
+        self,
+        engine: ClippingEngine,
+        module: nn.Module,
+        norms_in_backward: bool = False,
+        fp16: LossScale | None = None,
+    ) -> None:
         self.engine, self.module = engine, module
         self.norms_in_backward = norms_in_backward  # activation checkpointing: two passes, see _two_passes
+        self.fp16, self.loss_scale = fp16, 1.0 if fp16 is None else fp16.scale  # S
         self.shifter = ParameterShifter()
         self._verified = False
         self._left: list | None = None  # the gradients' (identity, version) after this strategy's last write
@@ -135,6 +144,8 @@ class Bookkeeping:
         if not mask.any():  # nothing to add; the release still adds noise to the zero sum
             self._left = self._versions()
             return MicroStep(mask.new_zeros(batch_size), None)
+        if self.fp16 is not None:
+            losses_of = self.fp16.scaled(losses_of)  # S·L_i: every backward below is S-scaled
         if self.norms_in_backward:
             losses = self._two_passes(losses_of, mask, plan, verify, units)
         elif plan.single_evaluation:
@@ -147,16 +158,23 @@ class Bookkeeping:
                 losses = self._two_passes(losses_of, mask, plan, verify, units)
             else:
                 self.engine.clipped_backward(
-                    losses, plan.clip_norm, mask, verify=verify, clip_scale=plan.clip_scale
+                    losses,
+                    plan.clip_norm,
+                    mask,
+                    verify=verify,
+                    clip_scale=plan.clip_scale,
+                    loss_scale=self.loss_scale,
                 )
         else:
             evaluated, losses = evaluate_at_points(
                 self.engine, self.module, losses_of, plan.evaluations, rows, self.shifter, verify, units
             )
-            self.engine.clip_and_accumulate(evaluated, plan.clip_norm, mask, clip_scale=plan.clip_scale)
+            self.engine.clip_and_accumulate(
+                evaluated, plan.clip_norm, mask, clip_scale=plan.clip_scale, loss_scale=self.loss_scale
+            )
         self._verified = True
         self._left = self._versions()
-        return MicroStep(losses.detach(), None)
+        return MicroStep(losses.detach() / self.loss_scale, None)
 
     def _two_passes(
         self, losses_of: LossFn, mask: torch.Tensor, plan: StepPlan, verify: bool, units: PrivacyUnits | None
@@ -164,7 +182,8 @@ class Bookkeeping:
         """Activation checkpointing: norms inside a first backward, then Σ_i c_i L_i back-propagated into ``.grad``
         (same dropout masks); both on the bare module. With few trainable weights (LoRA) the first backward also
         keeps each example's explicit gradient and the clipped sum is formed from them: one pass. The first
-        step always takes two passes, to check the taps against autograd."""
+        step always takes two passes, to check the taps against autograd. With fp16 the losses are S·L_i: the
+        norms are ‖S g_i‖ / S, the factors applied to the S-scaled parts c_i / S, and ``.grad`` is divided by S."""
         if not plan.single_evaluation:
             raise ValueError(
                 "this dp_optimizer evaluates each example at two parameter points (DiSK), which activation "
@@ -181,21 +200,22 @@ class Bookkeeping:
                 "an example's loss overflowed in the forward; with activation checkpointing its zero clip weight "
                 "cannot keep inf out of the weighted backward: train in bf16 or float32, or turn checkpointing off"
             )
-        norms = collector.norms()
+        norms = collector.norms() / self.loss_scale
         factors = self.engine.clip_factors(norms, plan.clip_norm) * mask.to(torch.float32)
         if one_pass:
             overflowed = ~torch.isfinite(norms)
             with torch.no_grad():
                 for param, part in collector.kept_gradients():
                     part = part.without_examples(overflowed) if overflowed.any() else part
-                    self.engine.add_to_sum(param, part, factors)
+                    self.engine.add_to_sum(param, part, factors / self.loss_scale)
             return losses
         replay_rng(state)
         before = self._projections(collector) if verify else None
         losses = losses_of(self.module)
-        (factors.detach().to(losses.dtype) * losses).sum().backward()
+        with unscaled_gradients(self.engine.parameters, self.loss_scale):
+            (factors.detach().to(losses.dtype) * losses).sum().backward()
         if verify:
-            self._check_projections(collector, factors, before)
+            self._check_projections(collector, factors / self.loss_scale, before)
         self.engine.move_to_low_precision_sums()
         return losses
 
@@ -315,14 +335,16 @@ def clipping_strategy(
     deepspeed: bool,
     checkpointing: bool,
     fsdp: bool = False,
+    fp16: LossScale | None = None,
 ) -> Bookkeeping | TwoPass | NonPrivate:
     """What the run needs: no engine means no DP; DeepSpeed and FSDP own the gradients, so they get the two passes
     (FSDP's norm pass always computes its norms inside the backward: with the parameters frozen, nothing reaches
-    its reduce-scatter); activation checkpointing gets its norms inside a backward."""
+    its reduce-scatter); activation checkpointing gets its norms inside a backward. ``fp16`` (one process or DDP
+    only: the trainer refuses it with DeepSpeed and FSDP): fp16 autocast with the fixed loss scale S."""
     if engine is None:
         return NonPrivate(None, world_size) if deepspeed or fsdp else NonPrivate(module)
     if deepspeed or fsdp:
         return TwoPass(
             engine, module, world_size, norms_in_backward=checkpointing or fsdp, sharded_parameters=fsdp
         )
-    return Bookkeeping(engine, module, norms_in_backward=checkpointing)
+    return Bookkeeping(engine, module, norms_in_backward=checkpointing, fp16=fp16)
