@@ -180,7 +180,10 @@ class DPTrainerMixin:
     @property
     def _fp16_under_dp(self) -> bool:
         """fp16=True while training privately: our step owns the autocast and the fixed loss scale."""
-        return bool(self.args.fp16) and not self.args.disable_dp
+        private = not getattr(
+            self.args, "disable_dp", True
+        )  # plain TrainingArguments are refused after __init__
+        return bool(self.args.fp16) and private
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
