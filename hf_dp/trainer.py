@@ -180,9 +180,8 @@ class DPTrainerMixin:
     @property
     def _fp16_under_dp(self) -> bool:
         """fp16=True while training privately: our step owns the autocast and the fixed loss scale."""
-        private = not getattr(
-            self.args, "disable_dp", True
-        )  # plain TrainingArguments are refused after __init__
+        # plain TrainingArguments have no disable_dp: DPTrainerMixin refuses them after __init__
+        private = not getattr(self.args, "disable_dp", True)
         return bool(self.args.fp16) and private
 
     def create_accelerator_and_postprocess(self) -> None:
