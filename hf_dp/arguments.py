@@ -14,6 +14,7 @@ from transformers import TrainingArguments
 from hf_dp import compat
 from hf_dp.accounting import AccountantName
 from hf_dp.clipping.geometry import ClippingFn, ClippingMode
+from hf_dp.clipping.loss_scale import DEFAULT_FP16_LOSS_SCALE, check_loss_scale
 from hf_dp.optim.registry import dp_optimizer_names, make_dp_optimizer
 
 CLIPPING_MODES = get_args(ClippingMode)
@@ -122,6 +123,14 @@ class DPTrainingArguments(TrainingArguments):
             "is then stated per block, not per example. None: detected (rows of one length, labels = input_ids)."
         },
     )
+    dp_fp16_loss_scale: float = field(
+        default=DEFAULT_FP16_LOSS_SCALE,
+        metadata={
+            "help": "With fp16=True: the fixed loss scale S, a power of two. The per-example losses are scaled by S "
+            "before each backward and the per-example gradients unscaled before clipping; S never changes, so no "
+            "step is skipped and no scale decision depends on the data (docs/clipping.md, Low precision)."
+        },
+    )
     max_grad_norm: float = field(
         default=0.0,
         metadata={
@@ -220,6 +229,12 @@ class DPTrainingArguments(TrainingArguments):
                 f"insecure_dp_seed={self.insecure_dp_seed}: the noise and the batches are a function of this seed; "
                 "anyone who knows it can remove the noise from the released model (the model card says so)",
                 stacklevel=3,
+            )
+        check_loss_scale(self.dp_fp16_loss_scale)
+        if self.dp_fp16_loss_scale != DEFAULT_FP16_LOSS_SCALE and not self.fp16:
+            fail(
+                f"dp_fp16_loss_scale={self.dp_fp16_loss_scale:g} scales the loss under fp16 autocast only; set fp16=True "
+                "or drop dp_fp16_loss_scale"
             )
         if self.max_examples_per_unit < 1:
             fail(f"max_examples_per_unit must be >= 1, got {self.max_examples_per_unit}")

@@ -33,15 +33,14 @@ class FieldPolicy:
     accepts: Callable[[Any], bool] = lambda value: (
         True
     )  # values allowed (refused) / without warning (no_effect)
-    private_only: bool = False  # refused only when training privately (allowed with disable_dp)
 
 
 def _honoured(why: str = "") -> FieldPolicy:
     return FieldPolicy("honoured", why)
 
 
-def _refused(why: str, accepts: Callable[[Any], bool] = _off, private_only: bool = False) -> FieldPolicy:
-    return FieldPolicy("refused", why, accepts, private_only)
+def _refused(why: str, accepts: Callable[[Any], bool] = _off) -> FieldPolicy:
+    return FieldPolicy("refused", why, accepts)
 
 
 def _no_effect(why: str, accepts: Callable[[Any], bool]) -> FieldPolicy:
@@ -99,10 +98,10 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     ),
     # precision, memory, kernels
     "bf16": _honoured("autocast; per-example norms and the noisy sum stay fp32"),
-    "fp16": _refused(
-        "(autocast with GradScaler loss scaling) is not supported yet: use bf16=True, or fp16 weights "
-        "(model.half()), whose clipped sum and noise stay float32",
-        private_only=True,
+    "fp16": _honoured(
+        "fp16 autocast with a FIXED loss scale dp_fp16_loss_scale instead of the GradScaler (which would skip steps "
+        "on the unnoised gradient); norms and the noisy sum stay fp32 (docs/clipping.md). Refused with DeepSpeed "
+        "and FSDP"
     ),
     "bf16_full_eval": _honoured(_EVAL),
     "fp16_full_eval": _honoured(_EVAL),
@@ -254,7 +253,7 @@ def check_fields(args: Any) -> None:
         if not hasattr(args, name):
             continue
         value = getattr(args, name)
-        if policy.accepts(value) or (policy.private_only and args.disable_dp):
+        if policy.accepts(value):
             continue
         if policy.status == "refused":
             raise ValueError(f"DPTrainingArguments: {name}={value!r} {policy.why}")

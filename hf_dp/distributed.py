@@ -97,6 +97,23 @@ def check_deepspeed_config(config: dict[str, Any]) -> None:
         raise ValueError("DeepSpeed gradient_predivide_factor must be 1.0 under DPTrainer")
 
 
+def check_fp16(model: torch.nn.Module, deepspeed: bool, fsdp: bool) -> None:
+    """Refuse what ``fp16=True`` under DP cannot run exactly (before training): its fixed loss scale lives in the
+    one-process / DDP step, and autocast needs float32 master weights."""
+    if deepspeed or fsdp:
+        raise ValueError(
+            f"fp16=True under {'DeepSpeed' if deepspeed else 'FSDP'}: its fp16 loss scaler skips a step when the "
+            "unnoised gradient overflows (a decision on private data) and DP's fixed loss scale is not wired there; "
+            "use bf16=True"
+        )
+    low = next((p.dtype for p in model.parameters() if p.requires_grad and p.dtype != torch.float32), None)
+    if low is not None:
+        raise ValueError(
+            f"fp16=True autocasts float32 weights, but the model trains {low} parameters; load it in float32, or "
+            "drop fp16=True (bf16/fp16 weights train without it, their clipped sum and noise in float32)"
+        )
+
+
 def check_fsdp(fsdp_version: int, dp_optimizer: str, reentrant_checkpointing: bool = False) -> None:
     """Refuse what FSDP cannot run exactly under DP (before training)."""
     if reentrant_checkpointing:

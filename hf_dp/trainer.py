@@ -31,6 +31,7 @@ from hf_dp.arguments import DPTrainingArguments
 from hf_dp.budget import PrivacyBudgetCallback
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import replay_rng, rng_state
+from hf_dp.clipping.loss_scale import LossScale
 from hf_dp.clipping.strategies import Bookkeeping, clipping_strategy
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.cpu_heap import keep_freed_memory
@@ -41,7 +42,7 @@ from hf_dp.data import (
     split_example_mask,
     units_of_column,
 )
-from hf_dp.distributed import check_deepspeed, check_fsdp, check_launched_world, shard_on_cpu
+from hf_dp.distributed import check_deepspeed, check_fp16, check_fsdp, check_launched_world, shard_on_cpu
 from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
 from hf_dp.losses import per_example_loss, unwrap_model
@@ -93,6 +94,8 @@ class DPTrainerMixin:
     def _prepare_privacy(self) -> None:
         """The plan, the ledger and the run's secret; the clipping strategy this backend needs; the callbacks."""
         check_launched_world(self.args)
+        if self._fp16_under_dp:
+            check_fp16(self.model, self.is_deepspeed_enabled, self.is_fsdp_enabled)
         unit, num_units = self._unit_of_rows()
         self.privacy_plan = plan_privacy(self.args, self.train_dataset, unit, num_units)
         self.accountant = PrivacyAccountant(self.args.accountant, self.privacy_plan.delta)
@@ -169,11 +172,25 @@ class DPTrainerMixin:
             deepspeed=self.is_deepspeed_enabled,
             checkpointing=checkpointing,
             fsdp=self.is_fsdp_enabled,
+            fp16=LossScale(self.args.dp_fp16_loss_scale, self.args.device.type)
+            if self._fp16_under_dp
+            else None,
         )
+
+    @property
+    def _fp16_under_dp(self) -> bool:
+        """fp16=True while training privately: our step owns the autocast and the fixed loss scale."""
+        # plain TrainingArguments have no disable_dp: DPTrainerMixin refuses them after __init__
+        private = not getattr(self.args, "disable_dp", True)
+        return bool(self.args.fp16) and private
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         shard_on_cpu(self)  # accelerate would silently run FSDP as DDP on CPU
+        if self._fp16_under_dp:
+            # accelerate's GradScaler (CUDA) would unscale the clipped sum again and skip the step when it finds an
+            # inf: a decision on the unnoised gradient. The DP step scales by the fixed S itself (loss_scale.py).
+            self.accelerator.scaler = None
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """``model_init``'s fresh model (``train()`` builds one): the clipping hooks move to it."""

@@ -59,7 +59,6 @@ def test_every_training_arguments_field_has_a_policy_and_a_docs_row():
         ({"optim": "sgd", "dp_optimizer": "adam"}, "name different rules"),
         ({"adam_beta1": 0.8, "dp_optimizer": "sgd"}, "dp_optimizer='sgd' takes no 'betas'"),
         ({"adam_epsilon": 1e-6, "dp_optimizer_kwargs": {"eps": 1e-7}}, "disagree"),
-        ({"fp16": True}, "fp16=True"),
     ],
 )
 def test_flags_dp_cannot_honour_are_refused_in_one_line(tmp_path, overrides, message):

@@ -364,15 +364,19 @@ class ClippingEngine:
         *,
         verify: bool = False,
         clip_scale: ClipScales | None = None,
+        loss_scale: float = 1.0,
     ) -> torch.Tensor:
         """Add Σ_i c_i ∇L_i to every clipped parameter's ``.grad``; return the per-example norms ‖s ⊙ ∇L_i‖.
 
         ``example_mask`` (B,) zeroes c_i of padding examples. ``verify`` also runs autograd's own gradient of
         Σ_i L_i and raises if the unclipped engine sum disagrees, which catches a parameter used outside the
-        forward of the module that owns it.
+        forward of the module that owns it. ``loss_scale`` S: the losses given are S·L_i (fp16), see
+        ``clip_and_accumulate``.
         """
         gradients = self.per_example_gradients(per_example_loss, verify=verify)
-        return self.clip_and_accumulate([(gradients, 1.0)], clip_norm, example_mask, clip_scale=clip_scale)
+        return self.clip_and_accumulate(
+            [(gradients, 1.0)], clip_norm, example_mask, clip_scale=clip_scale, loss_scale=loss_scale
+        )
 
     def per_example_gradients(
         self, per_example_loss: torch.Tensor, verify: bool = False
@@ -459,18 +463,23 @@ class ClippingEngine:
         example_mask: torch.Tensor | None = None,
         *,
         clip_scale: ClipScales | None = None,
+        loss_scale: float = 1.0,
     ) -> torch.Tensor:
         """Clip each example's weighted combination u_i = Σ_e w_e g_i^e once, in the geometry ‖s ⊙ u_i‖.
 
         c_i = clip factor of ‖s ⊙ u_i‖ at ``clip_norm``, times ``example_mask``; then ``.grad`` += Σ_e w_e Σ_i c_i g_i^e,
         the UN-scaled clipped sum (the mechanism scales the noise instead). Returns ‖s ⊙ u_i‖, shape (B,).
         Clipping the combination, not each evaluation, keeps the sensitivity at C (docs/clipping.md).
+        ``loss_scale`` S (a power of two): the evaluations are of S·L_i (fp16 loss scaling), so the norms are
+        ‖s ⊙ S u_i‖ / S and the factors applied to the S-scaled parts c_i / S, both exact.
         """
         norms, terms = self._norms_and_terms(evaluations, clip_scale)
+        norms = norms / loss_scale
         with torch.no_grad():
             factors = self.clip_factors(norms, clip_norm)
             if example_mask is not None:
                 factors = factors * example_mask.to(factors.dtype)
+            factors = factors / loss_scale
             overflowed = ~torch.isfinite(norms)
             for param, weighted in terms.values():
                 for weight, part in weighted:

@@ -22,6 +22,7 @@ from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.evaluate import ParameterShifter, evaluate_at_points, replay_rng, rng_state
+from hf_dp.clipping.loss_scale import LossScale, unscaled_gradients
 from hf_dp.clipping.tail import Tail, forward_to
 from hf_dp.clipping.taps import NormCollector
 from hf_dp.clipping.units import PrivacyUnits
@@ -97,12 +98,20 @@ class Bookkeeping:
     It owns ``.grad`` between two releases: at a logical batch's first micro-batch every gradient must be
     None or zero, and ``check_untouched`` (before the release) and every later micro-batch find each ``.grad``
     exactly as this strategy left it (same tensor, same version), or training stops before any noise is added.
+    ``fp16``: the forwards run under fp16 autocast and every backward is of S·L_i, unscaled before clipping.
     """
 
-    def __init__(self, engine: ClippingEngine, module: nn.Module, norms_in_backward: bool = False) -> None:
+    def __init__(
+        self,
+        engine: ClippingEngine,
+        module: nn.Module,
+        norms_in_backward: bool = False,
+        fp16: LossScale | None = None,
+    ) -> None:
         self.engine, self.module = engine, module
         self.norms_in_backward = norms_in_backward  # activation checkpointing: two passes, see _two_passes
         self.skips_tail: bool | None = None  # the weighted pass skips the tail (tail.py): None until checked
+        self.fp16, self.loss_scale = fp16, 1.0 if fp16 is None else fp16.scale  # S
         self.shifter = ParameterShifter()
         self._verified = False
         self._left: list | None = None  # the gradients' (identity, version) after this strategy's last write
@@ -139,6 +148,8 @@ class Bookkeeping:
         if not mask.any():  # nothing to add; the release still adds noise to the zero sum
             self._left = self._versions()
             return MicroStep(mask.new_zeros(batch_size), None)
+        if self.fp16 is not None:
+            losses_of = self.fp16.scaled(losses_of)  # S·L_i: every backward below is S-scaled
         if self.norms_in_backward:
             losses = self._two_passes(losses_of, mask, plan, verify, units)
         elif plan.single_evaluation:
@@ -151,16 +162,23 @@ class Bookkeeping:
                 losses = self._two_passes(losses_of, mask, plan, verify, units)
             else:
                 self.engine.clipped_backward(
-                    losses, plan.clip_norm, mask, verify=verify, clip_scale=plan.clip_scale
+                    losses,
+                    plan.clip_norm,
+                    mask,
+                    verify=verify,
+                    clip_scale=plan.clip_scale,
+                    loss_scale=self.loss_scale,
                 )
         else:
             evaluated, losses = evaluate_at_points(
                 self.engine, self.module, losses_of, plan.evaluations, rows, self.shifter, verify, units
             )
-            self.engine.clip_and_accumulate(evaluated, plan.clip_norm, mask, clip_scale=plan.clip_scale)
+            self.engine.clip_and_accumulate(
+                evaluated, plan.clip_norm, mask, clip_scale=plan.clip_scale, loss_scale=self.loss_scale
+            )
         self._verified = True
         self._left = self._versions()
-        return MicroStep(losses.detach(), None)
+        return MicroStep(losses.detach() / self.loss_scale, None)
 
     def _two_passes(
         self, losses_of: LossFn, mask: torch.Tensor, plan: StepPlan, verify: bool, units: PrivacyUnits | None
@@ -169,7 +187,9 @@ class Bookkeeping:
         (same dropout masks); both on the bare module. The weighted pass skips the model's tail (LM head and loss)
         from the first step's check on, if that found it exact (tail.py). With few trainable weights (LoRA) the
         first backward also keeps each example's explicit gradient and the clipped sum is formed from them: one
-        pass. The first step always takes two whole passes, to check the taps against autograd."""
+        pass. The first step always takes two whole passes, to check the taps against autograd. With fp16 the
+        losses are S·L_i: the norms are ‖S g_i‖ / S, the factors applied to the S-scaled parts c_i / S, and
+        ``.grad`` is divided by S."""
         if not plan.single_evaluation:
             raise ValueError(
                 "this dp_optimizer evaluates each example at two parameter points (DiSK), which activation "
@@ -195,14 +215,14 @@ class Bookkeeping:
                 "an example's loss overflowed in the forward; with activation checkpointing its zero clip weight "
                 "cannot keep inf out of the weighted backward: train in bf16 or float32, or turn checkpointing off"
             )
-        norms = collector.norms()
+        norms = collector.norms() / self.loss_scale
         factors = self.engine.clip_factors(norms, plan.clip_norm) * mask.to(torch.float32)
         if one_pass:
             overflowed = ~torch.isfinite(norms)
             with torch.no_grad():
                 for param, part in collector.kept_gradients():
                     part = part.without_examples(overflowed) if overflowed.any() else part
-                    self.engine.add_to_sum(param, part, factors)
+                    self.engine.add_to_sum(param, part, factors / self.loss_scale)
             return losses
         tail = collector.tail() if keep_tail else None
         replay_rng(state)
@@ -211,9 +231,10 @@ class Bookkeeping:
             self.engine.move_to_low_precision_sums()
             return losses
         before = self._projections(collector) if verify else None
-        (factors.detach().to(losses.dtype) * losses_of(self.module)).sum().backward()
+        with unscaled_gradients(self.engine.parameters, self.loss_scale):
+            (factors.detach().to(losses.dtype) * losses_of(self.module)).sum().backward()
         if verify:
-            self._check_projections(collector, factors, before)
+            self._check_projections(collector, factors / self.loss_scale, before)
             if keep_tail:
                 replay_rng(state)
                 self.skips_tail = tail is not None and self._tail_matches(
@@ -229,10 +250,11 @@ class Bookkeeping:
         own Σ_i c_i G_i."""
         hidden = forward_to(tail.boundary, lambda: losses_of(self.module))
         if hidden.requires_grad:
-            hidden.backward(tail.hidden_gradient(factors, units))
+            with unscaled_gradients(self.engine.parameters, self.loss_scale):
+                hidden.backward(tail.hidden_gradient(factors, units))
         with torch.no_grad():
             for param, part in tail.clipped_parts(factors):
-                self.engine.add_to_sum(param, part, factors)
+                self.engine.add_to_sum(param, part, factors / self.loss_scale)
 
     def _tail_matches(
         self,
@@ -250,13 +272,14 @@ class Bookkeeping:
             param.grad = None
         hidden = forward_to(tail.boundary, lambda: losses_of(self.module))
         if hidden.requires_grad:
-            hidden.backward(tail.hidden_gradient(factors, units))
+            with unscaled_gradients(params, self.loss_scale):
+                hidden.backward(tail.hidden_gradient(factors, units))
         sums = {id(p): None if p.grad is None else p.grad.float() for p in params}
         for param, grad in zip(params, whole, strict=True):
             param.grad = grad
         with torch.no_grad():
             for param, part in tail.clipped_parts(factors):
-                sums[id(param)] = part.accumulate(sums[id(param)], factors, param.float())
+                sums[id(param)] = part.accumulate(sums[id(param)], factors / self.loss_scale, param.float())
         tolerance = 5e-2 if collector.low_precision else 1e-3
         largest = max((float(p.grad.norm()) for p in params if p.grad is not None), default=0.0)
         for param in params:
@@ -383,14 +406,16 @@ def clipping_strategy(
     deepspeed: bool,
     checkpointing: bool,
     fsdp: bool = False,
+    fp16: LossScale | None = None,
 ) -> Bookkeeping | TwoPass | NonPrivate:
     """What the run needs: no engine means no DP; DeepSpeed and FSDP own the gradients, so they get the two passes
     (FSDP's norm pass always computes its norms inside the backward: with the parameters frozen, nothing reaches
-    its reduce-scatter); activation checkpointing gets its norms inside a backward."""
+    its reduce-scatter); activation checkpointing gets its norms inside a backward. ``fp16`` (one process or DDP
+    only: the trainer refuses it with DeepSpeed and FSDP): fp16 autocast with the fixed loss scale S."""
     if engine is None:
         return NonPrivate(None, world_size) if deepspeed or fsdp else NonPrivate(module)
     if deepspeed or fsdp:
         return TwoPass(
             engine, module, world_size, norms_in_backward=checkpointing or fsdp, sharded_parameters=fsdp
         )
-    return Bookkeeping(engine, module, norms_in_backward=checkpointing)
+    return Bookkeeping(engine, module, norms_in_backward=checkpointing, fp16=fp16)
