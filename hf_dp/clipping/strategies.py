@@ -267,7 +267,9 @@ class Bookkeeping:
         """The first step: the clipped sum without the tail equals the whole weighted pass's, now in ``.grad``
         (same tolerance as the taps' check), for every clipped parameter."""
         params = self.engine.parameters
-        whole = [p.grad for p in params]  # set aside: reentrant checkpointing allows backward() only
+        set_aside = [
+            p.grad for p in params
+        ]  # the whole pass's; reentrant checkpointing allows backward() only
         for param in params:
             param.grad = None
         hidden = forward_to(tail.boundary, lambda: losses_of(self.module))
@@ -275,7 +277,7 @@ class Bookkeeping:
             with unscaled_gradients(params, self.loss_scale):
                 hidden.backward(tail.hidden_gradient(factors, units))
         sums = {id(p): None if p.grad is None else p.grad.float() for p in params}
-        for param, grad in zip(params, whole, strict=True):
+        for param, grad in zip(params, set_aside, strict=True):
             param.grad = grad
         with torch.no_grad():
             for param, part in tail.clipped_parts(factors):
