@@ -61,13 +61,16 @@ class OuterProductSum:
         return (self.left_gram(other) * right_gram).sum(dim=(1, 2))
 
     def gram_is_cheaper(self, other: OuterProductSum | None = None) -> bool:
-        """The (cross-)Gram costs T·T'(rows + cols) per example, materialising both sides (T + T')·rows·cols;
-        with one-hot rows the Gram is a gather and always cheaper."""
-        other = self if other is None else other
-        if self.is_index or other.is_index:
+        """The (cross-)Gram costs T·T'(rows + cols) per example, materialising both sides (T + T')·rows·cols, and
+        materialising G_i for its own norm (``other`` None) T·rows·cols; with one-hot rows the Gram is a gather
+        and always cheaper."""
+        if self.is_index or (other is not None and other.is_index):
             return True
         rows, cols = self.left.shape[2], self.right.shape[2]
-        steps, other_steps = self.left.shape[1], other.left.shape[1]
+        steps = self.left.shape[1]
+        if other is None:
+            return steps * steps * (rows + cols) <= steps * rows * cols
+        other_steps = other.left.shape[1]
         return steps * other_steps * (rows + cols) <= (steps + other_steps) * rows * cols
 
     def squared_norm(self, materialise: bool) -> torch.Tensor:
