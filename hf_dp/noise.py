@@ -3,8 +3,9 @@
 The stream is numpy's PCG64DXSM with a 128-bit key (torch's CPU generator keeps only 32 bits of a seed, few
 enough that a search could find a seed that explains a released update). Large CPU draws are split into a
 fixed number of chunks, each from its own sub-stream keyed by 128 bits of the main one and filled on its own
-thread, so the noise is a function of the key alone whatever the machine. On an accelerator each draw comes
-from a device generator seeded with 64 fresh bits of the stream (Philox: no search over 2^64 keys).
+thread, so the noise is a function of the key alone whatever the machine. The sub-streams are SFC64: the same
+ziggurat normals from a faster bit generator (58M float32 normals on 2 threads: 0.27 s against PCG64DXSM's 0.36 s;
+a Llama 8×512 step draws 58M).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ _CHUNKED_ABOVE = 1 << 20
 
 def _stream(key: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64DXSM(key))
+
+
+def _chunk_stream(key: int) -> np.random.Generator:
+    return np.random.Generator(np.random.SFC64(key))
 
 
 def _fill_normal(stream: np.random.Generator, out: np.ndarray, std: float) -> None:
@@ -62,7 +67,7 @@ class GaussianNoise:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=_CHUNKS)
             chunks = np.array_split(out, _CHUNKS)
-            list(self._pool.map(_fill_normal, [_stream(k) for k in keys], chunks, [std] * _CHUNKS))
+            list(self._pool.map(_fill_normal, [_chunk_stream(k) for k in keys], chunks, [std] * _CHUNKS))
         return torch.from_numpy(out).view(shape).to(dtype)
 
     def state_dict(self) -> dict:

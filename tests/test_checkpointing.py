@@ -358,8 +358,9 @@ def test_a_no_grad_forward_inside_the_loss_changes_nothing(checkpointing: bool) 
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("name", ["llama", "gpt2_tied"])
 def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: str, reentrant: bool) -> None:
-    """After the first step's check, the weighted pass stops at the final norm's input: the LM head runs once a
-    step (in the norm pass), the loss once, and the clipped sum is still brute force's (tail.py)."""
+    """After the first step's check, the weighted pass stops at the final norm's input and replays the norm pass's
+    layer outputs: the LM head runs once a step (in the norm pass), the loss once, each checkpointed layer three
+    times instead of four, and the clipped sum is still brute force's (tail.py, replay.py)."""
     build, make_batch = MODELS[name]
     model = build().double().train()
     batch = make_batch()
@@ -367,8 +368,10 @@ def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: 
     max_norm = 0.5 * norms.min().item()
     reference, _ = models.brute_force(model, batch, max_norm=max_norm)
     model.activation_checkpointing_enable({"use_reentrant": reentrant})
-    head_calls, loss_calls = [], []
+    head_calls, loss_calls, mlp_calls = [], [], []
     model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(len(loss_calls)))
+    layer = model.model.layers[0] if name == "llama" else model.transformer.h[0]
+    layer.mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(len(loss_calls)))
 
     def counted_loss(module, batch):
         loss_calls.append(None)
@@ -380,6 +383,8 @@ def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: 
     assert strategy.skips_tail
     # step 1: norm pass, whole weighted pass, the check's forward up to the tail; step 2: norm pass, body only
     assert len(loss_calls) == 5 and head_calls == [1, 2, 4]
+    # a layer runs in the norm pass's forward and backward, and in the weighted pass's backward only (replay.py)
+    assert [n for n in mlp_calls if n > 3] == [4, 4, 5]
     assert_close(second, reference, rtol=1e-9, floor=1e-6)
 
 
@@ -410,3 +415,30 @@ def test_a_loss_that_reaches_the_body_outside_the_tail_keeps_the_whole_weighted_
     for ours in checkpointed_steps(model, batch, 0.5, strategy=strategy, loss_fn=loss_fn):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
     assert strategy.skips_tail is False  # the first step's check found the difference
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_replayed_weighted_pass_draws_the_norm_pass_dropout_masks(reentrant: bool) -> None:
+    """With dropout on, the step that replays the layers (replay.py) and skips the head equals the whole weighted
+    pass from the same random state: each layer is recomputed under the random state it started from."""
+    torch.manual_seed(0)
+    model = models.llama(attention_dropout=0.5).double().train()
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    batch = models.token_batch()
+    strategy = Bookkeeping(ClippingEngine(model), model, norms_in_backward=True)
+    mask = torch.ones(batch["input_ids"].shape[0])
+
+    def step(seed: int, fast: bool) -> dict[str, torch.Tensor]:
+        strategy.skips_tail = fast
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        strategy.run(lambda module: per_example_loss(module, batch), mask, StepPlan(0.05), model)
+        strategy.check_untouched()
+        return {n: p.grad.double() for n, p in model.named_parameters()}
+
+    step(0, None)  # the checked first step
+    assert strategy.skips_tail
+    fast, whole = step(1, True), step(1, False)
+    assert_close(fast, whole, rtol=1e-9, floor=1e-9)
+    other = step(2, True)  # the masks matter: another draw gives another sum
+    assert max((other[n] - whole[n]).norm() for n in other) > 1e-6

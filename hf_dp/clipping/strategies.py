@@ -14,6 +14,7 @@ See docs/clipping.md.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from torch import nn
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.evaluate import ParameterShifter, evaluate_at_points, replay_rng, rng_state
 from hf_dp.clipping.loss_scale import LossScale, unscaled_gradients
+from hf_dp.clipping.replay import LayerReplay
 from hf_dp.clipping.tail import Tail, forward_to
 from hf_dp.clipping.taps import NormCollector
 from hf_dp.clipping.units import PrivacyUnits
@@ -199,17 +201,19 @@ class Bookkeeping:
         one_pass = not verify and self.engine.keeps_gradients(batch_size)
         keep_tail = not one_pass and self.skips_tail is not False
         state = rng_state()
-        collector, losses = norm_pass(
-            self.engine,
-            self.module,
-            losses_of,
-            batch_size,
-            plan,
-            verify,
-            one_pass,
-            units,
-            keep_tail=keep_tail,
-        )
+        replay = LayerReplay(self.module) if keep_tail else None
+        with replay.recording() if replay else contextlib.nullcontext():
+            collector, losses = norm_pass(
+                self.engine,
+                self.module,
+                losses_of,
+                batch_size,
+                plan,
+                verify,
+                one_pass,
+                units,
+                keep_tail=keep_tail,
+            )
         if not torch.isfinite(losses[mask.bool()]).all():
             raise FloatingPointError(
                 "an example's loss overflowed in the forward; with activation checkpointing its zero clip weight "
@@ -227,7 +231,7 @@ class Bookkeeping:
         tail = collector.tail() if keep_tail else None
         replay_rng(state)
         if tail is not None and self.skips_tail:
-            self._weighted_body_backward(tail, losses_of, factors, units)
+            self._weighted_body_backward(tail, replay, losses_of, factors, units)
             self.engine.move_to_low_precision_sums()
             return losses
         before = self._projections(collector) if verify else None
@@ -238,17 +242,27 @@ class Bookkeeping:
             if keep_tail:
                 replay_rng(state)
                 self.skips_tail = tail is not None and self._tail_matches(
-                    tail, losses_of, factors, units, collector
+                    tail, replay, losses_of, factors, units, collector
                 )
         self.engine.move_to_low_precision_sums()
         return losses
 
+    def _forward_to_tail(self, tail: Tail, replay: LayerReplay | None, losses_of: LossFn) -> torch.Tensor:
+        """The weighted pass's forward up to the tail's input h, the checkpointed layers replayed (replay.py)."""
+        with replay.replaying() if replay and replay.complete else contextlib.nullcontext():
+            return forward_to(tail.boundary, lambda: losses_of(self.module))
+
     def _weighted_body_backward(
-        self, tail: Tail, losses_of: LossFn, factors: torch.Tensor, units: PrivacyUnits | None
+        self,
+        tail: Tail,
+        replay: LayerReplay | None,
+        losses_of: LossFn,
+        factors: torch.Tensor,
+        units: PrivacyUnits | None,
     ) -> None:
         """Σ_i c_i g_i into ``.grad`` without the tail: the body's backward from the tail's input h, then the tail's
         own Σ_i c_i G_i."""
-        hidden = forward_to(tail.boundary, lambda: losses_of(self.module))
+        hidden = self._forward_to_tail(tail, replay, losses_of)
         if hidden.requires_grad:
             with unscaled_gradients(self.engine.parameters, self.loss_scale):
                 hidden.backward(tail.hidden_gradient(factors, units))
@@ -259,6 +273,7 @@ class Bookkeeping:
     def _tail_matches(
         self,
         tail: Tail,
+        replay: LayerReplay | None,
         losses_of: LossFn,
         factors: torch.Tensor,
         units: PrivacyUnits | None,
@@ -272,7 +287,7 @@ class Bookkeeping:
         ]  # the whole pass's; reentrant checkpointing allows backward() only
         for param in params:
             param.grad = None
-        hidden = forward_to(tail.boundary, lambda: losses_of(self.module))
+        hidden = self._forward_to_tail(tail, replay, losses_of)
         if hidden.requires_grad:
             with unscaled_gradients(params, self.loss_scale):
                 hidden.backward(tail.hidden_gradient(factors, units))

@@ -1,0 +1,149 @@
+"""Activation checkpointing's weighted pass without its forward through the checkpointed layers.
+
+The weighted pass evaluates the model at the same parameters, on the same batch, with the same dropout masks as
+the norm pass, so every checkpointed layer's output is the one the norm pass computed. The norm pass keeps those
+outputs (B·T·d floats a layer: each is the next layer's input, which checkpointing keeps anyway) with the random
+state each layer started from. In the weighted pass each layer returns its kept output at once, and runs only in
+the backward: recomputed from its input under the same random state and autocast, then back-propagated, as
+reentrant checkpointing does after a forward that this skips. One forward of the body less per step.
+
+Applies to Hugging Face layers (``GradientCheckpointingLayer``, whose checkpoint function it swaps for the two
+passes) that return one tensor. The first step checks the result against the whole weighted pass (tail.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+try:  # transformers ≥ 4.53
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:  # pragma: no cover
+    GradientCheckpointingLayer = None
+
+
+@dataclass
+class _Kept:
+    output: torch.Tensor
+    rng: torch.Tensor
+    device_rng: tuple[torch.device, torch.Tensor] | None
+    autocast: tuple[str, bool, torch.dtype]
+
+
+def _random_state(args: tuple) -> tuple[torch.Tensor, tuple[torch.device, torch.Tensor] | None]:
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    accelerator = None
+    if device.type == "cuda":
+        accelerator = (device, torch.cuda.get_rng_state(device))
+    return torch.get_rng_state(), accelerator
+
+
+class _Replay(torch.autograd.Function):
+    """Returns the kept output; its backward recomputes the layer from its inputs and back-propagates."""
+
+    @staticmethod
+    def forward(ctx, layer: Callable, kept: _Kept, *args):
+        ctx.layer, ctx.kept = layer, kept
+        ctx.tensor_positions = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.save_for_backward(*[args[k] for k in ctx.tensor_positions])
+        return kept.output.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        args = list(ctx.others)
+        tensors = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        for position, tensor in zip(ctx.tensor_positions, tensors, strict=True):
+            args[position] = tensor
+        kept = ctx.kept
+        device_type, enabled, dtype = kept.autocast
+        devices = [kept.device_rng[0]] if kept.device_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
+            torch.set_rng_state(kept.rng)
+            if kept.device_rng is not None:
+                torch.cuda.set_rng_state(kept.device_rng[1], kept.device_rng[0])
+            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                output = ctx.layer(*args)
+        if output.requires_grad:
+            torch.autograd.backward(output, grad_output)
+        grads = [t.grad if t.requires_grad else None for t in tensors]
+        found = dict(zip(ctx.tensor_positions, grads, strict=True))
+        return (None, None, *[found.get(k) for k in range(len(args))])
+
+
+def _autocast_state(args: tuple) -> tuple[str, bool, torch.dtype]:
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    return device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+
+class LayerReplay:
+    """The norm pass's checkpointed layer outputs, replayed in the weighted pass (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = [
+            m
+            for m in model.modules()
+            if GradientCheckpointingLayer is not None
+            and isinstance(m, GradientCheckpointingLayer)
+            and getattr(m, "gradient_checkpointing", False)
+            and "_gradient_checkpointing_func" in vars(m)
+        ]
+        self._kept: list[_Kept] = []
+        self.complete = True  # every call returned one tensor (else the weighted pass runs the layers)
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    @contextlib.contextmanager
+    def _swapped(self, make: Callable[[Callable], Callable]) -> Iterator[None]:
+        originals = [layer._gradient_checkpointing_func for layer in self.layers]
+        for layer, original in zip(self.layers, originals, strict=True):
+            layer._gradient_checkpointing_func = make(original)
+        try:
+            yield
+        finally:
+            for layer, original in zip(self.layers, originals, strict=True):
+                layer._gradient_checkpointing_func = original
+
+    def recording(self) -> contextlib.AbstractContextManager[None]:
+        """The norm pass: keep each checkpointed call's output, random state and autocast state."""
+        self._kept, self.complete = [], True
+
+        def make(checkpoint: Callable) -> Callable:
+            def record(function: Callable, *args):
+                rng, device_rng = _random_state(args)
+                autocast = _autocast_state(args)
+                output = checkpoint(function, *args)
+                if isinstance(output, torch.Tensor):
+                    self._kept.append(_Kept(output.detach(), rng, device_rng, autocast))
+                else:
+                    self.complete = False
+                return output
+
+            return record
+
+        return self._swapped(make)
+
+    def replaying(self) -> contextlib.AbstractContextManager[None]:
+        """The weighted pass: each checkpointed call returns its kept output; the layer runs in the backward."""
+        kept = iter(self._kept)
+
+        def make(checkpoint: Callable) -> Callable:
+            def replay(function: Callable, *args):
+                entry = next(kept, None)
+                if entry is None:
+                    raise RuntimeError(
+                        "the weighted pass called more checkpointed layers than the norm pass: its forward changed"
+                    )
+                return _Replay.apply(function, entry, *args)
+
+            return replay
+
+        return self._swapped(make)
+
+    def release(self) -> None:
+        self._kept = []
