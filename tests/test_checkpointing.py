@@ -57,20 +57,28 @@ def float64_rms_norm(monkeypatch):
 
 
 def checkpointed_steps(
-    model, batch, max_norm, plan=None, strategy=None, loss_fn=per_example_loss, steps=2
+    model, batch, max_norm, plan=None, strategy=None, loss_fn=per_example_loss, steps=2, forwards=None
 ) -> list[dict[str, torch.Tensor]]:
     """The micro-batch through the book-keeping strategy with norms in the backward, ``steps`` times: the first
     step checks (two whole passes), later ones skip the tail where the check allowed it. Each step's clipped sum
-    per name."""
+    per name; ``forwards`` (a list) gets each step's number of forwards."""
     engine = strategy.engine if strategy else ClippingEngine(model)
     strategy = strategy or Bookkeeping(engine, model, norms_in_backward=True)
     mask = torch.ones(batch["input_ids"].shape[0])
-    sums = []
+    sums, calls = [], []
+
+    def losses_of(module):
+        calls.append(None)
+        return loss_fn(module, batch)
+
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
-        strategy.run(lambda module: loss_fn(module, batch), mask, plan or StepPlan(max_norm), model)
+        before = len(calls)
+        strategy.run(losses_of, mask, plan or StepPlan(max_norm), model)
         sums.append({n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad})
-        strategy.check_untouched()
+        strategy.check_untouched()  # what the release does before the gradients are consumed
+        if forwards is not None:
+            forwards.append(len(calls) - before)
     engine.remove_hooks()
     return sums
 
@@ -252,22 +260,11 @@ def test_few_trainable_weights_take_one_pass_after_the_checked_first_step(
     max_norm = 0.5 * norms.min().item()
     reference, _ = models.brute_force(model, batch, max_norm=max_norm)
     unwrap_model(model).activation_checkpointing_enable({"use_reentrant": reentrant})
-    engine = ClippingEngine(model)
-    strategy = Bookkeeping(engine, model, norms_in_backward=True)
+    strategy = Bookkeeping(ClippingEngine(model), model, norms_in_backward=True)
     forwards = []
-    for _ in range(2):  # the first step checks the taps with two passes; the second takes one
-        model.zero_grad(set_to_none=True)
-        forwards.append(0)
-
-        def losses_of(module):
-            forwards[-1] += 1
-            return per_example_loss(module, batch)
-
-        strategy.run(losses_of, torch.ones(batch["input_ids"].shape[0]), StepPlan(max_norm), model)
-        ours = {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-        strategy.check_untouched()  # what the release does before the gradients are consumed
-    assert forwards == [2, 1]
+    assert forwards == [2, 1]  # the first step checks the taps with two passes; the second takes one
 
 
 def test_disk_with_activation_checkpointing_is_refused_before_training(tmp_path) -> None:

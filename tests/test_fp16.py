@@ -22,7 +22,7 @@ from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.loss_scale import DEFAULT_FP16_LOSS_SCALE, LossScale
 from hf_dp.clipping.strategies import Bookkeeping
 from hf_dp.distributed import check_fp16
-from hf_dp.losses import per_example_loss, unwrap_model
+from hf_dp.losses import unwrap_model
 from hf_dp.optim.plan import StepPlan
 from tests import models
 from tests.test_checkpointing import checkpointed_steps, llama_lora
@@ -88,18 +88,8 @@ def test_fp16_lora_with_checkpointing_is_exact_in_the_one_pass_step_too(monkeypa
     unwrap_model(model).activation_checkpointing_enable({"use_reentrant": False})
     strategy = Bookkeeping(ClippingEngine(model), model, norms_in_backward=True, fp16=FP16)
     forwards = []
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        forwards.append(0)
-
-        def losses_of(module):
-            forwards[-1] += 1
-            return per_example_loss(module, batch)
-
-        strategy.run(losses_of, torch.ones(batch["input_ids"].shape[0]), StepPlan(max_norm), model)
-        ours = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
         assert relative_error(ours, reference) < TOLERANCE
-        strategy.check_untouched()
     assert forwards == [2, 1]
 
 

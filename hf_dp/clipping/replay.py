@@ -19,11 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-try:  # transformers ≥ 4.53
-    from transformers.modeling_layers import GradientCheckpointingLayer
-except ImportError:  # pragma: no cover
-    GradientCheckpointingLayer = None
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 
 @dataclass
@@ -87,8 +83,7 @@ class LayerReplay:
         self.layers = [
             m
             for m in model.modules()
-            if GradientCheckpointingLayer is not None
-            and isinstance(m, GradientCheckpointingLayer)
+            if isinstance(m, GradientCheckpointingLayer)
             and getattr(m, "gradient_checkpointing", False)
             and "_gradient_checkpointing_func" in vars(m)
         ]
@@ -144,6 +139,3 @@ class LayerReplay:
             return replay
 
         return self._swapped(make)
-
-    def release(self) -> None:
-        self._kept = []
