@@ -57,7 +57,7 @@ from transformers import GPT2LMHeadModel  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments, cpu_heap  # noqa: E402
-from hf_dp.optim.plan import HasStepPlan, StepPlan  # noqa: E402
+from hf_dp.clipping.plan import HasStepPlan, StepPlan  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "optimizer_cost.json"
 WARMUP_STEPS = 3

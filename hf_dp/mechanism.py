@@ -19,7 +19,7 @@ from hf_dp.accounting import PrivacyAccountant
 from hf_dp.clipping.geometry import owned_scale
 from hf_dp.distributed import sum_across_processes
 from hf_dp.noise import GaussianNoise
-from hf_dp.optim.plan import StepPlan, StepPlanner
+from hf_dp.clipping.plan import StepPlan, StepPlanner
 
 
 class GaussianMechanism:

@@ -47,7 +47,7 @@ from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
 from hf_dp.losses import per_example_loss, unwrap_model
 from hf_dp.mechanism import GaussianMechanism
-from hf_dp.optim.plan import StepPlanner
+from hf_dp.clipping.plan import StepPlanner
 from hf_dp.optim.registry import decay_groups, make_dp_optimizer
 from hf_dp.privacy import PrivacyPlan, epsilon_spent, plan_privacy, plan_record, privacy_report
 from hf_dp.randomness import shared_secret

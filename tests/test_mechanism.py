@@ -11,7 +11,7 @@ from torch import nn
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.noise import GaussianNoise
-from hf_dp.optim.plan import StepPlan, StepPlanner
+from hf_dp.clipping.plan import StepPlan, StepPlanner
 from hf_dp.randomness import RunSecret
 
 

@@ -14,7 +14,7 @@ from hf_dp.losses import per_example_loss
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.noise import GaussianNoise
 from hf_dp.optim.disk import DiSK, build
-from hf_dp.optim.plan import StepPlan
+from hf_dp.clipping.plan import StepPlan
 from hf_dp.optim.registry import make_dp_optimizer
 from tests import models
 

@@ -15,7 +15,7 @@ from hf_dp.losses import per_example_loss
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.noise import GaussianNoise
 from hf_dp.optim.dp2 import DP2
-from hf_dp.optim.plan import StepPlan, StepPlanner
+from hf_dp.clipping.plan import StepPlan, StepPlanner
 from hf_dp.optim.registry import make_dp_optimizer
 from hf_dp.optim.scale_then_privatize import ScaleThenPrivatize
 from tests import models

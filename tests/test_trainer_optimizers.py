@@ -137,7 +137,7 @@ def test_parameter_shifter_evaluates_at_the_shift_and_restores_theta_exactly():
     """Inside: every parameter is θ + scale·d. After: the very tensor θ was (same storage, same bits). A θ
     written in place under the same plan (a loaded checkpoint) is noticed and the shifted point recomputed."""
     from hf_dp.clipping.evaluate import ParameterShifter
-    from hf_dp.optim.plan import Shift
+    from hf_dp.clipping.plan import Shift
 
     torch.manual_seed(6)
     model = models.gpt2()

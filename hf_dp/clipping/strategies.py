@@ -28,7 +28,7 @@ from hf_dp.clipping.replay import LayerReplay
 from hf_dp.clipping.tail import Tail, forward_to
 from hf_dp.clipping.taps import NormCollector
 from hf_dp.clipping.units import PrivacyUnits
-from hf_dp.optim.plan import StepPlan
+from hf_dp.clipping.plan import StepPlan
 
 LossFn = Callable[[nn.Module], torch.Tensor]
 

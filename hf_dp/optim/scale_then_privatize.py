@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from hf_dp.clipping.geometry import ClipScale, FactoredScale
-from hf_dp.optim.plan import StepPlan
+from hf_dp.clipping.plan import StepPlan
 from hf_dp.optim.registry import register_dp_optimizer
 
 # ε1: Ganesh et al. tuned it with η and C and did not report it; 1e-4 is their best ε for DP-AdamBC.
