@@ -16,8 +16,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_dp.clipping.strategies import require_per_example
 from hf_dp.clipping.units import PrivacyUnits
+
+
+def require_per_example(
+    losses, batch_size: int, source: str, units: PrivacyUnits | None = None
+) -> torch.Tensor:
+    """One loss per privacy unit, shape (U,), or a one-line error. Units made of whole rows (pairs, users) also
+    accept one loss per row: a unit's loss is then the mean over its rows."""
+    if (
+        units is not None
+        and units.per_row
+        and isinstance(losses, torch.Tensor)
+        and losses.dim() == 1
+        and losses.shape[0] == units.rows != batch_size
+    ):
+        return units.mean_over_rows(losses)
+    if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != batch_size:
+        shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise ValueError(
+            f"{source} returned {shape}; under DP it must return one loss per privacy unit, shape ({batch_size},), "
+            "or override compute_per_example_loss instead"
+        )
+    return losses
 
 
 @dataclasses.dataclass

@@ -16,10 +16,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hf_dp.accounting import PrivacyAccountant
+from hf_dp.backend import Backend
 from hf_dp.clipping.geometry import owned_scale
+from hf_dp.clipping.plan import StepPlan
+from hf_dp.clipping.sums import ClippedSums
 from hf_dp.distributed import sum_across_processes
 from hf_dp.noise import GaussianNoise
-from hf_dp.clipping.plan import StepPlan, StepPlanner
 
 
 class GaussianMechanism:
@@ -39,7 +41,6 @@ class GaussianMechanism:
         noise: GaussianNoise | None,
         accountant: PrivacyAccountant | None,
         sum_across_processes: Callable[[list[torch.Tensor]], None] | None = None,
-        low_precision_sums: dict[nn.Parameter, torch.Tensor] | None = None,
     ) -> None:
         if expected_batch_size <= 0:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
@@ -53,31 +54,22 @@ class GaussianMechanism:
         self.noise = noise
         self.accountant = accountant
         self.sum_across_processes = sum_across_processes
-        self.low_precision_sums = low_precision_sums if low_precision_sums is not None else {}
-        self._accounted: StepPlan | None = None
 
     @classmethod
     def for_run(
-        cls,
-        plan,
-        accountant: PrivacyAccountant,
-        secret,
-        args,
-        partitioned: bool,
-        low_precision_sums: dict[nn.Parameter, torch.Tensor] | None = None,
+        cls, plan, accountant: PrivacyAccountant, secret, backend: Backend, secure_mode: bool
     ) -> GaussianMechanism:
         """The mechanism of a training run: noise keyed by the run's secret, one key for all processes when
         their gradients are replicated (summed here first), one per process when they are partitioned."""
         private = plan.private
-        key = secret.noise_key(args.process_index if partitioned else None)
+        key = secret.noise_key(backend.process_index if backend.partitioned else None)
         return cls(
             noise_multiplier=plan.noise_multiplier,
             expected_batch_size=plan.expected_batch_size,
             sample_rate=plan.sample_rate,
-            noise=GaussianNoise(key, secure_mode=args.secure_mode) if private else None,
+            noise=GaussianNoise(key, secure_mode=secure_mode) if private else None,
             accountant=accountant if private else None,
-            sum_across_processes=sum_across_processes if args.world_size > 1 and not partitioned else None,
-            low_precision_sums=low_precision_sums,
+            sum_across_processes=sum_across_processes if backend.replicated else None,
         )
 
     @property
@@ -92,22 +84,19 @@ class GaussianMechanism:
         """σC/B̄: the noise std per coordinate of ĝ, what the update rule receives."""
         return self.sum_noise_std(plan) / self.expected_batch_size
 
-    def release(self, params: Iterable[nn.Parameter], plan: StepPlan) -> None:
-        """.grad ← (.grad + N(0, σ²C²/s²)) / B̄ for every trainable parameter, then one accountant step per plan.
+    def release(self, params: Iterable[nn.Parameter], plan: StepPlan, sums: ClippedSums) -> None:
+        """.grad ← (Σ_i c_i g_i + N(0, σ²C²/s²)) / B̄ for every trainable parameter; does not account (``account``).
 
-        A missing ``.grad`` counts as a zero clipped sum (an empty batch still gets noise: skipping it would
-        reveal that the batch was empty). A bf16/fp16 parameter's clipped sum arrives in float32
-        (``low_precision_sums``) and is noised in float32; only the released ĝ is cast to its dtype, which is
-        post-processing (a noise draw in bf16 would itself be quantised to 8 significant bits). Several releases
-        of one plan (DeepSpeed ZeRO-3 steps its client optimizer once per parameter sub-group) are one logical
-        batch, accounted once.
+        A missing clipped sum counts as zero (an empty batch still gets noise: skipping it would reveal that the
+        batch was empty). A bf16/fp16 parameter's clipped sum arrives in float32 (``ClippedSums.wide``) and is
+        noised in float32; only the released ĝ is cast to its dtype, which is post-processing.
         """
         params = [p for p in params if p.requires_grad]
-        sums = [self._clipped_sum(p) for p in params]
+        totals = [sums.of(p) for p in params]
         if self.sum_across_processes is not None:
-            self.sum_across_processes(sums)
+            self.sum_across_processes(totals)
         std = self.sum_noise_std(plan)
-        for p, total in zip(params, sums, strict=True):
+        for p, total in zip(params, totals, strict=True):
             if std > 0:
                 owned = _owned_part(total)  # FSDP: this process's shard; its key is its own
                 noise = self.noise.sample(owned.shape, std, owned.device, owned.dtype)
@@ -115,38 +104,17 @@ class GaussianMechanism:
                 owned.add_(noise if scale is None else noise / owned_scale(scale, total).to(noise))
             total.div_(self.expected_batch_size)
             p.grad = total if total.dtype == p.dtype else total.to(p.dtype)
-        if self.private and plan is not self._accounted:
+
+    def account(self) -> None:
+        """One step of the subsampled Gaussian mechanism (σ, q) in the ledger: once per released logical batch."""
+        if self.private:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
-            self._accounted = plan
-
-    def _clipped_sum(self, p: nn.Parameter) -> torch.Tensor:
-        """The parameter's clipped sum in at least float32: its float32 sum (bf16/fp16), its ``.grad``, or zeros."""
-        wide = self.low_precision_sums.pop(p, None)
-        if wide is not None:
-            return wide if p.grad is None else wide.add_(p.grad.float())
-        if p.grad is not None:
-            return p.grad if p.grad.dtype == torch.promote_types(p.dtype, torch.float32) else p.grad.float()
-        return torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
-
-    def attach(self, optimizer: torch.optim.Optimizer, planner: StepPlanner) -> None:
-        """Release the planner's current plan before every ``optimizer.step()``; the update rule stays stock."""
-        if getattr(optimizer, "_hf_dp_mechanism", None) is not None:
-            return
-        optimizer._hf_dp_mechanism = self
-
-        def release_before_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-            self.release((p for group in opt.param_groups for p in group["params"]), planner.current)
-
-        optimizer.register_step_pre_hook(release_before_step)
 
     def state_dict(self) -> dict:
         return {"noise": self.noise.state_dict() if self.noise is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
-        """The noise stream of a checkpoint. The ledger comes back with it, so a release made before the restore
-        (torch's optimizer-state loading under FSDP steps the optimizer once on zero gradients) is forgotten:
-        the next release is accounted."""
-        self._accounted = None
+        """The noise stream of a checkpoint (the ledger comes back with the accountant)."""
         if self.noise is not None and state.get("noise") is not None:
             self.noise.load_state_dict(state["noise"])
 

@@ -28,11 +28,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from hf_dp import checkpoint
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.arguments import DPTrainingArguments
+from hf_dp.backend import Backend
 from hf_dp.budget import PrivacyBudgetCallback
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import replay_rng, rng_state
 from hf_dp.clipping.loss_scale import LossScale
+from hf_dp.clipping.plan import StepPlanner
 from hf_dp.clipping.strategies import Bookkeeping, clipping_strategy
+from hf_dp.clipping.sums import ClippedSums
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.data import (
@@ -47,7 +50,6 @@ from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
 from hf_dp.losses import per_example_loss, unwrap_model
 from hf_dp.mechanism import GaussianMechanism
-from hf_dp.clipping.plan import StepPlanner
 from hf_dp.optim.registry import decay_groups, make_dp_optimizer
 from hf_dp.privacy import PrivacyPlan, epsilon_spent, plan_privacy, plan_record, privacy_report
 from hf_dp.randomness import shared_secret
@@ -302,15 +304,23 @@ class DPTrainerMixin:
                 self.optimizer.register_step_pre_hook(lambda *_: self._clipping.check_untouched())
             # ZeRO and FSDP: each process noises the partition (shard) it owns
             partitioned = bool(self._zero_stage) or self.is_fsdp_enabled
+            backend = Backend(self.args.world_size, self.args.process_index, zero_stage=self._zero_stage,
+                              fsdp=self.is_fsdp_enabled)
+            assert partitioned == backend.partitioned
             self._mechanism = self._privacy_state.mechanism = GaussianMechanism.for_run(
-                self.privacy_plan,
-                self.accountant,
-                self._secret,
-                self.args,
-                partitioned=partitioned,
-                low_precision_sums=self.clipping_engine.low_precision_sums if self.clipping_engine else None,
+                self.privacy_plan, self.accountant, self._secret, backend, self.args.secure_mode
             )
-            self._mechanism.attach(self.optimizer, self._planner)
+            released = []
+
+            def release_before_step(opt, args, kwargs):
+                plan = self._planner.current
+                sums = self.clipping_engine.take_sums() if self.clipping_engine else ClippedSums()
+                self._mechanism.release((p for g in opt.param_groups for p in g["params"]), plan, sums)
+                if not released or released[-1] is not plan:
+                    self._mechanism.account()
+                    released.append(plan)
+
+            self.optimizer.register_step_pre_hook(release_before_step)
             if getattr(self.optimizer, "evaluations_per_step", 1) > 1 and getattr(
                 self._clipping, "norms_in_backward", False
             ):

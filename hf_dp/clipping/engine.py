@@ -33,6 +33,7 @@ from hf_dp.clipping.geometry import (
 )
 from hf_dp.clipping.per_example import Materialised, PerExampleGradient, Weighted, combined_squared_norm
 from hf_dp.clipping.rules import functorch_per_example_grads, rule_for
+from hf_dp.clipping.sums import ClippedSums
 from hf_dp.clipping.taps import NormCollector, frozen, in_reentrant_checkpoint, is_checkpointing, tap
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 
@@ -446,6 +447,11 @@ class ClippingEngine:
             wide if wide is not None else torch.empty(param.shape, dtype=torch.float32, device=param.device)
         )
         self.low_precision_sums[param] = part.accumulate(wide, weights, like)
+
+    def take_sums(self) -> ClippedSums:
+        """The logical batch's clipped sums for the release; the engine's float32 sums start empty again."""
+        sums, self.low_precision_sums = ClippedSums(self.low_precision_sums), {}
+        return sums
 
     def move_to_low_precision_sums(self) -> None:
         """After autograd wrote a micro-batch's clipped sum into a bf16/fp16 ``.grad``: add it to the float32 sum."""

@@ -24,35 +24,13 @@ from torch import nn
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.evaluate import ParameterShifter, evaluate_at_points, replay_rng, rng_state
 from hf_dp.clipping.loss_scale import LossScale, unscaled_gradients
+from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.replay import LayerReplay
 from hf_dp.clipping.tail import Tail, forward_to
 from hf_dp.clipping.taps import NormCollector
 from hf_dp.clipping.units import PrivacyUnits
-from hf_dp.clipping.plan import StepPlan
 
 LossFn = Callable[[nn.Module], torch.Tensor]
-
-
-def require_per_example(
-    losses, batch_size: int, source: str, units: PrivacyUnits | None = None
-) -> torch.Tensor:
-    """One loss per privacy unit, shape (U,), or a one-line error. Units made of whole rows (pairs, users) also
-    accept one loss per row: a unit's loss is then the mean over its rows."""
-    if (
-        units is not None
-        and units.per_row
-        and isinstance(losses, torch.Tensor)
-        and losses.dim() == 1
-        and losses.shape[0] == units.rows != batch_size
-    ):
-        return units.mean_over_rows(losses)
-    if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != batch_size:
-        shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
-        raise ValueError(
-            f"{source} returned {shape}; under DP it must return one loss per privacy unit, shape ({batch_size},), "
-            "or override compute_per_example_loss instead"
-        )
-    return losses
 
 
 def norm_pass(

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from hf_dp.optim.base import DPOptimizer, state_dtype
 from hf_dp.clipping.plan import Evaluation, HasStepPlan, Shift, StepPlan
+from hf_dp.optim.base import DPOptimizer, state_dtype
 from hf_dp.optim.registry import make_dp_optimizer, register_dp_optimizer
 
 

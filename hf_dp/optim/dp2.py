@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import torch
 
-from hf_dp.optim.base import DPOptimizer, state_dtype
 from hf_dp.clipping.plan import StepPlan
+from hf_dp.optim.base import DPOptimizer, state_dtype
 from hf_dp.optim.registry import register_dp_optimizer
 
 # Li et al. 2023 (DP²), Table 2: ε 1e-7 tuned on IMDB (1e-5 StackOverflow, 1e-3 MovieLens); C2 = 5 on all three
