@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import warnings
@@ -15,6 +16,7 @@ from hf_dp import compat
 from hf_dp.accounting import AccountantName
 from hf_dp.clipping.geometry import ClippingFn, ClippingMode
 from hf_dp.clipping.loss_scale import DEFAULT_FP16_LOSS_SCALE, check_loss_scale
+from hf_dp.distributed import check_launched_world
 from hf_dp.optim.registry import dp_optimizer_names, make_dp_optimizer
 
 CLIPPING_MODES = get_args(ClippingMode)
@@ -261,3 +263,20 @@ class DPTrainingArguments(TrainingArguments):
                 "Poisson-sampled, which they are not",
                 stacklevel=3,
             )
+
+
+def check_trainer_call(init, args: tuple, kwargs: dict) -> None:
+    """Refuse, before the Trainer builds anything, a call DP cannot train with (``init``: the parent's
+    ``__init__``, whose signature names the arguments)."""
+    try:
+        bound = inspect.signature(init).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return  # the Trainer's own error says what is wrong
+    if not isinstance(bound.get("args"), DPTrainingArguments):
+        raise TypeError("DPTrainer needs DPTrainingArguments (from hf_dp), not TrainingArguments")
+    if bound.get("compute_loss_func") is not None:
+        raise ValueError(
+            "DPTrainer: compute_loss_func computes one loss for the whole batch; override "
+            "compute_per_example_loss(model, inputs) to return one loss per example instead"
+        )
+    check_launched_world(bound["args"])

@@ -12,7 +12,7 @@ each of its R rows (in order of first appearance); its mask is then (U,), one en
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -108,6 +108,13 @@ def split_example_mask(inputs: dict[str, Any]) -> tuple[dict[str, Any], torch.Te
     """(model inputs, mask): a batch without a mask is all real examples (``UNIT_KEY`` is dropped)."""
     inputs, mask, _ = split_dp_keys(inputs)
     return inputs, mask
+
+
+def count_drawn_examples(batches: list[dict[str, Any]], device: torch.device, reduce: Callable) -> int:
+    """The real examples (units) of a logical batch's micro-batches, summed over the processes by ``reduce``
+    (accelerate's ``Accelerator.reduce``)."""
+    drawn = torch.tensor([float(split_example_mask(b)[1].sum()) for b in batches] or [0.0], device=device)
+    return int(reduce(drawn.sum(), reduction="sum").item())
 
 
 def units_of_column(values: Sequence[Hashable]) -> tuple[list[int], int]:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_dp.backend import Backend
+from hf_dp.losses import unwrap_model
 from hf_dp.optim.registry import scaled_geometry, shifted_evaluations
 
 
@@ -157,3 +159,35 @@ def shard_on_cpu(trainer) -> None:
         shared["distributed_type"] = DistributedType.FSDP
     AcceleratorState._shared_state["fsdp_plugin"] = plugin
     trainer.is_fsdp_enabled = True
+
+
+def backend_of(trainer) -> Backend:
+    """The run's ``Backend`` from the Trainer's accelerator, refusing what DeepSpeed, FSDP and fp16 cannot run
+    exactly under DP (before training)."""
+    args = trainer.args
+    zero = None
+    if trainer.is_deepspeed_enabled:
+        zero = check_deepspeed(trainer.accelerator.state.deepspeed_plugin.deepspeed_config, args)
+    if trainer.is_fsdp_enabled:
+        kwargs = args.activation_checkpointing_kwargs or {}
+        reentrant = bool(args.activation_checkpointing) and bool(kwargs.get("use_reentrant", False))
+        check_fsdp(trainer.accelerator.state.fsdp_plugin.fsdp_version, args.dp_optimizer, reentrant)
+    fp16 = bool(args.fp16) and not args.disable_dp
+    if fp16:
+        check_fp16(trainer.model, trainer.is_deepspeed_enabled, trainer.is_fsdp_enabled)
+    return Backend(
+        world_size=args.world_size,
+        process_index=args.process_index,
+        zero_stage=zero,
+        fsdp=trainer.is_fsdp_enabled,
+        checkpointing=uses_checkpointing(args, trainer.model),
+        fp16_loss_scale=args.dp_fp16_loss_scale if fp16 else None,
+        device_type=args.device.type,
+    )
+
+
+def uses_checkpointing(args, model: torch.nn.Module) -> bool:
+    """Activation checkpointing, asked for in the arguments or already enabled on the model."""
+    return bool(args.activation_checkpointing) or getattr(
+        unwrap_model(model), "is_activation_checkpointing", False
+    )

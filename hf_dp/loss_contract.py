@@ -50,6 +50,26 @@ class MicroBatch:
     evaluating: bool = False  # inside the strategy: compute_loss means the per-example loss
     losses: torch.Tensor | None = None
 
+    @staticmethod
+    def of(mask: torch.Tensor, units: PrivacyUnits | None, device: torch.device) -> MicroBatch:
+        """The micro-batch of ``mask``'s drawn units, grouped by ``units``; its sizes must agree."""
+        if units is not None and units.count != mask.shape[0]:
+            raise ValueError(
+                f"this micro-batch forms {units.count} privacy units but the loader drew {mask.shape[0]} examples "
+                "(does the collator pad a packed row with extra position-0 tokens, e.g. pad_to_multiple_of? unset it)"
+            )
+        return MicroBatch(mask.to(device), units=None if units is None else units.to(device))
+
+    def logged_loss(self, source: str, world_size: int, drawn: int) -> torch.Tensor:
+        """This micro-batch's share of the mean per-example loss of the drawn logical batch over all processes
+        (what the Trainer logs, as the mean over processes; without noise, so NOT private)."""
+        if self.losses is None:
+            raise RuntimeError(
+                f"{source}.training_step did not reach DPTrainerMixin.compute_loss, so nothing was "
+                "clipped: call super().training_step() and super().compute_loss()"
+            )
+        return (self.losses * self.mask.to(self.losses.dtype)).sum() * world_size / max(drawn, 1)
+
     def per_example_losses(
         self, compute_loss: Callable[..., Any], inputs: dict[str, Any], source: str
     ) -> Callable[[nn.Module], torch.Tensor]:
@@ -73,7 +93,7 @@ def per_example_under_dp(compute_loss: Callable[..., Any]) -> Callable[..., Any]
     def wrapped(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         micro = self._micro_batch
         if micro is not None and not micro.evaluating:
-            return self._dp_backward(model, inputs, micro)
+            return self._clipped_step(model, inputs, micro)
         return compute_loss(
             self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
         )

@@ -16,7 +16,9 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 RECORDS_APART_TOLERANCE = 1e-5
 
 
-def check_records_apart(embeddings: nn.Module, module: nn.Module, losses_of: LossFn, units: PrivacyUnits) -> None:
+def check_records_apart(
+    embeddings: nn.Module, module: nn.Module, losses_of: LossFn, units: PrivacyUnits
+) -> None:
     """Per-record clipping of a packed row is exact only if no record's loss reads another record (attention
     kept within records). Checked once, forward only: each record's loss must not move when the input
     embeddings of the records of the other parity are perturbed (same dropout masks; RNG left as it was)."""

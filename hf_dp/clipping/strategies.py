@@ -21,11 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hf_dp.backend import Backend
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.evaluate import ParameterShifter, evaluate_at_points, replay_rng, rng_state
 from hf_dp.clipping.loss_scale import LossScale, unscaled_gradients
 from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.replay import LayerReplay
+from hf_dp.clipping.sums import ClippedSums
 from hf_dp.clipping.tail import Tail, forward_to
 from hf_dp.clipping.taps import NormCollector
 from hf_dp.clipping.units import PrivacyUnits
@@ -112,6 +114,9 @@ class Bookkeeping:
             )
         if before_release:
             self._left = None
+
+    def take_sums(self) -> ClippedSums:
+        return self.engine.take_sums()
 
     def run(
         self,
@@ -339,6 +344,12 @@ class TwoPass:
             sharded_parameters  # FSDP2: the norm pass differentiates towards its taps only
         )
 
+    def check_untouched(self) -> None:
+        """The framework writes ``.grad`` in its own backward: nothing to check here."""
+
+    def take_sums(self) -> ClippedSums:
+        return ClippedSums()
+
     def run(
         self,
         losses_of: LossFn,
@@ -379,6 +390,13 @@ class NonPrivate:
 
     def __init__(self, module: nn.Module | None, scale: float = 1.0) -> None:
         self.module, self.scale = module, scale  # module None: run the wrapped model (DeepSpeed)
+        self.norms_in_backward = False
+
+    def check_untouched(self) -> None:
+        """Without DP the Trainer's own backward writes ``.grad``."""
+
+    def take_sums(self) -> ClippedSums:
+        return ClippedSums()
 
     def run(
         self,
@@ -395,22 +413,24 @@ class NonPrivate:
 
 
 def clipping_strategy(
-    engine: ClippingEngine | None,
-    module: nn.Module,
-    world_size: int,
-    deepspeed: bool,
-    checkpointing: bool,
-    fsdp: bool = False,
-    fp16: LossScale | None = None,
+    engine: ClippingEngine | None, module: nn.Module, backend: Backend
 ) -> Bookkeeping | TwoPass | NonPrivate:
     """What the run needs: no engine means no DP; DeepSpeed and FSDP own the gradients, so they get the two passes
     (FSDP's norm pass always computes its norms inside the backward: with the parameters frozen, nothing reaches
-    its reduce-scatter); activation checkpointing gets its norms inside a backward. ``fp16`` (one process or DDP
-    only: the trainer refuses it with DeepSpeed and FSDP): fp16 autocast with the fixed loss scale S."""
+    its reduce-scatter); activation checkpointing gets its norms inside a backward. fp16 (one process or DDP
+    only: refused with DeepSpeed and FSDP): fp16 autocast with the fixed loss scale S."""
+    owned = backend.framework_owns_gradients
     if engine is None:
-        return NonPrivate(None, world_size) if deepspeed or fsdp else NonPrivate(module)
-    if deepspeed or fsdp:
+        return NonPrivate(None, backend.world_size) if owned else NonPrivate(module)
+    if owned:
         return TwoPass(
-            engine, module, world_size, norms_in_backward=checkpointing or fsdp, sharded_parameters=fsdp
+            engine,
+            module,
+            backend.world_size,
+            norms_in_backward=backend.checkpointing or backend.fsdp,
+            sharded_parameters=backend.fsdp,
         )
-    return Bookkeeping(engine, module, norms_in_backward=checkpointing, fp16=fp16)
+    fp16 = (
+        None if backend.fp16_loss_scale is None else LossScale(backend.fp16_loss_scale, backend.device_type)
+    )
+    return Bookkeeping(engine, module, norms_in_backward=backend.checkpointing, fp16=fp16)

@@ -1,0 +1,72 @@
+"""What one protected unit is: for the whole dataset (rows, blocks, users) and within a micro-batch (rows, pairs,
+packed records). The guarantee is stated per unit (privacy.UNITS); clipping bounds each unit's gradient
+(clipping/units.py says how a micro-batch's rows and tokens are grouped)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_dp.clipping.units import PrivacyUnits
+from hf_dp.data import rows_look_like_blocks, units_of_column
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DatasetUnits:
+    """The unit the guarantee is stated in; for user-level DP each row's user (0..N_u-1) and N_u."""
+
+    name: str
+    unit_of_row: list[int] | None = None
+    count: int | None = None
+
+
+def dataset_units(args, dataset, row_unit: str, trainer_name: str) -> DatasetUnits:
+    """``row_unit`` is what one row is for this trainer ("example"; "pair" for DPO). Users come from
+    ``privacy_unit_column``; rows cut from concatenated text (run_clm's ``group_texts``) are blocks."""
+    column = args.privacy_unit_column
+    if column is None and args.rows_are_blocks is None and rows_look_like_blocks(dataset):
+        logger.warning(
+            "hf_dp: every training row has one length, labels equal to input_ids and no padding: blocks cut from "
+            "concatenated text (run_clm's group_texts), so the guarantee is stated per block, not per record; "
+            "set rows_are_blocks=False if each row is one record"
+        )
+        return DatasetUnits("block")
+    if column is None:
+        return DatasetUnits("block" if args.rows_are_blocks else row_unit)
+    if row_unit != "example":
+        raise ValueError(
+            f"privacy_unit_column groups rows into users, but a row of {trainer_name} is a {row_unit}; "
+            "drop privacy_unit_column"
+        )
+    names = getattr(dataset, "column_names", None)
+    if names is not None and column not in names:
+        raise ValueError(f"privacy_unit_column={column!r} is not a column of train_dataset (it has {names})")
+    try:
+        values = dataset[column] if names is not None else [row[column] for row in dataset]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"privacy_unit_column={column!r}: the rows of train_dataset have no such key"
+        ) from None
+    unit_of_row, count = units_of_column(list(values))
+    return DatasetUnits("user", unit_of_row, count)
+
+
+def micro_batch_units(inputs: dict[str, Any], unit_of_row: torch.Tensor | None) -> PrivacyUnits | None:
+    """How a micro-batch's rows and tokens form units; None: one unit per row. Users come from the loader;
+    records packed into one row by padding-free collation (position ids restarting at 0 inside a row, e.g.
+    DataCollatorWithFlattening) are one unit each."""
+    if unit_of_row is not None:
+        return PrivacyUnits.of_rows(unit_of_row)
+    position_ids = inputs.get("position_ids")
+    if (
+        isinstance(position_ids, torch.Tensor)
+        and position_ids.dim() == 2
+        and (position_ids[:, 1:] == 0).any()
+    ):
+        return PrivacyUnits.of_records(position_ids)
+    return None

@@ -1,0 +1,251 @@
+"""PrivateRun: one private training run, built once from the arguments, the model, the data and the ``Backend``.
+
+It owns what the guarantee rests on (the plan, the ledger, the secret, the step planner, the clipped step, the
+mechanism) and the lifecycle of one DP step (Abadi et al. 2016), in this order:
+
+    open     planner.current      the update rule's plan for the logical batch, at its first micro-batch
+    clip     clip()               each micro-batch's Σ_u c_u g_u, one clip per privacy unit
+    release  release()            before the update: the .grad check, then (Σ c_u g_u + N(0, σ²C²)) / B̄, then
+                                  one ledger step (the only noise, the only ε spent)
+    close    end_step()           after the update: the next logical batch asks the rule again
+
+The trainer only forwards the Trainer's hooks here; the audit, the budget callback and the tests read the
+public fields below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from hf_dp.accounting import PrivacyAccountant
+from hf_dp.backend import Backend
+from hf_dp.budget import PrivacyBudgetCallback
+from hf_dp.checkpoint import RunPrivacyState, public_ledger
+from hf_dp.clipping.checks import check_records_apart
+from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.plan import StepPlanner
+from hf_dp.clipping.strategies import clipping_strategy
+from hf_dp.cpu_heap import keep_freed_memory
+from hf_dp.data import EpochDataLoader, dp_dataloader
+from hf_dp.loss_contract import MicroBatch
+from hf_dp.mechanism import GaussianMechanism
+from hf_dp.optim.registry import make_dp_optimizer
+from hf_dp.privacy import PrivacyPlan, epsilon_spent, plan_privacy, plan_record, privacy_report
+from hf_dp.privacy_units import DatasetUnits
+from hf_dp.randomness import RunSecret, shared_secret
+
+logger = logging.getLogger(__name__)
+
+UpdateRule = tuple[str, dict[str, Any]]  # the name and kwargs of the rule fed ĝ, as the model card states it
+
+
+class PrivateRun:
+    """The run's privacy machinery; ``build`` makes it, ``bind_optimizer`` attaches the release to the rule."""
+
+    def __init__(
+        self,
+        args,
+        backend: Backend,
+        plan: PrivacyPlan,
+        accountant: PrivacyAccountant,
+        state: RunPrivacyState,
+        units: DatasetUnits,
+    ) -> None:
+        self.args, self.backend, self.plan, self.accountant, self.state = (
+            args,
+            backend,
+            plan,
+            accountant,
+            state,
+        )
+        self.units = units
+        self.planner = StepPlanner(plan.clip_norm)
+        self.engine: ClippingEngine | None = None
+        self.clipping = None  # the clipped step for this backend (clipping.strategies)
+        self.mechanism: GaussianMechanism | None = None
+        self.optimizer: torch.optim.Optimizer | None = None  # the DP update rule, before accelerate wraps it
+        self.update_rule: UpdateRule = (args.dp_optimizer, dict(args.dp_optimizer_kwargs))
+        self.records_checked = False  # packed records were checked not to read each other
+        self._accounted = False  # this logical batch's release is in the ledger
+        self._trained = False
+
+    @classmethod
+    def build(cls, args, model: nn.Module, dataset, backend: Backend, units: DatasetUnits) -> PrivateRun:
+        """The plan (σ calibrated for the planned steps), the ledger, the secret drawn now, the clipping hooks."""
+        plan = plan_privacy(args, dataset, units.name, units.count)
+        accountant = PrivacyAccountant(args.accountant, plan.delta)
+        state = RunPrivacyState(shared_secret(args.insecure_dp_seed), accountant, plan_record(plan, args))
+        run = cls(args, backend, plan, accountant, state, units)
+        run.hook(model)
+        return run
+
+    @property
+    def secret(self) -> RunSecret:
+        return self.state.secret
+
+    def hook(self, model: nn.Module, checkpointing: bool | None = None) -> None:
+        """Clip ``model``'s gradients (again, for ``model_init``'s fresh model): the engine's hooks and the clipped
+        step this backend needs."""
+        self.close()
+        if checkpointing is not None:
+            self.backend = dataclasses.replace(self.backend, checkpointing=checkpointing)
+        if self.plan.private:
+            self.engine = ClippingEngine(model, self.args.clipping_fn, self.args.clipping_mode)
+            weakref.finalize(self, self.engine.remove_hooks)
+        self.clipping = clipping_strategy(self.engine, model, self.backend)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.remove_hooks()
+            self.engine = None
+
+    def set_noise_multiplier(self, sigma: float) -> None:
+        """σ for a run whose optimizer does not exist yet (the audit sets it for its trials)."""
+        if self.mechanism is not None:
+            raise RuntimeError("set the noise multiplier before training starts")
+        self.plan = dataclasses.replace(self.plan, noise_multiplier=sigma)
+        self.state.record = plan_record(self.plan, self.args)
+
+    def start_training(self) -> None:
+        """Once per run: a second ``train()`` would redraw the same batches from the same secret."""
+        if self._trained:
+            raise RuntimeError(
+                "train() was already called on this DPTrainer and would redraw its batches from the same secret; "
+                "continue with a new DPTrainer and resume_from_checkpoint"
+            )
+        self._trained = True
+        logger.info(
+            "hf_dp: the logged training loss is the mean per-example loss of each drawn batch, without noise: it "
+            "is NOT private (the released model and ε are)"
+        )
+
+    def dataloader(self, dataset, collator) -> EpochDataLoader:
+        """The logical batches of the plan, drawn with the run's secret sampling key (users: by user)."""
+        users = self.units.unit_of_row
+        loader = dp_dataloader(
+            dataset,
+            collator,
+            plan=self.plan,
+            sampling_key=self.secret.sampling_key,
+            args=self.args,
+            unit_of_row=users,
+            max_rows_per_unit=self.args.max_examples_per_unit if users is not None else None,
+        )
+        self.state.sampler = loader.batch_sampler
+        return loader
+
+    # ---- the step's lifecycle ---------------------------------------------------------------------
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer, update_rule: UpdateRule) -> None:
+        """Release every logical batch into ``optimizer`` (the rule stays stock): one pre-hook, ``release``."""
+        if self.optimizer is not None:
+            return
+        evaluations = getattr(optimizer, "evaluations_per_step", 1)
+        if evaluations > 1 and self.clipping.norms_in_backward:
+            raise ValueError(
+                f"{update_rule[0]} evaluates each example at two parameter points (DiSK), which activation "
+                "checkpointing does not support yet: turn activation_checkpointing off or pick another dp_optimizer"
+            )
+        if evaluations > 1 and self.backend.device_type == "cpu":
+            keep_freed_memory()  # two evaluations' buffers are reused, not re-mapped every step (cpu_heap.py)
+        self.optimizer, self.update_rule = optimizer, update_rule
+        self.planner.bind(optimizer)
+        self.mechanism = self.state.mechanism = GaussianMechanism.for_run(
+            self.plan, self.accountant, self.secret, self.backend, self.args.secure_mode
+        )
+        optimizer.register_step_pre_hook(lambda opt, *_: self.release(opt))
+
+    def clip(self, losses_of, micro: MicroBatch, model: nn.Module, base: nn.Module) -> torch.Tensor:
+        """One micro-batch's clipped sum under the logical batch's plan (opened here at its first micro-batch);
+        returns what the Trainer's backward must back-propagate (a zero when ``.grad`` already holds the sum).
+        ``base``: the transformers model under its wrappers, whose input embeddings the records check perturbs."""
+        if micro.units is not None and not micro.units.per_row and not self.records_checked:
+            check_records_apart(
+                base.get_input_embeddings(), self.clipping.module or model, losses_of, micro.units
+            )
+            self.records_checked = True
+        step = self.clipping.run(losses_of, micro.mask, self.planner.current, model, micro.units)
+        micro.losses = step.losses
+        if step.backward is not None:
+            return step.backward
+        return torch.zeros((), device=micro.mask.device, requires_grad=True)
+
+    def release(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before the update: nothing but the clipped step wrote ``.grad``; then noise and one ledger step per
+        logical batch (ZeRO-3 steps its client optimizer once per parameter sub-group: one release each)."""
+        self.clipping.check_untouched()
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        self.mechanism.release(params, self.planner.current, self.clipping.take_sums())
+        if not self._accounted:
+            self.mechanism.account()
+            self._accounted = True
+
+    def end_step(self) -> None:
+        """The logical batch is released and applied: close its plan."""
+        self.planner.end()
+        self._accounted = False
+
+    def callbacks(self) -> list[TrainerCallback]:
+        return [_EndOfStep(self), PrivacyBudgetCallback(self)]
+
+    # ---- the guarantee ---
+
+    def log_fields(self, logs: dict[str, float]) -> dict[str, float]:
+        """ε on every log line; the count of examples clipped to zero for overflowing (like the loss, a count over
+        the drawn batches without noise: NOT private)."""
+        logs = {**logs, "epsilon": self.epsilon()}
+        if self.engine is not None and self.engine.nonfinite_examples:
+            logs["nonfinite_examples"] = self.engine.nonfinite_examples
+        return logs
+
+    def public_ledger(self) -> dict[str, Any]:
+        """What ``trainer_state.json`` carries: the accountant's history and δ (no secret)."""
+        return public_ledger(self.accountant.state_dict())
+
+    def epsilon(self) -> float:
+        """ε spent so far at the plan's δ (inf for a run without noise)."""
+        return epsilon_spent(self.plan, self.accountant)
+
+    def report(self, global_step: int) -> dict[str, Any]:
+        """The guarantee as plain values: what the model card, the metrics and the logs state."""
+        steps = self.accountant.steps if self.plan.private else global_step
+        randomness = "secure_mode" if self.args.secure_mode else self.secret.source
+        return privacy_report(self.plan, self.accountant, self.args, steps, randomness, self.update_rule)
+
+
+def update_rule_of(args, optimizer_cls_and_kwargs, optimizer_passed_in) -> UpdateRule:
+    """The name and kwargs of the rule fed ĝ: the user's optimizer (class or instance) or the dp_optimizer."""
+    if optimizer_cls_and_kwargs is not None:
+        rule, kwargs = optimizer_cls_and_kwargs
+        return f"{rule.__module__}.{rule.__qualname__}", dict(kwargs)
+    if optimizer_passed_in is not None:
+        rule = type(optimizer_passed_in)
+        return f"{rule.__module__}.{rule.__qualname__}", {}
+    return args.dp_optimizer, dict(args.dp_optimizer_kwargs)
+
+
+def build_update_rule(args, groups: list[dict[str, Any]], optimizer_cls_and_kwargs, mean_noise_std: float):
+    """The Trainer's ``optimizer_cls_and_kwargs`` over ``groups``, else the ``dp_optimizer`` rule."""
+    if optimizer_cls_and_kwargs is not None:
+        rule, kwargs = optimizer_cls_and_kwargs
+        return rule(groups, **{"lr": args.learning_rate, **kwargs})
+    kwargs = {"lr": args.learning_rate, **args.dp_optimizer_kwargs}
+    return make_dp_optimizer(args.dp_optimizer, groups, mean_noise_std=mean_noise_std, **kwargs)
+
+
+class _EndOfStep(TrainerCallback):
+    """Closes each logical batch's plan once the Trainer has applied its update."""
+
+    def __init__(self, run: PrivateRun) -> None:
+        self.run = run
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.run.end_step()
+        return control
