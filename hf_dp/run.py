@@ -107,7 +107,7 @@ class PrivateRun:
             self.engine = None
 
     def set_noise_multiplier(self, sigma: float) -> None:
-        """σ for a run whose optimizer does not exist yet (the audit sets it for its trials)."""
+        """σ set by hand before the optimizer exists (e.g. to continue a checkpoint at its own σ)."""
         if self.mechanism is not None:
             raise RuntimeError("set the noise multiplier before training starts")
         self.plan = dataclasses.replace(self.plan, noise_multiplier=sigma)

@@ -88,12 +88,12 @@ class _RecordRelease(TrainerCallback):
         self.trainer, self.out, self.step = trainer, out, 0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._dp_optimizer.register_step_pre_hook(self.record)
+        self.trainer.dp.optimizer.register_step_pre_hook(self.record)
 
     def record(self, optimizer, *_):
         self.step += 1
         names = {p: n for n, p in self.trainer.model.named_parameters()}
-        scales = self.trainer._planner.current.clip_scale or {}
+        scales = self.trainer.dp.planner.current.clip_scale or {}
         released = {
             names[p]: (
                 (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone(),
@@ -254,8 +254,8 @@ def run(cli: argparse.Namespace) -> None:
             "world_size": args.world_size,
             "distributed_type": str(trainer.accelerator.distributed_type),
             "deepspeed": trainer.is_deepspeed_enabled,
-            "zero_stage": trainer._zero_stage,
-            "norms_in_backward": getattr(trainer._clipping, "norms_in_backward", None),
+            "zero_stage": trainer.dp.backend.zero_stage,
+            "norms_in_backward": getattr(trainer.dp.clipping, "norms_in_backward", None),
             "checkpointing": trainer.model.is_activation_checkpointing,
             "checkpoint_wrapped": any(
                 type(m).__name__.endswith("CheckpointWrapper") for m in trainer.model.modules()

@@ -238,7 +238,7 @@ def test_trainer_with_activation_checkpointing_takes_the_same_step(tmp_path, kwa
             activation_checkpointing=checkpointing,
             activation_checkpointing_kwargs=kwargs if checkpointing else None,
         )
-        assert trainer._clipping.norms_in_backward == checkpointing
+        assert trainer.dp.clipping.norms_in_backward == checkpointing
         trainer.train()
         assert model.is_activation_checkpointing == checkpointing
         steps.append(torch.cat([(before[n] - p.detach()).flatten() for n, p in model.named_parameters()]))

@@ -189,7 +189,7 @@ def test_a_train_step_with_an_overflowing_example_still_releases_a_noisy_step(tm
     before = snapshot(trainer.model)
     released = released_gradients(trainer)
     trainer.train()
-    assert trainer.clipping_engine.nonfinite_examples == 1
+    assert trainer.dp.engine.nonfinite_examples == 1
     assert any(entry.get("nonfinite_examples") == 1 for entry in trainer.state.log_history)
     assert released and all(torch.isfinite(g).all() for g in released.values())
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

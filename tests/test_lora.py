@@ -91,7 +91,7 @@ def test_only_adapters_are_trainable_clipped_and_optimised(trained):
     named = dict(trainer.model.named_parameters())
     trainable = {n for n, p in named.items() if p.requires_grad}
     assert trainable and all(is_adapter(n) for n in trainable)
-    assert {id(named[n]) for n in trainable} == {id(p) for p in trainer.clipping_engine.parameters}
+    assert {id(named[n]) for n in trainable} == {id(p) for p in trainer.dp.engine.parameters}
     optimised = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert optimised == {id(named[n]) for n in trainable}
 

@@ -83,7 +83,7 @@ def test_low_precision_noise_is_drawn_and_added_in_float32(tmp_path, monkeypatch
     released = released_gradients(trainer)
     trainer.train()
     assert drawn_in and set(drawn_in) == {torch.float32}
-    assert trainer.clipping_engine.low_precision_sums == {}  # consumed by the release
+    assert trainer.dp.engine.low_precision_sums == {}  # consumed by the release
     assert released and all(torch.isfinite(g).all() for g in released.values())
 
 

@@ -76,7 +76,7 @@ def test_no_upload_and_no_saved_model_carries_the_secret(tmp_path, fake_hub, str
     )
     trainer.train()
     trainer.push_to_hub()
-    key = trainer._secret.to_dict()["key"]
+    key = trainer.dp.secret.to_dict()["key"]
     checkpoint = Path(trainer.args.output_dir) / "checkpoint-2"
     assert (checkpoint / PRIVACY_STATE_FILE).is_file() and key in (
         checkpoint / PRIVACY_STATE_FILE

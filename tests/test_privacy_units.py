@@ -255,7 +255,7 @@ def test_trainer_samples_users_and_clips_each_user_once(tmp_path) -> None:
         sample_rate=trainer.sample_rate,
         max_rows_per_unit=3,
         steps_per_epoch=trainer.steps_per_epoch,
-        seed=trainer._secret.sampling_key,
+        seed=trainer.dp.secret.sampling_key,
     )
     drawn = next(iter(sampler))
     users = sorted({unit_of_row[i] for i in drawn})

@@ -177,7 +177,7 @@ def test_resuming_a_spent_budget_refuses_to_train(tmp_path):
     first = make_trainer(tmp_path, target_epsilon=2.0, max_steps=3, save_strategy="steps", save_steps=3)
     first.train()
     longer = make_trainer(tmp_path, target_epsilon=2.0, max_steps=6)
-    longer.noise_multiplier = first.noise_multiplier
+    longer.dp.set_noise_multiplier(first.noise_multiplier)
     with pytest.raises(ValueError, match="privacy budget is spent"):
         longer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
 
@@ -303,7 +303,7 @@ def test_secure_mode_reaches_the_noise_and_the_sampler(tmp_path):
     trainer = make_trainer(tmp_path, noise_multiplier=1.0, secure_mode=True)
     trainer.train()
     assert trainer.state.global_step == 2
-    assert trainer._mechanism.noise.secure_mode and trainer._batch_sampler.secure_mode
+    assert trainer.dp.mechanism.noise.secure_mode and trainer.dp.state.sampler.secure_mode
     assert trainer.privacy_report()["noise_randomness"] == "secure_mode"
 
 

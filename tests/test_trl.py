@@ -472,7 +472,7 @@ def test_dpo_clips_each_pair_exactly(setup: str, tmp_path) -> None:
     assert_close(sums.sums[0], reference, rtol=1e-8, floor=1e-6)
     check_run(trainer, first_losses=losses)
     assert trainer.privacy_report()["unit"] == "pair" and trainer.privacy_metrics()["privacy_unit"] == "pair"
-    clipped = {id(p) for p in trainer.clipping_engine.parameters} if trainer.clipping_engine else set()
+    clipped = {id(p) for p in trainer.dp.engine.parameters} if trainer.dp.engine else set()
     if ref_model is not None:
         assert all(torch.equal(frozen[n], p) and p.grad is None for n, p in ref_model.named_parameters())
         assert not clipped & {id(p) for p in ref_model.parameters()}

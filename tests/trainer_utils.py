@@ -73,7 +73,7 @@ def sampled_logical_batches(trainer: DPTrainer, steps: int, epoch: int = 0) -> l
         sample_rate=trainer.sample_rate,
         steps_per_epoch=trainer.steps_per_epoch,
         num_micro_batches=trainer.args.gradient_accumulation_steps,
-        seed=trainer._secret.sampling_key,  # white-box: the run's secret key
+        seed=trainer.dp.secret.sampling_key,  # white-box: the run's secret key
     )
     sampler.set_epoch(epoch)
     micro = list(sampler)

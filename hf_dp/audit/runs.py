@@ -126,7 +126,7 @@ class _ProbeRecorder(TrainerCallback):
         self.updates: list[np.ndarray] = []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        rule = self.trainer._dp_optimizer
+        rule = self.trainer.dp.optimizer
         if self.reset:
             if self.fresh_state is None:
                 self.fresh_state = copy.deepcopy(rule.state_dict())
@@ -200,12 +200,12 @@ def _run(
 
 
 def _optimizer_name(trainer: DPTrainer) -> str:
-    return trainer._update_rule()[0]
+    return trainer.dp.update_rule[0]
 
 
 def _backend(trainer: DPTrainer) -> str:
     if trainer.is_deepspeed_enabled:
-        return f"deepspeed-zero{trainer._zero_stage}"
+        return f"deepspeed-zero{trainer.dp.backend.zero_stage}"
     return "ddp" if trainer.args.world_size > 1 else "single"
 
 
