@@ -61,11 +61,10 @@ from typing import Any
 
 _T0 = time.perf_counter()  # the run's clock starts before the imports (torch, CUDA) it pays for
 
-# The repository root first, so that the script measures this checkout's hf_dp (and this benchmarks package,
-# not the one Opacus installs into site-packages).
+# The repository root first, even when PYTHONPATH lists it after a --target folder of wheels: the script measures
+# this checkout's hf_dp (and the top-level ``benchmarks`` package that Opacus installs never shadows this one).
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
+sys.path[:] = [_REPO_ROOT] + [p for p in sys.path if p != _REPO_ROOT]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -469,6 +468,7 @@ def exactness_case(
                 index[id(p)]: p.grad.detach().double().clone()
                 for g in optimizer.param_groups
                 for p in g["params"]
+                if p.grad is not None
             }
         )
 
