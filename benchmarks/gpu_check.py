@@ -1,0 +1,1072 @@
+"""One command on one GPU: CUDA exactness against brute force, and peak memory / step time at Llama shapes.
+
+Sections (each in its own try/except: a failure is recorded in the JSON and the next section runs; the JSON
+and the table are rewritten after every case and setting, so a run cut short keeps what it measured):
+
+1. ``exactness``: a small Llama (``LlamaConfig``, random weights, GQA, ragged right-padded rows) takes one
+   ``DPTrainer.train_one_step`` with σ = 0, SGD at learning rate 0 and C = half the smallest per-example norm
+   (every example clipped); the released gradient (captured in the optimizer's step pre-hook) is compared with
+   the brute force Σ_i min(1, C/(‖∇L_i‖ + 1e-6)) ∇L_i / B̄, one backward per example on a float64 copy of the
+   model on the same device. For fp32, ``bf16=True`` (autocast, fp32 weights) and ``fp16=True`` (autocast with
+   hf_dp's fixed loss scale ``dp_fp16_loss_scale``), activation checkpointing off and on, plus LoRA in fp32 and
+   bf16 with checkpointing. Two steps each (the model does not move at lr 0): the first step checks its engine,
+   the second takes the fast path (with checkpointing: the tail skip / one-pass step); both are compared.
+   TF32 matmuls are switched off for this section (they would round fp32 to 10 bits).
+2. ``performance``: a Llama (default 8 layers x 2048, intermediate 5632, 16 heads, 4 KV heads, vocab 32000,
+   untied head) on B = 8 random sequences of T = 1024 tokens, bf16 autocast with fp32 weights, AdamW, for
+   {full, lora (r 16, all linear layers)} x activation checkpointing {on, off}; variants ``stock``
+   (``transformers.Trainer.training_step`` + ``optimizer.step()``), ``dp`` (``DPTrainer.train_one_step``,
+   σ = 1, C = 1, noised and accounted) and ``opacus`` (Opacus 1.6 ghost clipping, ``make_private(...,
+   grad_sample_mode="ghost")`` + ``DPTensorFastGradientClipping``; skipped with its reason if Opacus does not
+   import). All variants of a setting live together: each is built and warmed up (2 steps) in turn, then
+   ``--rounds`` rounds time one step of each in rotated order (``torch.cuda.synchronize`` around each step).
+   Peak memory of a variant = what it holds at rest (``memory_allocated`` after its warm-up minus before its
+   build) + the most a step allocates above that (``max_memory_allocated`` - ``memory_allocated`` at the
+   step's start, peak stats reset before each step), so the other variants' resident memory is not counted.
+3. ``qlora``: the same Llama saved in bf16 and reloaded with bitsandbytes nf4 (``BitsAndBytesConfig``,
+   bf16 compute, double quantisation), ``peft.prepare_model_for_kbit_training``, LoRA on all linear layers;
+   ``stock`` and ``dp``, checkpointing on and off. Skipped with its reason if bitsandbytes does not import or
+   has no working backend on the device; Opacus cannot clip through 4-bit layers and is not run.
+
+``--smoke`` (automatic without CUDA) runs the same code at tiny shapes on the CPU, one thread, in about a minute
+(memory is then not measured: ``peak_mb`` is null). Ratios: paired median over rounds of the per-round time
+ratio, min / min, and peak / peak, of dp and opacus against the stock Trainer of the same setting.
+``--budget-s`` (default 240 s from the start of the process) starts no setting after it, recording why.
+
+    python -u benchmarks/gpu_check.py --out "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+    python benchmarks/gpu_check.py --smoke --out /tmp/gpu_check_smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+_T0 = time.perf_counter()  # the run's clock starts before the imports (torch, CUDA) it pays for
+
+# The repository root first, even when PYTHONPATH lists it after a --target folder of wheels: the script measures
+# this checkout's hf_dp (and the top-level ``benchmarks`` package that Opacus installs never shadows this one).
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+sys.path[:] = [_REPO_ROOT] + [p for p in sys.path if p != _REPO_ROOT]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+from torch import nn  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_check.json"
+SEED = 0
+IGNORE_INDEX = -100
+DATASET_BATCHES = 100  # N = 100 x B rows: the sample rate the DPTrainer plans with is 1/100
+NOISE_MULTIPLIER = 1.0
+MAX_GRAD_NORM = 1.0
+LORA_R = 16
+# Relative-error tolerances of the exactness cases, as a DP correctness test would state them (the smoke test
+# asserts them). fp32: the float64 brute force against float32 arithmetic (tests/test_checkpointing.py is exact
+# to 1e-9 in float64; a float32 step is ~1e-6). fp16: tests/test_fp16.py allows 2e-3 (measured 3-6e-4 on tiny
+# Llamas on CPU); 5e-3 leaves room for other kernels. bf16: tests/test_mixed_precision.py allows 2e-2 with bf16
+# WEIGHTS (measured 0.56%); bf16 autocast with fp32 weights rounds less, 5e-2 is the issue's bound.
+TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-3}
+# Trainer.train() enables checkpointing through this argument; older transformers call it gradient_checkpointing.
+CKPT_ARG = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
+SECTIONS = ("environment", "exactness", "performance", "qlora")
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Config:
+    device: str
+    smoke: bool
+    exact_shape: Shape
+    exact_batch: int
+    exact_seq: int
+    perf_shape: Shape
+    perf_batch: int
+    perf_seq: int
+    warmup: int
+    rounds: int
+    budget_s: float
+
+
+def make_config(device: str, smoke: bool, args: argparse.Namespace) -> Config:
+    exact = Shape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256)
+    if smoke:
+        perf = Shape(layers=2, hidden=64, intermediate=176, heads=4, kv_heads=2, vocab=512)
+        return Config(
+            device, True, exact, 4, 16, perf, 2, 16, warmup=1, rounds=2, budget_s=args.budget_s or 240
+        )
+    perf = Shape(
+        layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+        kv_heads=args.kv_heads, vocab=args.vocab,
+    )  # fmt: skip
+    return Config(
+        device,
+        False,
+        exact,
+        8,
+        64,
+        perf,
+        args.batch,
+        args.seq,
+        args.warmup,
+        args.rounds,
+        args.budget_s or 240,
+    )
+
+
+# ---- the run's record: every section, written after every cell ---------------------------------------------
+
+
+class Record:
+    """The JSON being built; ``save()`` rewrites it (atomically) with the table next to it as ``.md``."""
+
+    def __init__(self, out: Path, config: Config) -> None:
+        self.out, self.start = out, _T0
+        self.data: dict[str, Any] = {
+            "benchmark": "gpu_check",
+            "mode": "smoke" if config.smoke else "full",
+            "config": asdict(config) | {"tolerances": TOLERANCE, "checkpointing_argument": CKPT_ARG},
+            "environment": {"error": None},
+            "exactness": {"error": None, "skipped": None, "cases": {}},
+            "performance": {"error": None, "skipped": None, "settings": {}},
+            "qlora": {"error": None, "skipped": None, "settings": {}},
+            "errors": [],
+            "finished": False,
+            "elapsed_s": 0.0,
+        }
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def save(self) -> None:
+        self.data["elapsed_s"] = round(self.elapsed(), 1)
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.out.with_name(self.out.name + ".tmp")
+            tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+            os.replace(tmp, self.out)
+            self.out.with_suffix(".md").write_text(table(self.data))
+        except OSError as exc:
+            print(f"could not write {self.out}: {exc}", flush=True)
+
+    def fail(self, section: str, exc: BaseException) -> None:
+        traceback.print_exc()
+        message = f"{type(exc).__name__}: {exc}"
+        self.data[section]["error"] = message
+        self.data["errors"].append({"section": section, "error": message})
+        self.save()
+
+
+def first_line(text: str | None) -> str | None:
+    if not text:
+        return None
+    return next((line.strip() for line in text.splitlines() if line.strip()), text)[:500]
+
+
+def error_text(exc: BaseException) -> str:
+    return first_line(f"{type(exc).__name__}: {exc}") or type(exc).__name__
+
+
+def free_memory(device: str) -> None:
+    """On CUDA, collect garbage and return cached blocks before a measurement. Not on the CPU, where nothing is
+    measured and one ``gc.collect()`` of this process's heap took a second on a loaded 2-core machine."""
+    if device == "cuda":
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def mb(n_bytes: float | None) -> float | None:
+    return None if n_bytes is None else n_bytes / 2**20
+
+
+# ---- environment ------------------------------------------------------------------------------------------
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception as exc:  # not installed, or broken: either way recorded
+        return f"not importable: {error_text(exc)}"
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=_REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def environment(device: str) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "accelerate": _version("accelerate"),
+        "peft": _version("peft"),
+        "opacus": _version("opacus"),
+        "bitsandbytes": _version("bitsandbytes"),
+        "hf_dp_path": str(Path(sys.modules["hf_dp"].__file__).parent),
+        "git_commit": _git_commit(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env["cuda_capability"] = list(torch.cuda.get_device_capability())
+        env["cuda_total_memory_mb"] = mb(props.total_memory)
+        env["matmul_allow_tf32_at_start"] = torch.backends.cuda.matmul.allow_tf32
+    return env
+
+
+# ---- models and batches -------------------------------------------------------------------------------------
+
+
+def llama_config(shape: Shape, seq: int) -> LlamaConfig:
+    return LlamaConfig(
+        num_hidden_layers=shape.layers,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        vocab_size=shape.vocab,
+        max_position_embeddings=max(seq, 128),
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        use_cache=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def lora_config(r: int = LORA_R):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+
+
+def build_llama(shape: Shape, seq: int, device: str, tuning: str) -> nn.Module:
+    """The seeded random Llama with fp32 weights, initialised on ``device`` (fast on a GPU); LoRA-wrapped for
+    ``lora``. Same seed, same weights in every variant."""
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        model: nn.Module = LlamaForCausalLM(llama_config(shape, seq))
+    if tuning == "lora":
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config())
+    return model.to(device).train()
+
+
+def ragged_batch(batch: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
+    """Right-padded rows of ragged lengths (the first full), pad labels -100 and a few more ignored labels."""
+    g = torch.Generator().manual_seed(SEED + 11)
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    lengths = torch.randint(seq // 3, seq + 1, (batch,), generator=g)
+    lengths[0] = seq
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    labels[1, :3] = IGNORE_INDEX
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def token_rows(n: int, seq: int, vocab: int) -> list[dict[str, torch.Tensor]]:
+    """N rows of T random token ids, labels = input ids (every token a target)."""
+    ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(SEED + 1))
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def per_example_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B,) mean next-token cross-entropy over each example's labelled tokens (hf_dp's L_i), in at least fp32."""
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    tokens = F.cross_entropy(
+        logits.to(dtype).flatten(0, 1), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+    ).view(targets.shape)
+    return tokens.sum(dim=1) / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
+
+
+def enable_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:
+    """What ``Trainer.train()`` does for ``activation_checkpointing=True`` (non-reentrant unless kwargs say)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs or {"use_reentrant": False}
+        )
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or {"use_reentrant": False})
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(
+        getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False))
+    )
+
+
+def prepare_like_train(trainer: Trainer) -> nn.Module:
+    """Checkpointing on the model and ``accelerator.prepare_model`` (autocast), as ``Trainer.train()`` does."""
+    if getattr(trainer.args, CKPT_ARG):
+        enable_checkpointing(trainer.model, getattr(trainer.args, f"{CKPT_ARG}_kwargs", None))
+    trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)
+    return trainer.model_wrapped
+
+
+def dtype_probe(model: nn.Module, info: dict[str, Any]) -> None:
+    """Records the dtype of the first MLP down projection's output once (what autocast did)."""
+    linear = next(
+        (m for n, m in model.named_modules() if n.endswith(("mlp.down_proj", "mlp.down_proj.base_layer"))),
+        None,
+    )
+    if linear is None:
+        return
+
+    def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        info["mlp_output_dtype"] = str(output.dtype).replace("torch.", "")
+        handle.remove()
+
+    handle = linear.register_forward_hook(hook)
+
+
+def training_args(cls: type[TrainingArguments], device: str, folder: str, **extra: Any) -> TrainingArguments:
+    return cls(
+        output_dir=folder,
+        report_to="none",
+        use_cpu=device == "cpu",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_strategy="no",
+        seed=SEED,
+        **extra,
+    )
+
+
+# ---- 1. exactness ---------------------------------------------------------------------------------------------
+
+
+def brute_force(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[float]]:
+    """Each example alone through a float64 copy: its flattened gradient (float64) and its norm."""
+    reference = copy.deepcopy(model).double()
+    params = [p for p in reference.parameters() if p.requires_grad]
+    grads, norms = [], []
+    for i in range(batch["input_ids"].shape[0]):
+        one = {k: v[i : i + 1] for k, v in batch.items()}
+        logits = reference(input_ids=one["input_ids"], attention_mask=one["attention_mask"]).logits
+        loss = per_example_loss(logits, one["labels"])[0]
+        g = torch.autograd.grad(loss, params, allow_unused=True)
+        flat = torch.cat(
+            [(torch.zeros_like(p) if x is None else x).flatten() for x, p in zip(g, params, strict=True)]
+        )
+        grads.append(flat.detach())
+        norms.append(float(flat.norm()))
+    del reference
+    return grads, norms
+
+
+def exactness_case(
+    config: Config, precision: str, checkpointing: bool, tuning: str, folder: str
+) -> dict[str, Any]:
+    device, shape = config.device, config.exact_shape
+    model = build_llama(shape, config.exact_seq, device, tuning)
+    batch = {
+        k: v.to(device) for k, v in ragged_batch(config.exact_batch, config.exact_seq, shape.vocab).items()
+    }
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    start = time.perf_counter()
+    grads, norms = brute_force(model, batch)
+    max_norm = 0.5 * min(norms)  # every example clipped
+    clipped = sum(min(1.0, max_norm / (n + 1e-6)) * g for g, n in zip(grads, norms, strict=True))
+    brute_s = time.perf_counter() - start
+    del grads
+
+    rows = token_rows(DATASET_BATCHES * config.exact_batch, config.exact_seq, shape.vocab)
+    args = training_args(
+        DPTrainingArguments,
+        device,
+        folder,
+        per_device_train_batch_size=config.exact_batch,
+        dp_optimizer="sgd",
+        learning_rate=0.0,  # the model does not move: every step's release is compared with the same reference
+        lr_scheduler_type="constant",
+        noise_multiplier=0.0,
+        per_sample_max_grad_norm=max_norm,
+        insecure_dp_seed=SEED,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        **{CKPT_ARG: checkpointing},
+    )
+    trainer = DPTrainer(model=model, args=args, train_dataset=rows)
+    trainer.create_optimizer()
+    prepare_like_train(trainer)
+    info: dict[str, Any] = {}
+    dtype_probe(trainer.model, info)
+    index = {id(p): n for n, p in trainer.model.named_parameters()}
+    released: list[dict[str, torch.Tensor]] = []
+
+    def capture(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        released.append(
+            {
+                index[id(p)]: p.grad.detach().double().clone()
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            }
+        )
+
+    trainer.optimizer.register_step_pre_hook(capture)
+    expected = clipped / trainer.expected_batch_size
+    errors, losses = [], []
+    for _ in range(2):
+        losses.append(trainer.train_one_step([batch]))
+        sync(device)
+        ours = torch.cat([released[-1][n].flatten() for n in names])
+        errors.append(float((ours - expected).norm() / expected.norm()))
+    engine = getattr(trainer, "clipping_engine", None)
+    return {
+        "precision": precision,
+        "tuning": tuning,
+        "checkpointing": checkpointing,
+        "checkpointing_active": is_checkpointing(trainer.model),
+        "relative_error": max(errors),
+        "relative_error_per_step": errors,
+        "tolerance": TOLERANCE[precision],
+        "within_tolerance": max(errors) <= TOLERANCE[precision],
+        "max_norm": max_norm,
+        "per_example_norms": norms,
+        "expected_batch_size": trainer.expected_batch_size,
+        "trainable_parameters": int(expected.numel()),
+        "fp16_loss_scale": trainer.args.dp_fp16_loss_scale if precision == "fp16" else None,
+        "nonfinite_examples": getattr(engine, "nonfinite_examples", None),
+        "losses": losses,
+        "brute_force_s": brute_s,
+        **info,
+        "error": None,
+    }
+
+
+EXACTNESS_CASES = [
+    (precision, ckpt, "full") for precision in ("fp32", "bf16", "fp16") for ckpt in (False, True)
+] + [("fp32", True, "lora"), ("bf16", True, "lora")]
+
+
+def run_exactness(config: Config, record: Record) -> None:
+    section = record.data["exactness"]
+    tf32 = None
+    if config.device == "cuda":
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for precision, ckpt, tuning in EXACTNESS_CASES:
+            name = f"{tuning}-{precision}-{'ckpt' if ckpt else 'nockpt'}"
+            start = time.perf_counter()
+            try:
+                with tempfile.TemporaryDirectory(prefix="gpu_check_") as folder:
+                    case = exactness_case(config, precision, ckpt, tuning, folder)
+            except Exception as exc:
+                traceback.print_exc()
+                case = {
+                    "precision": precision,
+                    "tuning": tuning,
+                    "checkpointing": ckpt,
+                    "error": error_text(exc),
+                }
+            case["seconds"] = time.perf_counter() - start
+            section["cases"][name] = case
+            free_memory(config.device)
+            print(exactness_line(name, case), flush=True)
+            done = [c for c in section["cases"].values() if not c.get("error")]
+            section["all_within_tolerance"] = len(done) == len(section["cases"]) and all(
+                c["within_tolerance"] for c in done
+            )
+            section["max_relative_error"] = {
+                p: max((c["relative_error"] for c in done if c["precision"] == p), default=None)
+                for p in TOLERANCE
+            }
+            record.save()
+    finally:
+        if tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+# ---- 2./3. memory and time ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One variant of a setting: ``step()`` runs one step and returns its loss."""
+
+    name: str
+    step: Callable[[], float] | None = None
+    error: str | None = None
+    times: list[float | None] = field(default_factory=list)
+    transient: list[float] = field(default_factory=list)  # bytes a step allocated above its start
+    static: float | None = None  # bytes the variant holds at rest
+    first_loss: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    keep: list[Any] = field(default_factory=list)
+    report: Callable[[], dict[str, Any]] | None = None  # the DPTrainer's privacy_report
+
+    def retire(self, error: str) -> None:
+        self.error, self.step = error, None
+        self.keep.clear()
+
+    def summary(self) -> dict[str, Any]:
+        ok = [t for t in self.times if t]
+        peak = self.static + max(self.transient) if self.static is not None and self.transient else None
+        return {
+            "peak_mb": mb(peak),
+            "resident_mb": mb(self.static),
+            "step_transient_mb": mb(max(self.transient)) if self.transient else None,
+            "median_s": statistics.median(ok) if ok else None,
+            "min_s": min(ok) if ok else None,
+            "times_s": self.times,
+            "first_loss": self.first_loss,
+            "error": self.error,
+            **self.info,
+        }
+
+
+@dataclass(frozen=True)
+class Setting:
+    tuning: str  # full, lora, qlora
+    checkpointing: bool
+    shape: Shape
+    batch: int
+    seq: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.tuning}-bf16-{'ckpt' if self.checkpointing else 'nockpt'}-B{self.batch}-T{self.seq}"
+
+
+def timed_step(cell: Cell, device: str) -> float | None:
+    """Seconds of one step, its transient peak recorded; a failure (OOM included) retires the cell."""
+    if cell.step is None:
+        return None
+    try:
+        sync(device)
+        if device == "cuda":
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        loss = cell.step()
+        sync(device)
+        elapsed = time.perf_counter() - start
+        if device == "cuda":
+            cell.transient.append(torch.cuda.max_memory_allocated() - base)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss}")
+    except Exception as exc:
+        traceback.print_exc()
+        cell.retire(f"step failed: {error_text(exc)}")
+        free_memory(device)
+        return None
+    if cell.first_loss is None:
+        cell.first_loss = loss
+    return elapsed
+
+
+def _cell_info(cell: Cell, model: nn.Module) -> None:
+    cell.info["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    cell.info["checkpointing_active"] = is_checkpointing(model)
+    dtype_probe(model, cell.info)
+
+
+def build_stock(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
+    folder = tempfile.TemporaryDirectory(prefix="gpu_check_")
+    args = training_args(
+        TrainingArguments, device, folder.name, per_device_train_batch_size=s.batch, bf16=True,
+        optim="adamw_torch", **{CKPT_ARG: s.checkpointing},
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    trainer.create_optimizer()
+    wrapped = prepare_like_train(trainer)
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() for each accumulation window
+    batch = {k: v.to(device) for k, v in trainer.data_collator(rows[: s.batch]).items()}
+
+    def step() -> float:
+        loss = trainer.training_step(wrapped, batch)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    cell = Cell("stock", step=step, keep=[folder, trainer])
+    _cell_info(cell, wrapped)
+    return cell
+
+
+def build_dp(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
+    folder = tempfile.TemporaryDirectory(prefix="gpu_check_")
+    args = training_args(
+        DPTrainingArguments, device, folder.name, per_device_train_batch_size=s.batch, bf16=True,
+        optim="adamw_torch", dp_optimizer="adamw", noise_multiplier=NOISE_MULTIPLIER,
+        per_sample_max_grad_norm=MAX_GRAD_NORM, insecure_dp_seed=SEED, **{CKPT_ARG: s.checkpointing},
+    )  # fmt: skip
+    trainer = DPTrainer(model=model, args=args, train_dataset=rows)
+    if trainer.expected_batch_size != s.batch:
+        raise RuntimeError(f"DPTrainer plans a logical batch of {trainer.expected_batch_size}, not {s.batch}")
+    trainer.create_optimizer()
+    prepare_like_train(trainer)
+    batch = {k: v.to(device) for k, v in trainer.data_collator(rows[: s.batch]).items()}
+    cell = Cell("dp", step=lambda: trainer.train_one_step([batch]), keep=[folder, trainer])
+    _cell_info(cell, trainer.model)
+    strategy = getattr(trainer, "_clipping", None)  # private: reported only if it is there
+    cell.info["clipping_strategy"] = type(strategy).__name__ if strategy is not None else None
+    cell.info["norms_in_backward"] = getattr(strategy, "norms_in_backward", None)
+    cell.report = trainer.privacy_report
+    return cell
+
+
+def build_opacus(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
+    from opacus import PrivacyEngine
+    from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import default_data_collator
+
+    if s.checkpointing:
+        enable_checkpointing(model)
+    defaults = TrainingArguments.__dataclass_fields__
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=defaults["learning_rate"].default,
+        weight_decay=defaults["weight_decay"].default,
+    )
+    loader = DataLoader(TensorDataset(torch.zeros(len(rows), 1)), batch_size=s.batch)
+    engine = PrivacyEngine()
+    dp_model, dp_optimizer, _, _ = engine.make_private(
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=NOISE_MULTIPLIER,
+        max_grad_norm=MAX_GRAD_NORM,
+        grad_sample_mode="ghost",
+        loss_reduction="mean",
+        poisson_sampling=False,
+    )
+    batch = {k: v.to(device) for k, v in default_data_collator(rows[: s.batch]).items()}
+    autocast = torch.autocast(device, dtype=torch.bfloat16)
+
+    def step() -> float:
+        with autocast:
+            logits = dp_model(input_ids=batch["input_ids"]).logits
+        losses = per_example_loss(logits, batch["labels"])
+        loss = DPTensorFastGradientClipping(dp_model, dp_optimizer, losses, loss_reduction="mean")
+        loss.backward()  # Opacus' two backward passes
+        dp_optimizer.step()
+        dp_optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    cell = Cell("opacus", step=step, keep=[engine, dp_model, dp_optimizer])
+    _cell_info(cell, model)
+    return cell
+
+
+BUILDERS = {"stock": build_stock, "dp": build_dp, "opacus": build_opacus}
+
+
+def _opacus_missing() -> str | None:
+    try:
+        import opacus  # noqa: F401
+    except Exception as exc:
+        return f"opacus not importable: {error_text(exc)}"
+    return None
+
+
+def ratio(cells: dict[str, Cell], num: str, den: str) -> dict[str, Any] | None:
+    if num not in cells or den not in cells:
+        return None
+    a, b = cells[num].summary(), cells[den].summary()
+    pairs = [x / y for x, y in zip(cells[num].times, cells[den].times, strict=False) if x and y]
+    return {
+        "peak": a["peak_mb"] / b["peak_mb"] if a["peak_mb"] and b["peak_mb"] else None,
+        "time_paired_median": statistics.median(pairs) if pairs else None,
+        "time_min": a["min_s"] / b["min_s"] if a["min_s"] and b["min_s"] else None,
+    }
+
+
+def run_setting(
+    s: Setting, variants: list[str], model_builder: Callable[[], nn.Module], config: Config
+) -> dict[str, Any]:
+    """Build and warm up each variant in turn (its resident memory measured), then time interleaved rounds."""
+    device = config.device
+    rows = token_rows(DATASET_BATCHES * s.batch, s.seq, s.shape.vocab)
+    cells: dict[str, Cell] = {}
+    skipped: dict[str, str] = {}
+    for name in variants:
+        if name == "opacus" and (reason := _opacus_missing()):
+            skipped[name] = reason
+            continue
+        free_memory(device)
+        before = torch.cuda.memory_allocated() if device == "cuda" else None
+        start = time.perf_counter()
+        try:
+            cell = BUILDERS[name](s, model_builder(), rows, device)
+        except Exception as exc:
+            traceback.print_exc()
+            cell = Cell(name, error=f"build failed: {error_text(exc)}")
+        cells[name] = cell
+        for _ in range(config.warmup):
+            timed_step(cell, device)
+        cell.times, cell.transient = [], []
+        cell.info["build_and_warmup_s"] = time.perf_counter() - start
+        if cell.step is not None and device == "cuda":
+            free_memory(device)
+            cell.static = torch.cuda.memory_allocated() - before
+    order = list(cells)
+    for r in range(config.rounds):
+        rotated = order[r % len(order) :] + order[: r % len(order)] if order else []
+        for name in rotated:
+            cells[name].times.append(timed_step(cells[name], device))
+    result: dict[str, Any] = {
+        "setting": asdict(s),
+        "variants": {name: cell.summary() for name, cell in cells.items()},
+        "skipped_variants": skipped,
+    }
+    dp = cells.get("dp")
+    if dp is not None and dp.step is not None:
+        with contextlib.suppress(Exception):
+            report = dp.report()
+            result["dp_privacy_report"] = {
+                k: v for k, v in report.items() if isinstance(v, int | float | str | bool) or v is None
+            }
+    result["ratios"] = {
+        key: value
+        for key, value in (
+            ("dp_vs_stock", ratio(cells, "dp", "stock")),
+            ("opacus_vs_stock", ratio(cells, "opacus", "stock")),
+            ("dp_vs_opacus", ratio(cells, "dp", "opacus")),
+        )
+        if value is not None
+    }
+    for cell in cells.values():
+        cell.keep.clear()
+        cell.step = cell.report = None
+    cells.clear()
+    free_memory(device)
+    return result
+
+
+def over_budget(record: Record, config: Config) -> str | None:
+    if record.elapsed() > config.budget_s:
+        return f"skipped: time budget of {config.budget_s:.0f} s spent ({record.elapsed():.0f} s elapsed)"
+    return None
+
+
+def run_performance(config: Config, record: Record) -> None:
+    section = record.data["performance"]
+    for tuning, ckpt in (("full", True), ("lora", True), ("full", False), ("lora", False)):
+        s = Setting(tuning, ckpt, config.perf_shape, config.perf_batch, config.perf_seq)
+        if reason := over_budget(record, config):
+            section["settings"][s.name] = {"setting": asdict(s), "skipped": reason}
+            record.save()
+            continue
+        start = time.perf_counter()
+        try:
+            result = run_setting(
+                s,
+                ["stock", "dp", "opacus"],
+                lambda s=s: build_llama(s.shape, s.seq, config.device, s.tuning),
+                config,
+            )
+        except Exception as exc:
+            traceback.print_exc()
+            result = {"setting": asdict(s), "error": error_text(exc)}
+            free_memory(config.device)
+        result["seconds"] = time.perf_counter() - start
+        section["settings"][s.name] = result
+        print(setting_lines(s.name, result), flush=True)
+        record.save()
+
+
+def bitsandbytes_problem(device: str) -> str | None:
+    """Why 4-bit cannot run here, or None: bitsandbytes imports and quantises a small matrix on the device."""
+    try:
+        import bitsandbytes.functional as bnbf
+
+        w = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
+        q, state = bnbf.quantize_4bit(w, quant_type="nf4")
+        back = bnbf.dequantize_4bit(q, state)
+        if not torch.isfinite(back).all() or (back.float() - w.float()).norm() > 0.2 * w.float().norm():
+            return "bitsandbytes nf4 round trip is wrong on this device"
+    except Exception as exc:
+        return f"bitsandbytes 4-bit unavailable on {device}: {error_text(exc)}"
+    return None
+
+
+def build_qlora(s: Setting, folder: str, device: str) -> nn.Module:
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_use_double_quant=True,
+    )
+    model = LlamaForCausalLM.from_pretrained(
+        folder,
+        quantization_config=quantization,
+        dtype=torch.bfloat16,
+        device_map={"": 0 if device == "cuda" else "cpu"},
+    )
+    model = prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=s.checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    quantized = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
+    if quantized == 0:
+        raise RuntimeError("no bitsandbytes Linear4bit layer after loading with load_in_4bit")
+    torch.manual_seed(SEED)
+    return get_peft_model(model, lora_config()).train()
+
+
+def run_qlora(config: Config, record: Record) -> None:
+    section = record.data["qlora"]
+    if reason := bitsandbytes_problem(config.device):
+        section["skipped"] = reason
+        record.save()
+        print(f"qlora: {reason}", flush=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="gpu_check_qlora_") as folder:
+        base = build_llama(config.perf_shape, config.perf_seq, config.device, "full")
+        base.to(torch.bfloat16).save_pretrained(folder)
+        del base
+        free_memory(config.device)
+        for ckpt in (True, False):
+            s = Setting("qlora", ckpt, config.perf_shape, config.perf_batch, config.perf_seq)
+            if reason := over_budget(record, config):
+                section["settings"][s.name] = {"setting": asdict(s), "skipped": reason}
+                record.save()
+                continue
+            start = time.perf_counter()
+            try:
+                result = run_setting(
+                    s, ["stock", "dp", "opacus"], lambda s=s: build_qlora(s, folder, config.device), config
+                )
+            except Exception as exc:
+                traceback.print_exc()
+                result = {"setting": asdict(s), "error": error_text(exc)}
+                free_memory(config.device)
+            result["seconds"] = time.perf_counter() - start
+            section["settings"][s.name] = result
+            print(setting_lines(s.name, result), flush=True)
+            record.save()
+
+
+# ---- the table --------------------------------------------------------------------------------------------------
+
+
+def _f(x: Any, spec: str = ".3f") -> str:
+    return "-" if not isinstance(x, int | float) or isinstance(x, bool) else format(x, spec)
+
+
+def exactness_line(name: str, case: dict[str, Any]) -> str:
+    if case.get("error"):
+        return f"exactness {name}: ERROR {case['error']}"
+    verdict = "ok" if case["within_tolerance"] else "OVER TOLERANCE"
+    steps = ", ".join(format(e, ".2e") for e in case["relative_error_per_step"])
+    return f"exactness {name}: relative error {steps} (tol {case['tolerance']:.0e}) {verdict}"
+
+
+def setting_lines(name: str, result: dict[str, Any]) -> str:
+    if result.get("skipped") or result.get("error"):
+        return f"{name}: {result.get('skipped') or 'ERROR ' + str(result.get('error'))}"
+    lines = [f"{name}:"]
+    for v, r in result["variants"].items():
+        lines.append(
+            f"  {v:7s} peak {_f(r['peak_mb'], '.0f')} MB, median {_f(r['median_s'])} s, min {_f(r['min_s'])} s"
+            f"{'  ERROR ' + r['error'] if r['error'] else ''}"
+        )
+    for v, why in result.get("skipped_variants", {}).items():
+        lines.append(f"  {v:7s} skipped: {why}")
+    for key, r in result.get("ratios", {}).items():
+        lines.append(
+            f"  {key}: peak {_f(r['peak'], '.2f')}, time {_f(r['time_paired_median'], '.2f')} (paired median), "
+            f"{_f(r['time_min'], '.2f')} (min/min)"
+        )
+    return "\n".join(lines)
+
+
+def table(data: dict[str, Any]) -> str:
+    env = data.get("environment", {})
+    lines = [
+        f"# gpu_check ({data['mode']}): {env.get('device', '?')}, torch {env.get('torch', '?')}, "
+        f"transformers {env.get('transformers', '?')}, opacus {env.get('opacus', '?')}, "
+        f"bitsandbytes {env.get('bitsandbytes', '?')}; {data['elapsed_s']} s"
+        f"{'' if data['finished'] else ' (not finished)'}",
+        "",
+        "## Exactness: released clipped sum vs float64 brute force (relative error)",
+        "",
+        "| case | step 1 | step 2 | tolerance | status |",
+        "|---|---|---|---|---|",
+    ]
+    for name, c in data["exactness"]["cases"].items():
+        if c.get("error"):
+            lines.append(
+                f"| {name} | - | - | {TOLERANCE.get(c.get('precision'), '-')} | error: {c['error']} |"
+            )
+            continue
+        e = c["relative_error_per_step"]
+        status = "ok" if c["within_tolerance"] else "over"
+        lines.append(f"| {name} | {e[0]:.2e} | {e[-1]:.2e} | {c['tolerance']:.0e} | {status} |")
+    for key in ("performance", "qlora"):
+        section = data[key]
+        lines += [
+            "",
+            f"## {key}: peak MB (resident + step transient) and step seconds",
+            "",
+            "| setting | variant | peak MB | median s | min s | first loss | vs stock: peak | time (paired) | error |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        if section.get("skipped"):
+            lines.append(f"| - | - | - | - | - | - | - | - | skipped: {section['skipped']} |")
+        for name, r in section["settings"].items():
+            if r.get("skipped") or r.get("error"):
+                lines.append(f"| {name} | - | - | - | - | - | - | - | {r.get('skipped') or r.get('error')} |")
+                continue
+            for v, c in r["variants"].items():
+                rt = r["ratios"].get(f"{v}_vs_stock", {})
+                error = (c["error"] or "").replace("|", "/")
+                lines.append(
+                    f"| {name} | {v} | {_f(c['peak_mb'], '.0f')} | {_f(c['median_s'])} | {_f(c['min_s'])} | "
+                    f"{_f(c['first_loss'], '.4f')} | {_f(rt.get('peak'), '.2f')} | "
+                    f"{_f(rt.get('time_paired_median'), '.2f')} | {error} |"
+                )
+            for v, why in r.get("skipped_variants", {}).items():
+                lines.append(f"| {name} | {v} | - | - | - | - | - | - | skipped: {why} |")
+        if section.get("error"):
+            lines.append(f"| - | - | - | - | - | - | - | - | section error: {section['error']} |")
+    if data["errors"]:
+        lines += ["", "Section errors: " + "; ".join(f"{e['section']}: {e['error']}" for e in data["errors"])]
+    return "\n".join(lines) + "\n"
+
+
+# ---- entry point ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (automatic without CUDA)")
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="JSON path; the table goes next to it as .md"
+    )
+    p.add_argument("--sections", nargs="+", choices=SECTIONS[1:], default=list(SECTIONS[1:]))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument(
+        "--warmup", type=int, default=2, help="warm-up steps per variant (the first DP step checks)"
+    )
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=None, help="start no setting after this many seconds")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*(use_cache|insecure_dp_seed|bos_token_id|checkpointing).*")
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = "cuda" if cuda else "cpu"
+    config = make_config(device, not cuda, args)
+    threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(1)  # on a few shared cores, more threads wait for each other (optimizers.py)
+    try:
+        return _run(args, config, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, config: Config, device: str) -> dict[str, Any]:
+    record = Record(args.out, config)
+    print(f"gpu_check: mode {record.data['mode']}, device {device}, writing {args.out}", flush=True)
+    try:
+        record.data["environment"].update(environment(device))
+    except Exception as exc:
+        record.fail("environment", exc)
+    record.save()
+    runners = {"exactness": run_exactness, "performance": run_performance, "qlora": run_qlora}
+    for name in set(runners) - set(args.sections):
+        record.data[name]["skipped"] = "not in --sections"
+    for name in args.sections:
+        try:
+            runners[name](config, record)
+        except Exception as exc:
+            record.fail(name, exc)
+            free_memory(device)
+    record.data["finished"] = True
+    record.save()
+    print("\n" + table(record.data), flush=True)
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}", flush=True)
+    return record.data
+
+
+if __name__ == "__main__":
+    main()

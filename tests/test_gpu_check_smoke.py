@@ -1,0 +1,109 @@
+"""Smoke mode of benchmarks/gpu_check.py (tiny shapes on the CPU): every section is in the JSON, every exactness
+case is within the tolerance a DP correctness test states, and every performance cell ran or says why not.
+
+The tolerances are the script's ``TOLERANCE``: fp32 1e-4 (a float32 step against the float64 brute force; measured
+~3e-7 here), fp16 5e-3 (tests/test_fp16.py allows 2e-3 on CPU, measured 3-6e-4; measured 6-7e-4 here), bf16 5e-2
+(tests/test_mixed_precision.py allows 2e-2 with bf16 weights, measured 0.56%; measured 0.5-0.7% here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+def _load_script():
+    # By file path: Opacus installs a top-level package named ``benchmarks`` into site-packages.
+    spec = importlib.util.spec_from_file_location("hf_dp_benchmark_gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke(tmp_path: Path) -> None:
+    gpu_check = _load_script()
+    out = tmp_path / "gpu_check.json"
+    returned = gpu_check.main(["--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result == json.loads(json.dumps(returned, default=str))
+    assert out.with_suffix(".md").read_text().startswith("# gpu_check (smoke)")
+
+    assert result["mode"] == "smoke" and result["finished"] is True
+    for section in ("environment", "exactness", "performance", "qlora"):
+        assert result[section]["error"] is None, (section, result[section]["error"])
+    assert result["errors"] == []
+    env = result["environment"]
+    assert (
+        env["device"] == "cpu" and {"torch", "transformers", "peft", "opacus", "bitsandbytes"} <= env.keys()
+    )
+
+    # exactness: every case ran, with clipping active, within its precision's tolerance at both steps
+    cases = result["exactness"]["cases"]
+    assert set(cases) == {
+        f"{tuning}-{precision}-{'ckpt' if ckpt else 'nockpt'}"
+        for precision, ckpt, tuning in gpu_check.EXACTNESS_CASES
+    }
+    assert gpu_check.TOLERANCE == {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-3}
+    for name, case in cases.items():
+        assert case["error"] is None, (name, case["error"])
+        assert len(case["relative_error_per_step"]) == 2
+        assert all(
+            0 <= e <= gpu_check.TOLERANCE[case["precision"]] for e in case["relative_error_per_step"]
+        ), (
+            name,
+            case["relative_error_per_step"],
+        )
+        assert case["within_tolerance"] is True
+        assert case["checkpointing_active"] == case["checkpointing"]
+        assert max(case["per_example_norms"]) > case["max_norm"] > 0  # every example clipped
+        if case["precision"] != "fp32":  # autocast did run the MLP in the low precision
+            assert case["mlp_output_dtype"] == {"bf16": "bfloat16", "fp16": "float16"}[case["precision"]]
+    assert cases["full-fp16-nockpt"]["fp16_loss_scale"] > 1
+
+    # performance: full and LoRA, checkpointing on and off; stock and dp always run; opacus ran or says why
+    settings = result["performance"]["settings"]
+    assert {(s["setting"]["tuning"], s["setting"]["checkpointing"]) for s in settings.values()} == {
+        ("full", True),
+        ("lora", True),
+        ("full", False),
+        ("lora", False),
+    }
+    for name, setting in settings.items():
+        assert "error" not in setting and "skipped" not in setting, (name, setting)
+        variants = setting["variants"]
+        for variant in ("stock", "dp"):
+            cell = variants[variant]
+            assert cell["error"] is None, (name, variant, cell["error"])
+            assert len(cell["times_s"]) == 2 and all(_finite_positive(t) for t in cell["times_s"])
+            assert _finite_positive(cell["median_s"]) and math.isfinite(cell["first_loss"])
+            assert cell["peak_mb"] is None  # memory is measured on CUDA only
+            assert cell["checkpointing_active"] == setting["setting"]["checkpointing"]
+            assert cell["mlp_output_dtype"] == "bfloat16"
+        # the same seeded model and batch: the untrained loss agrees between the stock Trainer and DP
+        assert abs(variants["stock"]["first_loss"] - variants["dp"]["first_loss"]) < 1e-3
+        assert _finite_positive(setting["ratios"]["dp_vs_stock"]["time_paired_median"])
+        assert "opacus" in variants or "opacus" in setting["skipped_variants"]
+        assert isinstance(setting.get("dp_privacy_report"), dict)
+
+    # QLoRA: ran (bitsandbytes importable, with a working CPU backend) or skipped with the reason
+    qlora = result["qlora"]
+    if qlora["skipped"] is not None:
+        assert "bitsandbytes" in qlora["skipped"] and qlora["settings"] == {}
+    else:
+        assert len(qlora["settings"]) == 2
+        for name, setting in qlora["settings"].items():
+            for variant in ("stock", "dp"):
+                assert setting["variants"][variant]["error"] is None, (name, variant)
