@@ -164,7 +164,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
 
 def test_training_stops_before_the_budget_would_be_exceeded(tmp_path, caplog):
     trainer = make_trainer(tmp_path, target_epsilon=2.0, max_steps=8)
-    trainer.noise_multiplier *= 0.6  # spend faster than planned
+    trainer.dp.set_noise_multiplier(trainer.noise_multiplier * 0.6)  # spend faster than planned
     with caplog.at_level(logging.WARNING, logger="hf_dp.trainer"):
         trainer.train()
     assert 0 < trainer.state.global_step < 8
