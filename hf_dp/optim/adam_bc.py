@@ -36,12 +36,6 @@ def corrected_denominator(v_hat: torch.Tensor, noise_std: float, eps: float) -> 
     return v_hat.sub_(noise_std**2).clamp_min_(eps**2).sqrt_()
 
 
-@register_dp_optimizer("adam_bc")
-def build(params: Iterable[Any], *, mean_noise_std: float, **kwargs: Any) -> AdamBC:
-    """kwargs: lr, betas=(0.9, 0.999), eps=1e-4 (floor ε² on v̂ − Φ), weight_decay=0.0 (decoupled)."""
-    return AdamBC(params, noise_std=mean_noise_std, **kwargs)
-
-
 class AdamBC(DPOptimizer):
     """DP-AdamBC; state per parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` (fp32; fp64 for fp64)."""
 
@@ -94,4 +88,7 @@ class AdamBC(DPOptimizer):
                 p.add_(update, alpha=-group["lr"])
 
 
-build.rule = AdamBC.__init__  # the constructor the builder forwards to (for error messages)
+@register_dp_optimizer("adam_bc", rule_class=AdamBC)
+def build(params: Iterable[Any], *, mean_noise_std: float, **kwargs: Any) -> AdamBC:
+    """kwargs: lr, betas=(0.9, 0.999), eps=1e-4 (floor ε² on v̂ − Φ), weight_decay=0.0 (decoupled)."""
+    return AdamBC(params, noise_std=mean_noise_std, **kwargs)

@@ -118,7 +118,7 @@ class Doppler(DPOptimizer):
 DEFAULT_FILTER = "first_order_v1"
 
 
-@register_dp_optimizer("doppler")
+@register_dp_optimizer("doppler", rule_class=Doppler)
 def build(
     params: Iterable[Any],
     *,
@@ -137,6 +137,3 @@ def build(
         filter = DEFAULT_FILTER
     b, a = resolve_filter(filter, b, a)
     return Doppler(params, b=b, a=a, noise_std=mean_noise_std, **kwargs)
-
-
-build.rule = Doppler.__init__  # the constructor the builder forwards to (for error messages)
