@@ -68,15 +68,10 @@ class Doppler(DPOptimizer):
                     )
 
     def update(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("doppler does not support sparse gradients")
-                update = self._filtered(group, self.state[p], p)
-                self.decay(p, group["lr"], group["weight_decay"])
-                p.add_(update, alpha=-group["lr"])
+        for group, p in self.params_with_grad():
+            update = self._filtered(group, self.state[p], p)
+            self.decay(p, group["lr"], group["weight_decay"])
+            p.add_(update, alpha=-group["lr"])
 
     @staticmethod
     def _filtered(group: dict[str, Any], state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
