@@ -64,8 +64,8 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from benchmarks import _timing  # noqa: E402  (sets the offline environment first)
+from benchmarks._memory import LAUNCHER, reset_peak_rss, vm_hwm_kb  # noqa: E402
 from benchmarks._timing import Variant, fmt  # noqa: E402
-from benchmarks.step_speed import _LAUNCHER, _reset_peak_rss, _vm_hwm_kb  # noqa: E402
 
 # isort: split
 
@@ -434,10 +434,10 @@ def memory_only(name: str, s: Setting, device: str) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
         result["cuda_allocated_before_steps_mb"] = torch.cuda.memory_allocated() / 2**20
     result["rss_before_steps_mb"] = _vm_rss_mb()
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     for _ in range(MEMORY_STEPS):
         _timing.time_step(variant)
-    hwm = _vm_hwm_kb()
+    hwm = vm_hwm_kb()
     result["steady_peak_rss_mb"] = hwm / 1024 if reset and hwm is not None else None
     result["ru_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["hwm_reset"] = reset
@@ -460,8 +460,8 @@ def memory_only(name: str, s: Setting, device: str) -> dict[str, Any]:
 def measure_memory(
     name: str, s: Setting, device: str, tight_malloc: bool, timeout: float = 3600
 ) -> dict[str, Any]:
-    """``memory_only`` in a fresh process, started through step_speed.py's launcher (a child started directly
-    from this process would report this process's peak RSS as its own)."""
+    """``memory_only`` in a fresh process, started through ``LAUNCHER`` (a child started directly from this
+    process would report this process's peak RSS as its own)."""
     child = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -470,7 +470,7 @@ def measure_memory(
     env = {**os.environ, **(TIGHT_MALLOC_ENV if tight_malloc and device == "cpu" else {})}
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _LAUNCHER, *child],
+            [sys.executable, "-c", LAUNCHER, *child],
             capture_output=True,
             text=True,
             timeout=timeout,

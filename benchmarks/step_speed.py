@@ -22,7 +22,6 @@ import argparse
 import copy
 import json
 import os
-import re
 import resource
 import subprocess
 import sys
@@ -39,6 +38,7 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from benchmarks import _timing  # noqa: E402  (sets the offline environment first)
+from benchmarks._memory import LAUNCHER, reset_peak_rss, vm_hwm_kb  # noqa: E402
 from benchmarks._timing import Variant, fmt, gpt2_config  # noqa: E402
 
 # isort: split
@@ -299,22 +299,6 @@ def summarise(variants: dict[str, Variant]) -> tuple[dict, dict]:
 # ---- memory ---------------------------------------------------------------------------------------------
 
 
-def _vm_hwm_kb() -> int | None:
-    try:
-        match = re.search(r"VmHWM:\s+(\d+)\s+kB", Path("/proc/self/status").read_text())
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
 def memory_only(name: str, cfg: Config) -> dict:
     """Build one variant, warm up, run MEMORY_STEPS steps; peak RSS of this process (MB)."""
     result: dict = {"variant": name}
@@ -323,13 +307,13 @@ def memory_only(name: str, cfg: Config) -> dict:
     del base
     for _ in range(MEMORY_WARMUP_STEPS):
         _timing.time_step(variant)
-    hwm = _vm_hwm_kb()
+    hwm = vm_hwm_kb()
     result["peak_rss_vmhwm_mb"] = hwm / 1024 if hwm is not None else None  # so far; updated below
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     for _ in range(MEMORY_STEPS):
         _timing.time_step(variant)
     result["ru_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    hwm = _vm_hwm_kb()
+    hwm = vm_hwm_kb()
     result["steady_peak_rss_mb"] = hwm / 1024 if reset and hwm is not None else None
     if hwm is not None and result["peak_rss_vmhwm_mb"] is not None:
         result["peak_rss_vmhwm_mb"] = max(result["peak_rss_vmhwm_mb"], hwm / 1024)
@@ -337,14 +321,9 @@ def memory_only(name: str, cfg: Config) -> dict:
     return result
 
 
-# Linux carries a process's peak RSS across fork + exec: a child started directly from this (large) process
-# reports THIS process's peak as its own ru_maxrss. A tiny launcher in between gives the child a fresh count.
-_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
-
-
 def measure_memory(name: str, cfg: Config, timeout: float = 1800) -> dict:
     child = [sys.executable, str(Path(__file__).resolve()), "--memory-only", name, *_config_argv(cfg)]
-    cmd = [sys.executable, "-c", _LAUNCHER, *child]
+    cmd = [sys.executable, "-c", LAUNCHER, *child]  # a fresh peak-RSS count (benchmarks/_memory.py)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
     except subprocess.TimeoutExpired:

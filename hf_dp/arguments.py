@@ -14,13 +14,11 @@ from transformers import TrainingArguments
 
 from hf_dp import compat
 from hf_dp.accounting import AccountantName
-from hf_dp.clipping.geometry import ClippingFn, ClippingMode
+from hf_dp.clipping.geometry import CLIPPING_FNS, CLIPPING_MODES, ClippingFn, ClippingMode
 from hf_dp.clipping.loss_scale import DEFAULT_FP16_LOSS_SCALE, check_loss_scale
 from hf_dp.distributed import check_launched_world
 from hf_dp.optim.registry import dp_optimizer_names, make_dp_optimizer
 
-CLIPPING_MODES = get_args(ClippingMode)
-CLIPPING_FNS = get_args(ClippingFn)
 ACCOUNTANTS = get_args(AccountantName)
 
 

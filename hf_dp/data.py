@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from hf_dp.sampling import PoissonBatchSampler, ShuffledBatchSampler, UnitPoissonBatchSampler
+from hf_dp.sampling import PoissonBatchSampler, SamplerConfig, ShuffledBatchSampler, UnitPoissonBatchSampler
 
 EXAMPLE_MASK_KEY = "hf_dp_example_mask"
 UNIT_KEY = "hf_dp_unit"
@@ -160,14 +160,14 @@ def dp_dataloader(
     With ``unit_of_row`` (each row's unit 0..N_u-1, see ``units_of_column``) it samples units with
     ``q = plan.sample_rate`` and at most ``max_rows_per_unit`` rows of each; its batches carry ``UNIT_KEY``.
     """
-    common = {
-        "steps_per_epoch": plan.steps_per_epoch,
-        "num_micro_batches": args.gradient_accumulation_steps,
-        "seed": sampling_key,
-        "secure_mode": args.secure_mode,
-        "num_replicas": args.world_size,
-        "rank": args.process_index,
-    }
+    config = SamplerConfig(
+        steps_per_epoch=plan.steps_per_epoch,
+        num_micro_batches=args.gradient_accumulation_steps,
+        seed=sampling_key,
+        secure_mode=args.secure_mode,
+        num_replicas=args.world_size,
+        rank=args.process_index,
+    )
     if unit_of_row is not None:
         if not args.poisson_sampling:
             raise ValueError("user-level sampling (unit_of_row) is Poisson only: set poisson_sampling=True.")
@@ -176,11 +176,11 @@ def dp_dataloader(
                 "pass max_rows_per_unit (k >= 1, the most rows of a unit in one step) with unit_of_row."
             )
         dataset = UnitDataset(dataset, unit_of_row)
-        sampler = UnitPoissonBatchSampler(dataset.unit_of_row, plan.sample_rate, max_rows_per_unit, **common)
+        sampler = UnitPoissonBatchSampler(dataset.unit_of_row, plan.sample_rate, max_rows_per_unit, config)
     elif args.poisson_sampling:
-        sampler = PoissonBatchSampler(plan.num_examples, sample_rate=plan.sample_rate, **common)
+        sampler = PoissonBatchSampler(plan.num_examples, plan.sample_rate, config)
     else:
-        sampler = ShuffledBatchSampler(plan.num_examples, batch_size=plan.expected_batch_size, **common)
+        sampler = ShuffledBatchSampler(plan.num_examples, plan.expected_batch_size, config)
     return EpochDataLoader(
         dataset,
         batch_sampler=sampler,

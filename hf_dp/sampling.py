@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["PoissonBatchSampler", "ShuffledBatchSampler", "UnitPoissonBatchSampler"]
+__all__ = ["PoissonBatchSampler", "SamplerConfig", "ShuffledBatchSampler", "UnitPoissonBatchSampler"]
 
 _BITS = 53  # resolution of the secure-mode uniforms: u = k / 2**53 with k uniform in [0, 2**53)
 
@@ -73,41 +74,50 @@ def _check_sample_rate(sample_rate: float) -> None:
         )
 
 
-class _DPBatchSampler(Sampler[list[int]]):
-    """Shared validation, epoch/seed state, and the replica / micro-batch split."""
+@dataclass(frozen=True)
+class SamplerConfig:
+    """What every DP batch sampler shares: ``steps_per_epoch`` logical batches per epoch, each yielded as
+    ``num_micro_batches`` micro-batches on process ``rank`` of ``num_replicas``, drawn from ``seed`` (or from
+    the OS CSPRNG with ``secure_mode``)."""
 
-    def __init__(
-        self,
-        num_samples: int,
-        steps_per_epoch: int,
-        num_micro_batches: int,
-        seed: int,
-        secure_mode: bool,
-        num_replicas: int,
-        rank: int,
-    ) -> None:
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1 (got {num_samples}); pass the dataset length.")
-        if steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch must be >= 1 (got {steps_per_epoch}).")
-        if num_micro_batches < 1:
+    steps_per_epoch: int
+    num_micro_batches: int = 1
+    seed: int = 0
+    secure_mode: bool = False
+    num_replicas: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch must be >= 1 (got {self.steps_per_epoch}).")
+        if self.num_micro_batches < 1:
             raise ValueError(
-                f"num_micro_batches must be >= 1 (got {num_micro_batches}); use 1 for no accumulation."
+                f"num_micro_batches must be >= 1 (got {self.num_micro_batches}); use 1 for no accumulation."
             )
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"need 0 <= rank < num_replicas (got rank={rank}, num_replicas={num_replicas}).")
-        if secure_mode and num_replicas > 1:
+        if self.num_replicas < 1 or not 0 <= self.rank < self.num_replicas:
+            raise ValueError(
+                f"need 0 <= rank < num_replicas (got rank={self.rank}, num_replicas={self.num_replicas})."
+            )
+        if self.secure_mode and self.num_replicas > 1:
             raise ValueError(
                 "secure_mode draws from each rank's own OS CSPRNG, so ranks would disagree on the "
                 "logical batch; use num_replicas=1 or secure_mode=False."
             )
+
+
+class _DPBatchSampler(Sampler[list[int]]):
+    """Shared validation, epoch/seed state, and the replica / micro-batch split."""
+
+    def __init__(self, num_samples: int, config: SamplerConfig) -> None:
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1 (got {num_samples}); pass the dataset length.")
         self.num_samples = num_samples
-        self.steps_per_epoch = steps_per_epoch
-        self.num_micro_batches = num_micro_batches
-        self.seed = seed
-        self.secure_mode = secure_mode
-        self.num_replicas = num_replicas
-        self.rank = rank
+        self.steps_per_epoch = config.steps_per_epoch
+        self.num_micro_batches = config.num_micro_batches
+        self.seed = config.seed
+        self.secure_mode = config.secure_mode
+        self.num_replicas = config.num_replicas
+        self.rank = config.rank
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -151,20 +161,8 @@ class PoissonBatchSampler(_DPBatchSampler):
     indices are yielded in increasing order (not shuffled within the batch).
     """
 
-    def __init__(
-        self,
-        num_samples: int,
-        sample_rate: float,
-        steps_per_epoch: int,
-        num_micro_batches: int = 1,
-        seed: int = 0,
-        secure_mode: bool = False,
-        num_replicas: int = 1,
-        rank: int = 0,
-    ) -> None:
-        super().__init__(
-            num_samples, steps_per_epoch, num_micro_batches, seed, secure_mode, num_replicas, rank
-        )
+    def __init__(self, num_samples: int, sample_rate: float, config: SamplerConfig) -> None:
+        super().__init__(num_samples, config)
         _check_sample_rate(sample_rate)
         self.sample_rate = sample_rate
 
@@ -182,20 +180,8 @@ class ShuffledBatchSampler(_DPBatchSampler):
     every batch has exactly ``b`` distinct indices.
     """
 
-    def __init__(
-        self,
-        num_samples: int,
-        batch_size: int,
-        steps_per_epoch: int,
-        num_micro_batches: int = 1,
-        seed: int = 0,
-        secure_mode: bool = False,
-        num_replicas: int = 1,
-        rank: int = 0,
-    ) -> None:
-        super().__init__(
-            num_samples, steps_per_epoch, num_micro_batches, seed, secure_mode, num_replicas, rank
-        )
+    def __init__(self, num_samples: int, batch_size: int, config: SamplerConfig) -> None:
+        super().__init__(num_samples, config)
         if not 1 <= batch_size <= num_samples:
             raise ValueError(
                 f"batch_size must be in [1, num_samples={num_samples}] (got {batch_size}); lower batch_size."
@@ -231,16 +217,7 @@ class UnitPoissonBatchSampler(_DPBatchSampler):
     """
 
     def __init__(
-        self,
-        unit_of_row: Sequence[int],
-        sample_rate: float,
-        max_rows_per_unit: int,
-        steps_per_epoch: int,
-        num_micro_batches: int = 1,
-        seed: int = 0,
-        secure_mode: bool = False,
-        num_replicas: int = 1,
-        rank: int = 0,
+        self, unit_of_row: Sequence[int], sample_rate: float, max_rows_per_unit: int, config: SamplerConfig
     ) -> None:
         units = np.asarray(unit_of_row)
         if units.ndim != 1 or units.size == 0 or not np.issubdtype(units.dtype, np.integer):
@@ -259,9 +236,7 @@ class UnitPoissonBatchSampler(_DPBatchSampler):
                 f"unit id {np.argmin(counts)} has no rows; ids must be 0..N_u-1 with every unit present "
                 "(renumber with units_of_column)."
             )
-        super().__init__(
-            len(counts), steps_per_epoch, num_micro_batches, seed, secure_mode, num_replicas, rank
-        )
+        super().__init__(len(counts), config)
         _check_sample_rate(sample_rate)
         k = max_rows_per_unit
         if not isinstance(k, int | np.integer) or isinstance(k, bool) or k < 1:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,26 +42,147 @@ DP_OVERRIDES = {
     "per_sample_max_grad_norm",
 }
 
-# DPO loss types whose loss is a function of each pair alone (TRL 1.16's formulas, one value per pair).
-PER_PAIR_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sigmoid_norm",
-)
-# ... and those whose loss reads the other pairs of the batch.
+# ---- the DPO losses of one pair (TRL 1.16's formulas, one value per pair) ------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PairTerms:
+    """What a per-pair DPO loss reads, (B,) each: log-ratios r = log π/π_ref, their f-scores f'(π/π_ref),
+    Δ = f_chosen − f_rejected, the completion lengths, and the config's β, label smoothing ε and DiscoPOP τ."""
+
+    beta: float
+    label_smoothing: float
+    discopop_tau: float
+    chosen_logratios: torch.Tensor
+    rejected_logratios: torch.Tensor
+    chosen_scores: torch.Tensor
+    rejected_scores: torch.Tensor
+    delta: torch.Tensor
+    chosen_len: torch.Tensor
+    rejected_len: torch.Tensor
+
+
+def _sigmoid_loss(t: PairTerms) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023): −log σ(βΔ)."""
+    return -F.logsigmoid(t.beta * t.delta)
+
+
+def _hinge_loss(t: PairTerms) -> torch.Tensor:
+    """SLiC (Zhao et al. 2023): max(0, 1 − βΔ)."""
+    return torch.relu(1 - t.beta * t.delta)
+
+
+def _ipo_loss(t: PairTerms) -> torch.Tensor:
+    """IPO (Azar et al. 2023), length-averaged scores: (f_c/|c| − f_r/|r| − 1/(2β))²."""
+    return (t.chosen_scores / t.chosen_len - t.rejected_scores / t.rejected_len - 1 / (2 * t.beta)) ** 2
+
+
+def _exo_pair_loss(t: PairTerms) -> torch.Tensor:
+    """EXO (Ji et al. 2024): σ(βΔ)(log σ(βΔ) − log(1−ε)) + σ(−βΔ)(log σ(−βΔ) − log ε)."""
+    x = t.beta * t.delta
+    epsilon = torch.tensor(t.label_smoothing, dtype=t.delta.dtype, device=t.delta.device)
+    return torch.sigmoid(x) * (F.logsigmoid(x) - torch.log1p(-epsilon)) + (
+        torch.sigmoid(-x) * (F.logsigmoid(-x) - torch.log(epsilon))
+    )
+
+
+def _nca_pair_loss(t: PairTerms) -> torch.Tensor:
+    """NCA (Chen et al. 2024): −log σ(βr_c) − ½ log σ(−βr_c) − ½ log σ(−βr_r)."""
+    chosen_rewards, rejected_rewards = t.beta * t.chosen_logratios, t.beta * t.rejected_logratios
+    return (
+        -F.logsigmoid(chosen_rewards)
+        - 0.5 * F.logsigmoid(-chosen_rewards)
+        - 0.5 * F.logsigmoid(-rejected_rewards)
+    )
+
+
+def _robust_loss(t: PairTerms) -> torch.Tensor:
+    """Robust DPO (Chowdhury et al. 2024): (−(1−ε) log σ(βΔ) + ε log σ(−βΔ))/(1 − 2ε)."""
+    x, smoothing = t.beta * t.delta, t.label_smoothing
+    return (-(1 - smoothing) * F.logsigmoid(x) + smoothing * F.logsigmoid(-x)) / (1 - 2 * smoothing)
+
+
+def _bco_pair_loss(t: PairTerms) -> torch.Tensor:
+    """BCO on pairs (Jung et al. 2024): −log σ(βr_c) − log σ(−βr_r)."""
+    return -F.logsigmoid(t.beta * t.chosen_logratios) - F.logsigmoid(-t.beta * t.rejected_logratios)
+
+
+def _sppo_hard_loss(t: PairTerms) -> torch.Tensor:
+    """SPPO, hard labels (Wu et al. 2024): (r_c − 1/(2β))² + (r_r + 1/(2β))²."""
+    return (t.chosen_logratios - 0.5 / t.beta) ** 2 + (t.rejected_logratios + 0.5 / t.beta) ** 2
+
+
+def _apo_zero_loss(t: PairTerms) -> torch.Tensor:
+    """APO-zero (D'Oosterlinck et al. 2024): 1 − σ(βr_c) + σ(βr_r)."""
+    return 1 - torch.sigmoid(t.beta * t.chosen_logratios) + torch.sigmoid(t.beta * t.rejected_logratios)
+
+
+def _apo_down_loss(t: PairTerms) -> torch.Tensor:
+    """APO-down (D'Oosterlinck et al. 2024): σ(βr_c) + 1 − σ(β(r_c − r_r))."""
+    return (
+        torch.sigmoid(t.beta * t.chosen_logratios)
+        + 1
+        - torch.sigmoid(t.beta * (t.chosen_logratios - t.rejected_logratios))
+    )
+
+
+def _discopop_loss(t: PairTerms) -> torch.Tensor:
+    """DiscoPOP (Chan et al. 2024), x = βΔ, m = σ(x/τ): −log σ(x)(1 − m) + e^{−x} m."""
+    logits = t.beta * t.delta
+    modulation = torch.sigmoid(logits / t.discopop_tau)
+    return -F.logsigmoid(logits) * (1 - modulation) + torch.exp(-logits) * modulation
+
+
+def _sigmoid_norm_loss(t: PairTerms) -> torch.Tensor:
+    """Length-normalised DPO: −log σ(β(f_c/|c| − f_r/|r|))."""
+    return -F.logsigmoid(t.beta * (t.chosen_scores / t.chosen_len - t.rejected_scores / t.rejected_len))
+
+
+# DPO loss types whose loss is a function of each pair alone, to that loss
+PAIR_LOSSES: dict[str, Callable[[PairTerms], torch.Tensor]] = {
+    "sigmoid": _sigmoid_loss,
+    "hinge": _hinge_loss,
+    "ipo": _ipo_loss,
+    "exo_pair": _exo_pair_loss,
+    "nca_pair": _nca_pair_loss,
+    "robust": _robust_loss,
+    "bco_pair": _bco_pair_loss,
+    "sppo_hard": _sppo_hard_loss,
+    "apo_zero": _apo_zero_loss,
+    "apo_down": _apo_down_loss,
+    "discopop": _discopop_loss,
+    "sigmoid_norm": _sigmoid_norm_loss,
+}
+PER_PAIR_LOSS_TYPES = tuple(PAIR_LOSSES)
+# ... and those whose loss reads the other pairs of the batch
 BATCH_LOSS_TYPES = {
     "aot": "sorts the log-ratios of the whole batch, so each pair's loss pairs it with another pair's",
     "aot_unpaired": "sorts the log-ratios of the whole batch, so each pair's loss pairs it with another pair's",
     "sft": "averages the chosen tokens of the whole batch, so each pair's weight depends on the others' lengths",
+}
+
+# The α-divergence's exp((α−1)r) is clamped so that it stays finite after the cast back to the input dtype:
+# e^11 ≈ 6.0e4 < 65504 (fp16's max), e^80 ≈ 5.5e34 < 3.4e38 (fp32's and bf16's max).
+FP16_EXP_CLAMP = 11.0
+EXP_CLAMP = 80.0
+
+
+def _alpha_divergence_scores(logratios: torch.Tensor, alpha: float) -> torch.Tensor:
+    """(e^{(α−1)r} − 1)/(α − 1), computed in at least fp32; the limit α → 1 is the reverse KL's r."""
+    if abs(alpha - 1.0) < 1e-6:
+        return logratios
+    t = (alpha - 1.0) * logratios
+    work = t if t.dtype == torch.float64 else t.float()
+    clamp = FP16_EXP_CLAMP if t.dtype == torch.float16 else EXP_CLAMP
+    return (torch.exp(work.clamp(max=clamp)) - 1.0).to(t.dtype) * (1.0 / (alpha - 1.0))
+
+
+# f'(π/π_ref) of each f-DPO divergence (Wang et al. 2023) as a function of r = log π/π_ref and α, as TRL has it
+F_SCORES: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "reverse_kl": lambda logratios, alpha: logratios,
+    "forward_kl": lambda logratios, alpha: 1 - torch.exp(-logratios),
+    "js_divergence": lambda logratios, alpha: math.log(2) + F.logsigmoid(logratios),
+    "alpha_divergence": _alpha_divergence_scores,
 }
 
 
@@ -396,59 +518,27 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
         """The DPO loss of each pair, (B,): TRL 1.16's per-pair formulas (``DPOTrainer._compute_loss``) for
         ``self.loss_types`` weighted by ``self.loss_weights``, the f-divergence scores and WPO ``weights``, without
         the mean over the batch (its mean is TRL's loss; tests/test_trl.py checks it against TRL)."""
-        beta = self.beta
         chosen_logratios = chosen_logps - ref_chosen_logps
         rejected_logratios = rejected_logps - ref_rejected_logps
         chosen_scores, rejected_scores = self._f_scores(chosen_logratios), self._f_scores(rejected_logratios)
-        delta = chosen_scores - rejected_scores
         chosen_mask, rejected_mask = completion_mask.chunk(2, dim=0)
-        chosen_len = chosen_mask.sum(dim=1).clamp(min=1.0)
-        rejected_len = rejected_mask.sum(dim=1).clamp(min=1.0)
-        smoothing = self.label_smoothing
+        terms = PairTerms(
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            discopop_tau=self.args.discopop_tau,
+            chosen_logratios=chosen_logratios,
+            rejected_logratios=rejected_logratios,
+            chosen_scores=chosen_scores,
+            rejected_scores=rejected_scores,
+            delta=chosen_scores - rejected_scores,
+            chosen_len=chosen_mask.sum(dim=1).clamp(min=1.0),
+            rejected_len=rejected_mask.sum(dim=1).clamp(min=1.0),
+        )
         total = torch.zeros_like(chosen_logps)
         for loss_type, weight in zip(self.loss_types, self.loss_weights, strict=True):
-            if loss_type == "sigmoid":
-                loss = -F.logsigmoid(beta * delta)
-            elif loss_type == "hinge":
-                loss = torch.relu(1 - beta * delta)
-            elif loss_type == "ipo":
-                loss = (chosen_scores / chosen_len - rejected_scores / rejected_len - 1 / (2 * beta)) ** 2
-            elif loss_type == "exo_pair":
-                epsilon = torch.tensor(smoothing, dtype=delta.dtype, device=delta.device)
-                loss = torch.sigmoid(beta * delta) * (F.logsigmoid(beta * delta) - torch.log1p(-epsilon)) + (
-                    torch.sigmoid(-beta * delta) * (F.logsigmoid(-beta * delta) - torch.log(epsilon))
-                )
-            elif loss_type == "nca_pair":
-                chosen_rewards, rejected_rewards = beta * chosen_logratios, beta * rejected_logratios
-                loss = (
-                    -F.logsigmoid(chosen_rewards)
-                    - 0.5 * F.logsigmoid(-chosen_rewards)
-                    - 0.5 * F.logsigmoid(-rejected_rewards)
-                )
-            elif loss_type == "robust":
-                loss = (
-                    -(1 - smoothing) * F.logsigmoid(beta * delta) + smoothing * F.logsigmoid(-beta * delta)
-                ) / (1 - 2 * smoothing)
-            elif loss_type == "bco_pair":
-                loss = -F.logsigmoid(beta * chosen_logratios) - F.logsigmoid(-beta * rejected_logratios)
-            elif loss_type == "sppo_hard":
-                loss = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
-            elif loss_type == "apo_zero":
-                loss = 1 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
-            elif loss_type == "apo_down":
-                loss = (
-                    torch.sigmoid(beta * chosen_logratios)
-                    + 1
-                    - torch.sigmoid(beta * (chosen_logratios - rejected_logratios))
-                )
-            elif loss_type == "discopop":
-                logits = beta * delta
-                modulation = torch.sigmoid(logits / self.args.discopop_tau)
-                loss = -F.logsigmoid(logits) * (1 - modulation) + torch.exp(-logits) * modulation
-            elif loss_type == "sigmoid_norm":
-                loss = -F.logsigmoid(beta * (chosen_scores / chosen_len - rejected_scores / rejected_len))
-            else:  # DPDPOConfig refuses the others
+            if loss_type not in PAIR_LOSSES:  # DPDPOConfig refuses the others
                 raise ValueError(f"DPDPOTrainer: loss_type {loss_type!r} has no per-pair version")
+            loss = PAIR_LOSSES[loss_type](terms)
             if weights is not None:
                 loss = loss * weights
             total = total + weight * loss
@@ -457,21 +547,9 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
     def _f_scores(self, logratios: torch.Tensor) -> torch.Tensor:
         """f'(π/π_ref) of the f-DPO divergence (reverse KL: the log-ratio itself), as TRL computes it."""
         kind = self.f_divergence_type
-        if kind == "reverse_kl":
-            return logratios
-        if kind == "forward_kl":
-            return 1 - torch.exp(-logratios)
-        if kind == "js_divergence":
-            return math.log(2) + F.logsigmoid(logratios)
-        if kind == "alpha_divergence":
-            alpha = self.f_alpha_divergence_coef
-            if abs(alpha - 1.0) < 1e-6:  # the limit α → 1 is the reverse KL
-                return logratios
-            t = (alpha - 1.0) * logratios
-            work = t if t.dtype == torch.float64 else t.float()
-            clamp = 11.0 if t.dtype == torch.float16 else 80.0  # exp stays representable after the cast back
-            return (torch.exp(work.clamp(max=clamp)) - 1.0).to(t.dtype) * (1.0 / (alpha - 1.0))
-        raise ValueError(f"DPDPOTrainer: unknown f_divergence_type {kind!r}")
+        if kind not in F_SCORES:
+            raise ValueError(f"DPDPOTrainer: unknown f_divergence_type {kind!r}")
+        return F_SCORES[kind](logratios, self.f_alpha_divergence_coef)
 
 
 __all__ = [

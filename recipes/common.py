@@ -1,4 +1,4 @@
-"""Helpers shared by the recipes (glue.py, table2text.py, mlm.py). Small and stable on purpose.
+"""Helpers shared by the recipes (glue, table2text, mlm, sft, dpo). Small and stable on purpose.
 
 - ``default_minilm_path()``: the PyPI-packaged all-MiniLM-L6-v2 folder, else its Hub name.
 - ``shared_data_dir()``: ``../shared/data`` beside the project, where the offline data lives.
@@ -7,7 +7,9 @@
 - ``read_json_records(path)``: a JSON / JSON-lines file as a list of dicts.
 - ``inject_default_budget(argv)`` / ``parse_recipe_args(parser, defaults)``: recipe defaults on top of
   ``HfArgumentParser``, from the command line or from a single ``.json`` config file.
-- ``lora_targets(spec)``: ``--lora_target_modules`` as peft's ``target_modules``.
+- ``LoraArguments`` / ``lora_default(name, value)``: the LoRA flags (each recipe's ``ModelArguments`` inherits
+  them and sets its own defaults) and their peft ``LoraConfig``; ``lora_targets(spec)``: the target modules.
+- ``privacy_record(trainer, train_output, train_seconds)``: the guarantee and cost every results file records.
 - ``write_results_json(path, record)``: settings and results of a run, as indented JSON.
 """
 
@@ -21,6 +23,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +31,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from datasets import Dataset
+    from peft import LoraConfig
 
 MINILM_HUB_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 REPO = Path(__file__).resolve().parents[1]
@@ -147,6 +151,58 @@ def parse_recipe_args(
 def lora_targets(spec: str) -> str | list[str]:
     """``--lora_target_modules`` for peft: "all-linear" as is, else the comma-separated module names."""
     return spec if spec == "all-linear" else [name.strip() for name in spec.split(",") if name.strip()]
+
+
+@dataclass
+class LoraArguments:
+    """peft LoRA adapters W + (α/r)·B·A on ``--lora_target_modules`` (Hu et al. 2021), the rest frozen (what
+    else a recipe trains, e.g. a classifier, it says itself). A recipe's ``ModelArguments`` inherits these
+    flags and sets its own defaults with ``lora_default``."""
+
+    use_lora: bool = field(
+        default=False, metadata={"help": "Train peft LoRA adapters.", "aliases": ["--lora"]}
+    )
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (scale alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: str = field(
+        default="all-linear", metadata={"help": "Comma-separated module names for LoRA, or 'all-linear'."}
+    )
+
+    def lora_config(self, **options: Any) -> LoraConfig:
+        """peft's ``LoraConfig`` for these flags; ``options``: its other fields (task_type, modules_to_save, …)."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.lora_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=lora_targets(self.lora_target_modules),
+            **options,
+        )
+
+
+def lora_default(name: str, value: Any) -> Any:
+    """A recipe's own default for the ``LoraArguments`` field ``name``, with that field's help."""
+    return field(default=value, metadata=LoraArguments.__dataclass_fields__[name].metadata)
+
+
+def privacy_record(trainer: Any, train_output: Any, train_seconds: float) -> dict[str, Any]:
+    """ε, δ, σ, the privacy unit, q, B̄ and N from ``trainer.privacy_report()``, the optimizer steps taken, the
+    training loss and the wall time: what every recipe's results file records of a finished run."""
+    report = trainer.privacy_report()
+    return {
+        "epsilon": report["epsilon"],
+        "delta": report["delta"],
+        "noise_multiplier": report["noise_multiplier"],
+        "privacy_unit": report["unit"],
+        "sample_rate": report["sample_rate"],
+        "expected_batch_size": report["expected_batch_size"],
+        "num_train_examples": report["num_train_examples"],
+        "steps": trainer.state.global_step,
+        "train_loss": train_output.training_loss,
+        "train_seconds": round(train_seconds, 1),
+    }
 
 
 def jsonable(value: Any) -> Any:

@@ -44,7 +44,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import HfArgumentParser, set_seed  # noqa: E402
 
 from hf_dp.trl import DPDPOConfig, DPDPOTrainer  # noqa: E402
-from recipes.common import COMMON_DEFAULTS, REPO, parse_recipe_args, report_run  # noqa: E402
+from recipes.common import COMMON_DEFAULTS, REPO, parse_recipe_args, privacy_record, report_run  # noqa: E402
 from recipes.sft import (  # noqa: E402
     ModelArguments,
     build_model,
@@ -118,7 +118,7 @@ def run(argv: list[str] | None = None) -> tuple[DPDPOTrainer, dict[str, Any]]:
     tokenizer = load_chat_tokenizer(model_args)
     set_seed(args.seed)
     model = build_model(model_args, tokenizer)
-    separate_reference = not model_args.lora and not args.precompute_ref_log_probs
+    separate_reference = not model_args.use_lora and not args.precompute_ref_log_probs
     ref_model = copy.deepcopy(model).eval() if separate_reference else None
     trainer = DPDPOTrainer(
         model=model,
@@ -130,7 +130,7 @@ def run(argv: list[str] | None = None) -> tuple[DPDPOTrainer, dict[str, Any]]:
     )
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     reference = (
-        "frozen copy" if separate_reference else "adapters disabled" if model_args.lora else "precomputed"
+        "frozen copy" if separate_reference else "adapters disabled" if model_args.use_lora else "precomputed"
     )
     print(
         f"E2E DPO: N={trainer.num_train_examples} preference pairs  expected batch={trainer.expected_batch_size} pairs  "
@@ -145,23 +145,13 @@ def run(argv: list[str] | None = None) -> tuple[DPDPOTrainer, dict[str, Any]]:
     trainer.evaluate(eval_dataset=Dataset.from_list(dev_pairs))
     metrics = trainer.state.log_history[-1]  # with TRL's own evaluation metrics (rewards, margins)
     accuracy, eval_loss = metrics["eval_rewards/accuracies"], metrics["eval_loss"]
-    epsilon, steps = trainer.get_epsilon(), trainer.state.global_step
     record = {
         "task": "E2E DPO (chosen: the MR's reference, rejected: another MR's)",
         "eval_reward_accuracy": accuracy,
         "eval_loss": eval_loss,
         "eval_reward_margin": metrics.get("eval_rewards/margins"),
         "eval_pairs": len(dev_pairs),
-        "train_loss": train_output.training_loss,
-        "epsilon": epsilon,
-        "delta": trainer.target_delta,
-        "noise_multiplier": trainer.noise_multiplier,
-        "privacy_unit": trainer.privacy_report()["unit"],
-        "sample_rate": trainer.sample_rate,
-        "expected_batch_size": trainer.expected_batch_size,
-        "num_train_examples": trainer.num_train_examples,
-        "steps": steps,
-        "train_seconds": round(train_seconds, 1),
+        **privacy_record(trainer, train_output, train_seconds),
         "trainable_parameters": trainable,
         "reference": reference,
         "settings": {

@@ -48,9 +48,11 @@ from recipes.common import (  # noqa: E402
     COMMON_DEFAULTS,
     PRIVACY_KEYS,
     SORT_BY_LENGTH_HELP,
+    LoraArguments,
     default_minilm_path,
-    lora_targets,
+    lora_default,
     parse_recipe_args,
+    privacy_record,
     read_glue_tsv,
     read_json_records,
     report_run,
@@ -132,7 +134,7 @@ HELD_OUT_TRAIN_SAMPLE = "held-out train sample"
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(LoraArguments):
     model_name_or_path: str = field(
         default_factory=default_minilm_path,
         metadata={"help": "Hub name or local folder (default: PyPI all-MiniLM-L6-v2 if installed)."},
@@ -145,14 +147,9 @@ class ModelArguments:
             "'lora': peft LoRA adapters + classifier (same as --use_lora); 'head': pooler and classifier only."
         },
     )
-    use_lora: bool = field(default=False, metadata={"help": "Shorthand for --trainable lora."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_target_modules: str = field(
-        default="query,value",
-        metadata={"help": "Comma-separated module names for LoRA, or 'all-linear'."},
-    )
+    lora_r: int = lora_default("lora_r", 16)
+    lora_alpha: float = lora_default("lora_alpha", 32.0)
+    lora_target_modules: str = lora_default("lora_target_modules", "query,value")
     pooling: str = field(
         default="auto",
         metadata={
@@ -338,16 +335,9 @@ def select_trainable(model: torch.nn.Module, model_args: ModelArguments, num_lab
     if mode == "all":
         return model
     if mode == "lora":
-        from peft import LoraConfig, TaskType, get_peft_model
+        from peft import TaskType, get_peft_model
 
-        config = LoraConfig(
-            task_type=TaskType.SEQ_CLS,
-            r=model_args.lora_r,
-            lora_alpha=model_args.lora_alpha,
-            lora_dropout=model_args.lora_dropout,
-            target_modules=lora_targets(model_args.lora_target_modules),
-            modules_to_save=["classifier", "score"],
-        )
+        config = model_args.lora_config(task_type=TaskType.SEQ_CLS, modules_to_save=["classifier", "score"])
         return get_peft_model(model, config)
     head = ("classifier", "score", "pooler")
     for name, param in model.named_parameters():
@@ -452,8 +442,6 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     train_output = trainer.train()
     train_seconds, cpu_seconds = time.time() - started, time.process_time() - cpu_started
     metrics = trainer.evaluate()
-    epsilon = trainer.get_epsilon()
-    steps = trainer.state.global_step
     if model_args.save_model:
         trainer.save_model()
     record = {
@@ -461,19 +449,13 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
         "split": split,
         "accuracy": metrics["eval_accuracy"],
         "eval_rows": len(evaluation),
-        "epsilon": epsilon,
-        "delta": trainer.target_delta,
+        **privacy_record(trainer, train_output, train_seconds),
         "target_epsilon": training_args.target_epsilon,
-        "noise_multiplier": trainer.noise_multiplier,
-        "sample_rate": trainer.sample_rate,
-        "expected_batch_size": trainer.expected_batch_size,
-        "num_train_examples": trainer.num_train_examples,
-        "steps": steps,
-        "train_loss": train_output.training_loss,
-        "train_seconds": round(train_seconds, 1),
         "train_cpu_seconds": round(cpu_seconds, 1),  # all threads: on a shared machine, wall time inflates
         "eval_seconds": round(metrics.get("eval_runtime", math.nan), 1),
-        "examples_per_second": round(steps * trainer.expected_batch_size / train_seconds, 1),
+        "examples_per_second": round(
+            trainer.state.global_step * trainer.expected_batch_size / train_seconds, 1
+        ),
         "torch_threads": torch.get_num_threads(),
         "trainable_parameters": trainable,
         "pooling": resolve_pooling(model_args),

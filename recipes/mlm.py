@@ -58,9 +58,11 @@ from recipes.common import (  # noqa: E402
     COMMON_DEFAULTS,
     MINILM_HUB_NAME,
     PRIVACY_KEYS,
+    LoraArguments,
     default_minilm_path,
-    lora_targets,
+    lora_default,
     parse_recipe_args,
+    privacy_record,
     report_run,
     shared_data_dir,
 )
@@ -81,7 +83,7 @@ SMALL_BERT = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads":
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(LoraArguments):
     model_name_or_path: str = field(
         default_factory=default_minilm_path,
         metadata={
@@ -98,16 +100,9 @@ class ModelArguments:
         },
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Default: the model's WordPiece."})
-    use_lora: bool = field(
-        default=False,
-        metadata={"help": "peft LoRA adapters + the MLM head's transform and output bias; the rest frozen."},
-    )
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA alpha (scale alpha / r)."})
-    lora_target_modules: str = field(
-        default="query,value",
-        metadata={"help": "Comma-separated module names for LoRA, or 'all-linear'."},
-    )
+    lora_r: int = lora_default("lora_r", 16)
+    lora_alpha: float = lora_default("lora_alpha", 32.0)
+    lora_target_modules: str = lora_default("lora_target_modules", "query,value")
     save_model: bool = field(
         default=False,
         metadata={"help": "Save the final model in output_dir (with LoRA: merged into the weights)."},
@@ -231,16 +226,9 @@ def with_lora(model: torch.nn.Module, model_args: ModelArguments) -> torch.nn.Mo
     """peft LoRA adapters W + (α/r)·B·A on ``--lora_target_modules`` (Hu et al. 2021), all else frozen but the
     MLM head's transform (``modules_to_save``: MiniLM ships without one, so it starts random) and its output
     bias; the decoder weight stays tied to the frozen word embeddings."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    config = LoraConfig(
-        r=model_args.lora_r,
-        lora_alpha=model_args.lora_alpha,
-        lora_dropout=0.0,
-        target_modules=lora_targets(model_args.lora_target_modules),
-        modules_to_save=["transform"],
-    )
-    model = get_peft_model(model, config)
+    model = get_peft_model(model, model_args.lora_config(modules_to_save=["transform"]))
     model.get_output_embeddings().bias.requires_grad_(True)  # a bare parameter: not a peft module to save
     return model
 
@@ -305,7 +293,6 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     train_output = trainer.train()
     train_seconds = time.time() - started
     loss, _ = held_out_loss(trainer.model, held_out)
-    epsilon, steps = trainer.get_epsilon(), trainer.state.global_step
     if model_args.save_model:
         save_final_model(trainer, model_args, tokenizer)
     record = {
@@ -316,15 +303,7 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
         "eval_loss_before_training": loss_before,
         "perplexity_before_training": math.exp(loss_before),
         "eval_masked_tokens": masked_tokens,
-        "epsilon": epsilon,
-        "delta": trainer.target_delta,
-        "noise_multiplier": trainer.noise_multiplier,
-        "sample_rate": trainer.sample_rate,
-        "expected_batch_size": trainer.expected_batch_size,
-        "num_train_examples": trainer.num_train_examples,
-        "steps": steps,
-        "train_loss": train_output.training_loss,
-        "train_seconds": round(train_seconds, 1),
+        **privacy_record(trainer, train_output, train_seconds),
         "trainable_parameters": trainable,
         "settings": {"model": model_args, "data": data_args, "training": training_settings(training_args)},
     }

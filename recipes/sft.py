@@ -58,8 +58,10 @@ from recipes.common import (  # noqa: E402
     COMMON_DEFAULTS,
     PRIVACY_KEYS,
     REPO,
-    lora_targets,
+    LoraArguments,
+    lora_default,
     parse_recipe_args,
+    privacy_record,
     report_run,
     shared_data_dir,
 )
@@ -112,7 +114,7 @@ INSTRUCTION = "Write one sentence about this restaurant: {mr}"
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(LoraArguments):
     model_name_or_path: str | None = field(
         default=None,
         metadata={"help": "A pretrained causal LM (Hub name or folder). Default: a tiny Llama from scratch."},
@@ -129,16 +131,7 @@ class ModelArguments:
             "help": "Default: the model's, or ../shared/data/tokenizers/gpt2 for a model from scratch."
         },
     )
-    lora: bool = field(
-        default=False,
-        metadata={"help": "Train LoRA adapters only (TRL's peft_config).", "aliases": ["--use_lora"]},
-    )
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (scale alpha / r)."})
-    lora_target_modules: str = field(
-        default="q_proj,k_proj,v_proj,o_proj",
-        metadata={"help": "Comma-separated module names, or all-linear."},
-    )
+    lora_target_modules: str = lora_default("lora_target_modules", "q_proj,k_proj,v_proj,o_proj")
 
 
 @dataclass
@@ -211,17 +204,11 @@ def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) 
 
 def peft_config_of(model_args: ModelArguments):
     """TRL's ``peft_config`` for ``--lora`` (None without it)."""
-    if not model_args.lora:
+    if not model_args.use_lora:
         return None
-    from peft import LoraConfig, TaskType
+    from peft import TaskType
 
-    return LoraConfig(
-        task_type=TaskType.CAUSAL_LM,
-        r=model_args.lora_r,
-        lora_alpha=model_args.lora_alpha,
-        lora_dropout=0.0,
-        target_modules=lora_targets(model_args.lora_target_modules),
-    )
+    return model_args.lora_config(task_type=TaskType.CAUSAL_LM)
 
 
 def training_settings(args: Any, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -274,7 +261,7 @@ def run(argv: list[str] | None = None) -> tuple[DPSFTTrainer, dict[str, Any]]:
         f"E2E chat SFT: N={trainer.num_train_examples} conversations  expected batch={trainer.expected_batch_size}  "
         f"q={trainer.sample_rate:.5f}  steps={trainer.planned_steps}  sigma={trainer.noise_multiplier:.4f}  "
         f"C={args.per_sample_max_grad_norm:g}  delta={trainer.target_delta:.3g}  trainable params={trainable:,}  "
-        f"packing={args.packing}  lora={model_args.lora}",
+        f"packing={args.packing}  lora={model_args.use_lora}",
         flush=True,
     )
     started = time.time()
@@ -285,7 +272,6 @@ def run(argv: list[str] | None = None) -> tuple[DPSFTTrainer, dict[str, Any]]:
     sample_mr = dev_rows[0]["mr"]
     sample = greedy_reply(trainer.model, tokenizer, sample_mr, data_args.max_new_tokens)
     print(f"sample: {sample_mr} -> {sample}", flush=True)
-    epsilon, steps = trainer.get_epsilon(), trainer.state.global_step
     if data_args.save_model:
         trainer.save_model()
         tokenizer.save_pretrained(args.output_dir)
@@ -293,16 +279,7 @@ def run(argv: list[str] | None = None) -> tuple[DPSFTTrainer, dict[str, Any]]:
         "task": "E2E chat SFT (assistant-only)" if args.assistant_only_loss else "E2E chat SFT",
         "eval_loss": eval_loss,
         "eval_rows": len(dev_rows),
-        "train_loss": train_output.training_loss,
-        "epsilon": epsilon,
-        "delta": trainer.target_delta,
-        "noise_multiplier": trainer.noise_multiplier,
-        "privacy_unit": trainer.privacy_report()["unit"],
-        "sample_rate": trainer.sample_rate,
-        "expected_batch_size": trainer.expected_batch_size,
-        "num_train_examples": trainer.num_train_examples,
-        "steps": steps,
-        "train_seconds": round(train_seconds, 1),
+        **privacy_record(trainer, train_output, train_seconds),
         "trainable_parameters": trainable,
         "sample": {"mr": sample_mr, "generated": sample, "reference": dev_rows[0]["ref"]},
         "settings": {

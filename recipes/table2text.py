@@ -65,8 +65,10 @@ from recipes.common import (  # noqa: E402
     COMMON_DEFAULTS,
     PRIVACY_KEYS,
     SORT_BY_LENGTH_HELP,
-    lora_targets,
+    LoraArguments,
+    lora_default,
     parse_recipe_args,
+    privacy_record,
     report_run,
     shared_data_dir,
     sort_by_length,
@@ -94,7 +96,7 @@ METRIC_FORMATS = {"bleu": ".2f", "nist": ".3f", "meteor": ".4f", "rouge_l": ".4f
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(LoraArguments):
     model_name_or_path: str | None = field(
         default=None,
         metadata={
@@ -113,12 +115,7 @@ class ModelArguments:
             "help": "Default: the model's, or ../shared/data/tokenizers/gpt2 for a model from scratch."
         },
     )
-    use_lora: bool = field(default=False, metadata={"help": "Train peft LoRA adapters only."})
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha (scale alpha / r)."})
-    lora_target_modules: str = field(
-        default="c_attn,c_proj", metadata={"help": "Comma-separated module names."}
-    )
+    lora_target_modules: str = lora_default("lora_target_modules", "c_attn,c_proj")
     save_model: bool = field(default=False, metadata={"help": "Save the final model in output_dir."})
 
 
@@ -305,14 +302,10 @@ def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) 
         )
         model = GPT2LMHeadModel(config)
     if model_args.use_lora:
-        from peft import LoraConfig, TaskType, get_peft_model
+        from peft import TaskType, get_peft_model
 
-        config = LoraConfig(
+        config = model_args.lora_config(
             task_type=TaskType.CAUSAL_LM,
-            r=model_args.lora_r,
-            lora_alpha=model_args.lora_alpha,
-            lora_dropout=0.0,
-            target_modules=lora_targets(model_args.lora_target_modules),
             fan_in_fan_out=model.config.model_type == "gpt2",  # GPT-2's Conv1D stores weights transposed
         )
         model = get_peft_model(model, config)
@@ -479,7 +472,6 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     hypotheses = generate(trainer.model, tokenizer, [g.table for g in eval_groups], data_args)
     names = [m.strip() for m in data_args.metrics.split(",") if m.strip()]
     metrics = text_metrics(hypotheses, [g.references for g in eval_groups], names)
-    epsilon, steps = trainer.get_epsilon(), trainer.state.global_step
     if model_args.save_model:
         trainer.save_model()
     if data_args.predictions_file:
@@ -490,15 +482,7 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
         "split": split,
         **metrics,
         "eval_tables": len(eval_groups),
-        "epsilon": epsilon,
-        "delta": trainer.target_delta,
-        "noise_multiplier": trainer.noise_multiplier,
-        "sample_rate": trainer.sample_rate,
-        "expected_batch_size": trainer.expected_batch_size,
-        "num_train_examples": trainer.num_train_examples,
-        "steps": steps,
-        "train_loss": train_output.training_loss,
-        "train_seconds": round(train_seconds, 1),
+        **privacy_record(trainer, train_output, train_seconds),
         "total_seconds": round(time.time() - started, 1),
         "trainable_parameters": trainable,
         "examples": [

@@ -230,7 +230,7 @@ def test_trainer_samples_users_and_clips_each_user_once(tmp_path) -> None:
     """privacy_unit_column: users are Poisson-sampled, at most k rows of each enter the step, and a user's rows
     are clipped as one; the noise-free SGD step is lr · Σ_users clip(∇ mean loss of its rows) / B̄ users."""
     from hf_dp.data import units_of_column
-    from hf_dp.sampling import UnitPoissonBatchSampler
+    from hf_dp.sampling import SamplerConfig, UnitPoissonBatchSampler
 
     torch.manual_seed(0)
     model = models.gpt2().double()
@@ -254,8 +254,7 @@ def test_trainer_samples_users_and_clips_each_user_once(tmp_path) -> None:
         unit_of_row,
         sample_rate=trainer.sample_rate,
         max_rows_per_unit=3,
-        steps_per_epoch=trainer.steps_per_epoch,
-        seed=trainer.dp.secret.sampling_key,
+        config=SamplerConfig(steps_per_epoch=trainer.steps_per_epoch, seed=trainer.dp.secret.sampling_key),
     )
     drawn = next(iter(sampler))
     users = sorted({unit_of_row[i] for i in drawn})

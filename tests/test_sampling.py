@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from hf_dp.sampling import PoissonBatchSampler, ShuffledBatchSampler
+from hf_dp.sampling import PoissonBatchSampler, SamplerConfig, ShuffledBatchSampler
 
 
 def logical_batches(sampler) -> list[list[list[int]]]:
@@ -36,7 +37,9 @@ def inclusion_matrix(sampler) -> np.ndarray:
 
 def test_poisson_batch_sizes_are_binomial():
     n, q, steps = 1000, 0.05, 2000
-    sizes = np.array([len(flat(s)) for s in logical_batches(PoissonBatchSampler(n, q, steps, seed=1))])
+    sizes = np.array(
+        [len(flat(s)) for s in logical_batches(PoissonBatchSampler(n, q, SamplerConfig(steps, seed=1)))]
+    )
     mean, var = n * q, n * q * (1 - q)
     assert abs(sizes.mean() - mean) < 5 * np.sqrt(var / steps)
     # SD of the sample variance is ~ var * sqrt(2 / (steps - 1)) for a near-normal distribution.
@@ -60,7 +63,7 @@ def test_poisson_batch_sizes_are_binomial():
 
 def test_poisson_inclusion_rates_and_independence():
     n, q, steps = 200, 0.1, 5000
-    x = inclusion_matrix(PoissonBatchSampler(n, q, steps, seed=2))
+    x = inclusion_matrix(PoissonBatchSampler(n, q, SamplerConfig(steps, seed=2)))
     counts = x.sum(axis=0)
     mean, var = steps * q, steps * q * (1 - q)
     # No index systematically excluded or favoured: each count ~ Binomial(steps, q).
@@ -81,12 +84,12 @@ def test_poisson_inclusion_rates_and_independence():
 
 def test_fixed_size_batches_fail_the_independence_check():
     """The Var(|B|) check above is what distinguishes Poisson from fixed-size batches."""
-    x = inclusion_matrix(ShuffledBatchSampler(200, 20, 500, seed=0))
+    x = inclusion_matrix(ShuffledBatchSampler(200, 20, SamplerConfig(500, seed=0)))
     assert x.sum(axis=1).var() == 0
 
 
 def test_sample_rate_one_takes_everything():
-    for step in logical_batches(PoissonBatchSampler(17, 1.0, 3, num_micro_batches=2)):
+    for step in logical_batches(PoissonBatchSampler(17, 1.0, SamplerConfig(3, num_micro_batches=2))):
         assert flat(step) == list(range(17))
 
 
@@ -95,8 +98,8 @@ def test_sample_rate_one_takes_everything():
 
 def test_micro_batches_concatenate_to_the_logical_batch():
     n, q, steps = 1000, 0.05, 50
-    whole = logical_batches(PoissonBatchSampler(n, q, steps, seed=3))
-    split = logical_batches(PoissonBatchSampler(n, q, steps, num_micro_batches=3, seed=3))
+    whole = logical_batches(PoissonBatchSampler(n, q, SamplerConfig(steps, seed=3)))
+    split = logical_batches(PoissonBatchSampler(n, q, SamplerConfig(steps, num_micro_batches=3, seed=3)))
     assert len(split) == steps
     for (logical,), micro in zip(whole, split, strict=True):
         assert len(micro) == 3
@@ -106,7 +109,7 @@ def test_micro_batches_concatenate_to_the_logical_batch():
 
 
 def test_empty_micro_batches_are_yielded():
-    sampler = PoissonBatchSampler(100, 0.01, 200, num_micro_batches=4, seed=4)
+    sampler = PoissonBatchSampler(100, 0.01, SamplerConfig(200, num_micro_batches=4, seed=4))
     yields = list(sampler)
     assert len(yields) == len(sampler) == 800
     assert all(isinstance(mb, list) for mb in yields)
@@ -121,10 +124,14 @@ def test_empty_micro_batches_are_yielded():
 @pytest.mark.parametrize("num_replicas,num_micro_batches", [(2, 1), (2, 3), (3, 2)])
 def test_replicas_partition_the_global_batch(num_replicas, num_micro_batches):
     n, q, steps = 500, 0.03, 100
-    single = logical_batches(PoissonBatchSampler(n, q, steps, seed=5))
+    single = logical_batches(PoissonBatchSampler(n, q, SamplerConfig(steps, seed=5)))
     ranks = [
         PoissonBatchSampler(
-            n, q, steps, num_micro_batches=num_micro_batches, seed=5, num_replicas=num_replicas, rank=r
+            n,
+            q,
+            SamplerConfig(
+                steps, num_micro_batches=num_micro_batches, seed=5, num_replicas=num_replicas, rank=r
+            ),
         )
         for r in range(num_replicas)
     ]
@@ -140,10 +147,12 @@ def test_replicas_partition_the_global_batch(num_replicas, num_micro_batches):
 
 
 def test_shuffled_replicas_partition_the_global_batch():
-    single = logical_batches(ShuffledBatchSampler(100, 10, 30, seed=6))
+    single = logical_batches(ShuffledBatchSampler(100, 10, SamplerConfig(30, seed=6)))
     ranks = [
         logical_batches(
-            ShuffledBatchSampler(100, 10, 30, num_micro_batches=2, seed=6, num_replicas=2, rank=r)
+            ShuffledBatchSampler(
+                100, 10, SamplerConfig(30, num_micro_batches=2, seed=6, num_replicas=2, rank=r)
+            )
         )
         for r in range(2)
     ]
@@ -158,8 +167,8 @@ def test_shuffled_replicas_partition_the_global_batch():
 
 def make(kind: str, **kwargs):
     if kind == "poisson":
-        return PoissonBatchSampler(300, 0.05, 40, num_micro_batches=2, **kwargs)
-    return ShuffledBatchSampler(300, 16, 40, num_micro_batches=2, **kwargs)
+        return PoissonBatchSampler(300, 0.05, SamplerConfig(40, num_micro_batches=2, **kwargs))
+    return ShuffledBatchSampler(300, 16, SamplerConfig(40, num_micro_batches=2, **kwargs))
 
 
 @pytest.mark.parametrize("kind", ["poisson", "shuffled"])
@@ -216,13 +225,13 @@ def test_secure_mode_is_not_reproducible(kind):
 
 def test_secure_mode_poisson_rate():
     n, q, steps = 1000, 0.05, 400
-    sizes = [len(b) for b in PoissonBatchSampler(n, q, steps, secure_mode=True)]
+    sizes = [len(b) for b in PoissonBatchSampler(n, q, SamplerConfig(steps, secure_mode=True))]
     assert abs(np.mean(sizes) - n * q) < 6 * np.sqrt(n * q * (1 - q) / steps)
     assert np.var(sizes, ddof=1) > 0.5 * n * q * (1 - q)
 
 
 def test_secure_mode_shuffled_batches_are_distinct():
-    for batch in ShuffledBatchSampler(50, 10, 20, secure_mode=True):
+    for batch in ShuffledBatchSampler(50, 10, SamplerConfig(20, secure_mode=True)):
         assert len(batch) == len(set(batch)) == 10 and all(0 <= i < 50 for i in batch)
 
 
@@ -231,7 +240,7 @@ def test_secure_mode_shuffled_batches_are_distinct():
 
 def test_shuffled_batches_have_exact_size_and_cover_the_epoch():
     n, b = 120, 8
-    sampler = ShuffledBatchSampler(n, b, n // b, seed=9)
+    sampler = ShuffledBatchSampler(n, b, SamplerConfig(n // b, seed=9))
     batches = [flat(s) for s in logical_batches(sampler)]
     assert all(len(batch) == len(set(batch)) == b for batch in batches)
     assert sorted(flat(batches)) == list(range(n))
@@ -239,7 +248,7 @@ def test_shuffled_batches_have_exact_size_and_cover_the_epoch():
 
 def test_shuffled_batches_continue_with_a_fresh_permutation():
     n, b, steps = 50, 7, 40  # 7 batches per permutation, 1 index left over each time
-    batches = [flat(s) for s in logical_batches(ShuffledBatchSampler(n, b, steps, seed=10))]
+    batches = [flat(s) for s in logical_batches(ShuffledBatchSampler(n, b, SamplerConfig(steps, seed=10)))]
     assert len(batches) == steps
     assert all(len(batch) == len(set(batch)) == b and all(0 <= i < n for i in batch) for batch in batches)
     for start in range(0, steps - 6, 7):  # each pass through a permutation has no repeated index
@@ -248,6 +257,13 @@ def test_shuffled_batches_continue_with_a_fresh_permutation():
 
 
 # ---------------------------------------------------------------- validation
+
+
+def build(sampler: type, args: dict):
+    """``sampler`` from one dict of its own arguments and the ``SamplerConfig`` fields."""
+    shared = {f.name for f in dataclasses.fields(SamplerConfig)}
+    config = SamplerConfig(**{k: v for k, v in args.items() if k in shared})
+    return sampler(**{k: v for k, v in args.items() if k not in shared}, config=config)
 
 
 @pytest.mark.parametrize(
@@ -268,7 +284,7 @@ def test_shuffled_batches_continue_with_a_fresh_permutation():
 def test_poisson_validation(kwargs, match):
     args = dict(num_samples=10, sample_rate=0.1, steps_per_epoch=5) | kwargs
     with pytest.raises(ValueError, match=match):
-        PoissonBatchSampler(**args)
+        build(PoissonBatchSampler, args)
 
 
 @pytest.mark.parametrize(
@@ -285,4 +301,4 @@ def test_poisson_validation(kwargs, match):
 def test_shuffled_validation(kwargs, match):
     args = dict(num_samples=10, batch_size=4, steps_per_epoch=5) | kwargs
     with pytest.raises(ValueError, match=match):
-        ShuffledBatchSampler(**args)
+        build(ShuffledBatchSampler, args)

@@ -4,6 +4,10 @@ at θ + γd and θ, the combination clipped once, the filter, d = the real displ
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +32,34 @@ KWARGS = {
 
 def test_every_registered_name_is_covered():
     assert set(KWARGS) == set(dp_optimizer_names())
+
+
+def test_importing_the_registry_alone_registers_every_built_in_rule():
+    """The registry imports no rule; importing it runs ``hf_dp.optim``'s ``__init__``, which registers them."""
+    code = (
+        "import hf_dp.optim.registry as r; "
+        "print(','.join(r.dp_optimizer_names())); "
+        "print(','.join(n for n in r.dp_optimizer_names() if r.scaled_geometry(n))); "
+        "print(','.join(n for n in r.dp_optimizer_names() if r.shifted_evaluations(n)))"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    names, scaled, shifted = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=root, env=env
+    ).stdout.split()
+    assert names.split(",") == sorted(KWARGS)
+    assert scaled == "dp2,stp" and shifted == "disk"
+
+
+def test_each_rule_has_one_record():
+    from hf_dp.optim.dp2 import DP2
+    from hf_dp.optim.registry import rule_spec
+
+    spec = rule_spec("dp2")
+    assert spec.rule_class is DP2 and spec.scaled_geometry and not spec.shifted_evaluations
+    assert rule_spec("disk").shifted_evaluations and not rule_spec("disk").scaled_geometry
+    with pytest.raises(ValueError, match="unknown dp_optimizer 'nope'"):
+        rule_spec("nope")
 
 
 @pytest.mark.parametrize("name", sorted(KWARGS))
@@ -164,9 +196,7 @@ def test_parameter_shifter_evaluates_at_the_shift_and_restores_theta_exactly():
 def test_a_users_registered_rule_trains_through_dptrainer(tmp_path, monkeypatch):
     from hf_dp.optim import registry
 
-    monkeypatch.setattr(
-        registry, "_BUILDERS", dict(registry._BUILDERS)
-    )  # the registration ends with the test
+    monkeypatch.setattr(registry, "_RULES", dict(registry._RULES))  # the registration ends with the test
     seen = {}
 
     @registry.register_dp_optimizer("sign_sgd")

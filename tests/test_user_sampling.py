@@ -25,7 +25,8 @@ from hf_dp.data import (
     split_example_mask,
     units_of_column,
 )
-from hf_dp.sampling import UnitPoissonBatchSampler
+from hf_dp.sampling import SamplerConfig, UnitPoissonBatchSampler
+from tests.test_sampling import build
 
 
 def steps_of(sampler) -> list[list[list[int]]]:
@@ -67,7 +68,9 @@ def test_units_are_included_at_rate_q_whatever_their_size():
     n_units, q, k, steps = 140, 0.1, 3, 3000
     unit_of_row = mixed_sizes(n_units, sizes)
     x = np.zeros((steps, n_units), dtype=bool)  # unit u in logical batch t
-    for t, step in enumerate(steps_of(UnitPoissonBatchSampler(unit_of_row, q, k, steps, seed=1))):
+    for t, step in enumerate(
+        steps_of(UnitPoissonBatchSampler(unit_of_row, q, k, SamplerConfig(steps, seed=1)))
+    ):
         x[t, units_in(flat(step), unit_of_row)] = True
 
     # All units together: a binomial test that accepts q and rejects q' = 1.2 q.
@@ -95,7 +98,7 @@ def test_each_row_is_in_a_step_with_probability_q_min_k_n_over_n():
     n_u = np.bincount(unit_of_row)
     q, k, steps = 0.3, 2, 3000
     hits = np.zeros(len(unit_of_row))
-    for step in steps_of(UnitPoissonBatchSampler(unit_of_row, q, k, steps, seed=4)):
+    for step in steps_of(UnitPoissonBatchSampler(unit_of_row, q, k, SamplerConfig(steps, seed=4))):
         hits[flat(step)] += 1
     p = q * np.minimum(k, n_u[unit_of_row]) / n_u[unit_of_row]
     assert np.all(np.abs(hits - steps * p) < 5.5 * np.sqrt(steps * p * (1 - p)))
@@ -109,7 +112,9 @@ def test_a_unit_contributes_min_k_n_distinct_rows_of_its_own():
     rows_of = {u: [r for r, v in enumerate(unit_of_row) if v == u] for u in range(4)}
     k, steps = 3, 4000
     subsets = []
-    for step in steps_of(UnitPoissonBatchSampler(unit_of_row, 1.0, k, steps, seed=5)):  # q = 1: every unit
+    for step in steps_of(
+        UnitPoissonBatchSampler(unit_of_row, 1.0, k, SamplerConfig(steps, seed=5))
+    ):  # q = 1: every unit
         assert units_in(flat(step), unit_of_row) == [0, 1, 2, 3]  # every unit, once, in increasing order
         chunks = dict(runs(flat(step), unit_of_row))
         assert len(chunks[0]) == len(set(chunks[0])) == k and set(chunks[0]) <= set(rows_of[0])
@@ -138,9 +143,13 @@ def test_units_are_never_split_and_ranks_partition_the_global_batch(q):
     unit_of_row = mixed_sizes(300, [1, 3, 6, 2, 9], seed=6)
     n_u = np.bincount(unit_of_row)
     k, steps, m = 4, 150, 3
-    single = steps_of(UnitPoissonBatchSampler(unit_of_row, q, k, steps, seed=7))
+    single = steps_of(UnitPoissonBatchSampler(unit_of_row, q, k, SamplerConfig(steps, seed=7)))
     ranks = [
-        steps_of(UnitPoissonBatchSampler(unit_of_row, q, k, steps, m, seed=7, num_replicas=2, rank=r))
+        steps_of(
+            UnitPoissonBatchSampler(
+                unit_of_row, q, k, SamplerConfig(steps, m, seed=7, num_replicas=2, rank=r)
+            )
+        )
         for r in range(2)
     ]
     empty = 0
@@ -169,7 +178,9 @@ def test_units_are_never_split_and_ranks_partition_the_global_batch(q):
 
 
 def make(**kwargs) -> UnitPoissonBatchSampler:
-    return UnitPoissonBatchSampler(mixed_sizes(100, [1, 5, 12]), 0.1, 3, 30, num_micro_batches=2, **kwargs)
+    return UnitPoissonBatchSampler(
+        mixed_sizes(100, [1, 5, 12]), 0.1, 3, SamplerConfig(30, num_micro_batches=2, **kwargs)
+    )
 
 
 def test_same_seed_and_epoch_are_reproducible():
@@ -192,7 +203,9 @@ def test_secure_mode_is_not_reproducible_and_well_formed():
     unit_of_row = mixed_sizes(50, [2, 10], seed=8)
     n_u = np.bincount(unit_of_row)
     q, k, steps = 0.5, 3, 400
-    sampler = UnitPoissonBatchSampler(unit_of_row, q, k, steps, num_micro_batches=2, secure_mode=True)
+    sampler = UnitPoissonBatchSampler(
+        unit_of_row, q, k, SamplerConfig(steps, num_micro_batches=2, secure_mode=True)
+    )
     first, second = list(sampler), list(sampler)
     assert len(first) == len(second) == len(sampler) == 2 * steps
     assert first != second
@@ -316,7 +329,7 @@ def test_units_of_column():
     assert units_of_column(torch.tensor([5, 5, 2])) == ([0, 0, 1], 2)  # by value, not tensor identity
     assert units_of_column(np.array(["a", "b", "a"])) == ([0, 1, 0], 2)
     unit_of_row, n = units_of_column(["u3", "u1", "u3"])
-    assert UnitPoissonBatchSampler(unit_of_row, 0.5, 1, 2).num_samples == n == 2
+    assert UnitPoissonBatchSampler(unit_of_row, 0.5, 1, SamplerConfig(2)).num_samples == n == 2
 
 
 # ---------------------------------------------------------------- validation
@@ -345,7 +358,7 @@ def test_units_of_column():
 def test_sampler_validation(kwargs, match):
     args = dict(unit_of_row=[0, 1, 1, 2], sample_rate=0.5, max_rows_per_unit=2, steps_per_epoch=5) | kwargs
     with pytest.raises(ValueError, match=match):
-        UnitPoissonBatchSampler(**args)
+        build(UnitPoissonBatchSampler, args)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hf_dp import DPTrainer, DPTrainingArguments
-from hf_dp.sampling import PoissonBatchSampler
+from hf_dp.sampling import PoissonBatchSampler, SamplerConfig
 from tests import models
 
 
@@ -71,9 +71,11 @@ def sampled_logical_batches(trainer: DPTrainer, steps: int, epoch: int = 0) -> l
     sampler = PoissonBatchSampler(
         num_samples=trainer.num_train_examples,
         sample_rate=trainer.sample_rate,
-        steps_per_epoch=trainer.steps_per_epoch,
-        num_micro_batches=trainer.args.gradient_accumulation_steps,
-        seed=trainer.dp.secret.sampling_key,  # white-box: the run's secret key
+        config=SamplerConfig(
+            steps_per_epoch=trainer.steps_per_epoch,
+            num_micro_batches=trainer.args.gradient_accumulation_steps,
+            seed=trainer.dp.secret.sampling_key,
+        ),
     )
     sampler.set_epoch(epoch)
     micro = list(sampler)

@@ -36,12 +36,6 @@ def corrected_denominator(v_hat: torch.Tensor, noise_std: float, eps: float) -> 
     return v_hat.sub_(noise_std**2).clamp_min_(eps**2).sqrt_()
 
 
-@register_dp_optimizer("adam_bc")
-def build(params: Iterable[Any], *, mean_noise_std: float, **kwargs: Any) -> AdamBC:
-    """kwargs: lr, betas=(0.9, 0.999), eps=1e-4 (floor ε² on v̂ − Φ), weight_decay=0.0 (decoupled)."""
-    return AdamBC(params, noise_std=mean_noise_std, **kwargs)
-
-
 class AdamBC(DPOptimizer):
     """DP-AdamBC; state per parameter: ``step`` (int), ``exp_avg``, ``exp_avg_sq`` (fp32; fp64 for fp64)."""
 
@@ -70,28 +64,26 @@ class AdamBC(DPOptimizer):
         super().__init__(params, defaults)
 
     def update(self) -> None:
-        for group in self.param_groups:
+        for group, p in self.params_with_grad():
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("adam_bc does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
-                state["step"] += 1
-                t = state["step"]
-                grad = p.grad.to(state_dtype(p))
-                state["exp_avg"].lerp_(grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                v_hat = state["exp_avg_sq"] / (1 - beta2**t)
-                denominator = corrected_denominator(v_hat, group["noise_std"], group["eps"])
-                update = (state["exp_avg"] / (1 - beta1**t)).div_(denominator)
-                self.decay(p, group["lr"], group["weight_decay"])
-                p.add_(update, alpha=-group["lr"])
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
+            state["step"] += 1
+            t = state["step"]
+            grad = p.grad.to(state_dtype(p))
+            state["exp_avg"].lerp_(grad, 1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            v_hat = state["exp_avg_sq"] / (1 - beta2**t)
+            denominator = corrected_denominator(v_hat, group["noise_std"], group["eps"])
+            update = (state["exp_avg"] / (1 - beta1**t)).div_(denominator)
+            self.decay(p, group["lr"], group["weight_decay"])
+            p.add_(update, alpha=-group["lr"])
 
 
-build.rule = AdamBC.__init__  # the constructor the builder forwards to (for error messages)
+@register_dp_optimizer("adam_bc", rule_class=AdamBC)
+def build(params: Iterable[Any], *, mean_noise_std: float, **kwargs: Any) -> AdamBC:
+    """kwargs: lr, betas=(0.9, 0.999), eps=1e-4 (floor ε² on v̂ − Φ), weight_decay=0.0 (decoupled)."""
+    return AdamBC(params, noise_std=mean_noise_std, **kwargs)

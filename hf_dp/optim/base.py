@@ -7,6 +7,7 @@ float32 whatever the parameter dtype (bf16 moments drift, and fp16 underflows ε
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,6 +39,16 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def update(self) -> None:
         raise NotImplementedError
+
+    def params_with_grad(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+        """(group, p) for every parameter with a ĝ in ``.grad``; a sparse ĝ is refused (the rules are dense)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                yield group, p
 
     @staticmethod
     def decay(p: torch.Tensor, lr: float, weight_decay: float) -> None:

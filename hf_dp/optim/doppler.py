@@ -68,15 +68,10 @@ class Doppler(DPOptimizer):
                     )
 
     def update(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("doppler does not support sparse gradients")
-                update = self._filtered(group, self.state[p], p)
-                self.decay(p, group["lr"], group["weight_decay"])
-                p.add_(update, alpha=-group["lr"])
+        for group, p in self.params_with_grad():
+            update = self._filtered(group, self.state[p], p)
+            self.decay(p, group["lr"], group["weight_decay"])
+            p.add_(update, alpha=-group["lr"])
 
     @staticmethod
     def _filtered(group: dict[str, Any], state: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
@@ -118,7 +113,7 @@ class Doppler(DPOptimizer):
 DEFAULT_FILTER = "first_order_v1"
 
 
-@register_dp_optimizer("doppler")
+@register_dp_optimizer("doppler", rule_class=Doppler)
 def build(
     params: Iterable[Any],
     *,
@@ -137,6 +132,3 @@ def build(
         filter = DEFAULT_FILTER
     b, a = resolve_filter(filter, b, a)
     return Doppler(params, b=b, a=a, noise_std=mean_noise_std, **kwargs)
-
-
-build.rule = Doppler.__init__  # the constructor the builder forwards to (for error messages)

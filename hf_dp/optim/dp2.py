@@ -122,10 +122,7 @@ class DP2(DPOptimizer):
         state["accumulator"].zero_()
 
 
-@register_dp_optimizer("dp2", scaled_geometry=True)
+@register_dp_optimizer("dp2", rule_class=DP2, scaled_geometry=True)
 def build(params: Iterable[Any], *, mean_noise_std: float, **kwargs: Any) -> DP2:
     """``mean_noise_std`` is unused: DP² steps on the noisy gradient as released."""
     return DP2(params, **kwargs)
-
-
-build.rule = DP2.__init__  # the constructor the builder forwards to (for error messages)

@@ -12,67 +12,82 @@ then ``DPTrainingArguments(dp_optimizer="signsgd", ...)``. Say what the rule's s
 the sharded backends cannot give all of it: ``scaled_geometry=True`` (it clips ‖s ⊙ g_i‖ with s from its
 per-parameter state; refused under DeepSpeed, whose optimizer holds flattened partitions) and
 ``shifted_evaluations=True`` (it evaluates each example away from θ; refused under DeepSpeed and FSDP).
+Each name holds one ``RuleSpec``. This module imports no rule: ``hf_dp.optim`` registers the built-in ones.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 Builder = Callable[..., torch.optim.Optimizer]
 
-_BUILDERS: dict[str, Builder] = {}
-_SCALED_GEOMETRY: set[str] = set()
-_SHIFTED_EVALUATIONS: set[str] = set()
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """One registered rule: its builder, the constructor the builder forwards its kwargs to (named in the
+    error for a wrong kwarg), and what its step plans ask of clipping (the sharded backends refuse some)."""
+
+    build: Builder
+    rule_class: Callable[..., Any] | None = None
+    scaled_geometry: bool = False
+    shifted_evaluations: bool = False
+
+
+_RULES: dict[str, RuleSpec] = {}
 
 
 def register_dp_optimizer(
-    name: str, *, scaled_geometry: bool = False, shifted_evaluations: bool = False
+    name: str,
+    *,
+    rule_class: Callable[..., Any] | None = None,
+    scaled_geometry: bool = False,
+    shifted_evaluations: bool = False,
 ) -> Callable[[Builder], Builder]:
+    """Register ``build`` under ``name`` (replacing an earlier one); ``rule_class`` is what it forwards to."""
+
     def register(build: Builder) -> Builder:
-        _BUILDERS[name] = build
-        for flagged, names in (
-            (scaled_geometry, _SCALED_GEOMETRY),
-            (shifted_evaluations, _SHIFTED_EVALUATIONS),
-        ):
-            if flagged:
-                names.add(name)
-            else:
-                names.discard(name)
+        _RULES[name] = RuleSpec(build, rule_class, scaled_geometry, shifted_evaluations)
         return build
 
     return register
 
 
+def rule_spec(name: str) -> RuleSpec:
+    """The record registered under ``name``; a ValueError naming the registered ones if there is none."""
+    if name not in _RULES:
+        raise ValueError(f"unknown dp_optimizer {name!r}; use one of {list(dp_optimizer_names())}")
+    return _RULES[name]
+
+
 def dp_optimizer_names() -> tuple[str, ...]:
-    return tuple(sorted(_BUILDERS))
+    return tuple(sorted(_RULES))
 
 
 def scaled_geometry(name: str) -> bool:
     """The rule clips ‖s ⊙ g_i‖ with a scale built from its per-parameter state (STP, DP²)."""
-    return name in _SCALED_GEOMETRY
+    return name in _RULES and _RULES[name].scaled_geometry
 
 
 def shifted_evaluations(name: str) -> bool:
     """The rule evaluates each example at points other than θ within one step (DiSK)."""
-    return name in _SHIFTED_EVALUATIONS
+    return name in _RULES and _RULES[name].shifted_evaluations
 
 
 def make_dp_optimizer(
     name: str, params: Iterable[Any], *, mean_noise_std: float = 0.0, **kwargs: Any
 ) -> torch.optim.Optimizer:
     """Build the update rule ``name`` over ``params``; the trainer releases ĝ into it through the mechanism."""
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown dp_optimizer {name!r}; use one of {list(dp_optimizer_names())}")
-    build = _BUILDERS[name]
+    spec = rule_spec(name)
     try:
-        return build(params, mean_noise_std=mean_noise_std, **kwargs)
+        return spec.build(params, mean_noise_std=mean_noise_std, **kwargs)
     except TypeError as error:
         raise ValueError(
-            f"dp_optimizer {name!r} does not accept dp_optimizer_kwargs {kwargs}: {_culprit(build, kwargs, error)}"
+            f"dp_optimizer {name!r} does not accept dp_optimizer_kwargs {kwargs}: {_culprit(spec, kwargs, error)}"
         ) from None
 
 
@@ -89,11 +104,11 @@ def decay_groups(
     return [g for g in groups if g["params"]]
 
 
-def _culprit(build: Builder, kwargs: dict[str, Any], error: TypeError) -> str:
+def _culprit(spec: RuleSpec, kwargs: dict[str, Any], error: TypeError) -> str:
     """Which kwarg is wrong, from the builder's signature (and the rule's constructor it forwards to)."""
     accepted: set[str] = set()
     open_ended = False
-    for function in (build, getattr(build, "rule", None)):
+    for function in (spec.build, spec.rule_class):
         if function is None:
             continue
         for parameter in inspect.signature(function).parameters.values():
@@ -103,7 +118,3 @@ def _culprit(build: Builder, kwargs: dict[str, Any], error: TypeError) -> str:
     if unknown and not open_ended:
         return f"unknown {', '.join(map(repr, unknown))}; it takes {sorted(accepted - {'params', 'mean_noise_std'})}"
     return str(error).replace("\n", " ")
-
-
-# the built-in rules register themselves on import
-from hf_dp.optim import adam_bc, disk, doppler, dp2, scale_then_privatize, torch_rules  # noqa: E402, F401

@@ -75,10 +75,7 @@ class ScaleThenPrivatize(torch.optim.AdamW):
         )
 
 
-@register_dp_optimizer("stp", scaled_geometry=True)
+@register_dp_optimizer("stp", rule_class=ScaleThenPrivatize, scaled_geometry=True)
 def build(params: Iterable[Any], *, mean_noise_std: float, **kwargs: Any) -> ScaleThenPrivatize:
     """``mean_noise_std`` is unused: STP's noise is shaped by s_t, and ν keeps it."""
     return ScaleThenPrivatize(params, **kwargs)
-
-
-build.rule = ScaleThenPrivatize.__init__  # the constructor the builder forwards to (for error messages)
