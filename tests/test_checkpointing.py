@@ -16,9 +16,9 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
+from hf_dp.clipping.plan import Evaluation, Shift, StepPlan
 from hf_dp.clipping.strategies import Bookkeeping
 from hf_dp.losses import per_example_loss, unwrap_model
-from hf_dp.clipping.plan import Evaluation, Shift, StepPlan
 from tests import models
 from tests.test_clipping_geometry import factored_scales
 from tests.test_engine import _SideUse, assert_close

@@ -20,10 +20,10 @@ from torch import nn
 from hf_dp import DPTrainer
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.loss_scale import DEFAULT_FP16_LOSS_SCALE, LossScale
+from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.strategies import Bookkeeping
 from hf_dp.distributed import check_fp16
 from hf_dp.losses import unwrap_model
-from hf_dp.clipping.plan import StepPlan
 from tests import models
 from tests.test_checkpointing import checkpointed_steps, llama_lora
 from tests.test_mixed_precision import released_gradients

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.strategies import Bookkeeping
 from hf_dp.noise import GaussianNoise
-from hf_dp.clipping.plan import StepPlan
 from tests import models
 from tests.test_trainer import brute_force_update
 from tests.trainer_utils import make_trainer, sampled_logical_batches

@@ -10,11 +10,12 @@ import torch
 
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.plan import StepPlan
+from hf_dp.clipping.sums import ClippedSums
 from hf_dp.losses import per_example_loss
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.noise import GaussianNoise
 from hf_dp.optim.disk import DiSK, build
-from hf_dp.clipping.plan import StepPlan
 from hf_dp.optim.registry import make_dp_optimizer
 from tests import models
 
@@ -293,7 +294,7 @@ def test_one_private_step_through_engine_and_mechanism() -> None:
                     p.copy_(value)
         engine.clip_and_accumulate(gradients, plan.clip_norm, clip_scale=plan.clip_scale)
         filtered = {n: optimizer.state[p]["filtered"].clone() for n, p in model.named_parameters() if step}
-        mechanism.release(model.parameters(), plan)
+        mechanism.release(model.parameters(), plan, ClippedSums())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         for name, p in model.named_parameters():

@@ -11,11 +11,12 @@ import torch
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.geometry import FactoredScale
+from hf_dp.clipping.plan import StepPlan, StepPlanner
+from hf_dp.clipping.sums import ClippedSums
 from hf_dp.losses import per_example_loss
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.noise import GaussianNoise
 from hf_dp.optim.dp2 import DP2
-from hf_dp.clipping.plan import StepPlan, StepPlanner
 from hf_dp.optim.registry import make_dp_optimizer
 from hf_dp.optim.scale_then_privatize import ScaleThenPrivatize
 from tests import models
@@ -33,9 +34,14 @@ def mechanism(sigma: float, batch: float, seed: int = 0) -> GaussianMechanism:
 
 def released_by(optimizer: torch.optim.Optimizer, sigma: float, clip: float, batch: float) -> StepPlanner:
     """Every ``optimizer.step()`` first releases the optimizer's own plan (as the trainer wires it)."""
-    planner = StepPlanner(clip)
+    planner, released = StepPlanner(clip), mechanism(sigma, batch)
     planner.bind(optimizer)
-    mechanism(sigma, batch).attach(optimizer, planner)
+
+    def release(opt: torch.optim.Optimizer, *_) -> None:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        released.release(params, planner.current, ClippedSums())
+
+    optimizer.register_step_pre_hook(release)
     return planner
 
 
@@ -57,7 +63,7 @@ def test_first_step_is_dp_sgd_with_clip_c_times_eps1() -> None:
         with engine.record(5):
             losses = per_example_loss(model, batch)
         norms = engine.clipped_backward(losses, released.clip_norm, clip_scale=released.clip_scale)
-        mechanism(1.3, 5.0).release(list(model.parameters()), released)
+        mechanism(1.3, 5.0).release(list(model.parameters()), released, ClippedSums())
         grads[key] = [p.grad.clone() for p in model.parameters()]
     assert (norms > clip * eps1).any() and (norms < clip * eps1).any(), "clipping is active for some"
     for ours, reference in zip(grads["stp"], grads["sgd"], strict=True):

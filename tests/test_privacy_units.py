@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.strategies import Bookkeeping, TwoPass
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.losses import per_example_loss, unwrap_model
-from hf_dp.clipping.plan import StepPlan
 from tests import models
 from tests.test_checkpointing import float64_rms_norm, llama_lora  # noqa: F401 (an autouse fixture)
 from tests.test_engine import assert_close
