@@ -263,12 +263,11 @@ class DPTrainingArguments(TrainingArguments):
             )
 
 
-def check_trainer_call(init, args: tuple, kwargs: dict) -> None:
-    """Refuse, before the Trainer builds anything, a call DP cannot train with (``init``: the parent's
-    ``__init__``, whose signature names the arguments)."""
-    try:
-        bound = inspect.signature(init).bind_partial(*args, **kwargs).arguments
-    except TypeError:
+def check_trainer_call(trainer_class: type, args: tuple, kwargs: dict) -> None:
+    """Refuse, before the Trainer builds anything, a call DP cannot train with. The arguments are named by the
+    first ``__init__`` after ``DPTrainerMixin`` in the MRO that names them (a subclass may take ``*args``)."""
+    bound = _bind_trainer_call(trainer_class, args, kwargs)
+    if bound is None:
         return  # the Trainer's own error says what is wrong
     if not isinstance(bound.get("args"), DPTrainingArguments):
         raise TypeError("DPTrainer needs DPTrainingArguments (from hf_dp), not TrainingArguments")
@@ -278,3 +277,20 @@ def check_trainer_call(init, args: tuple, kwargs: dict) -> None:
             "compute_per_example_loss(model, inputs) to return one loss per example instead"
         )
     check_launched_world(bound["args"])
+
+
+def _bind_trainer_call(trainer_class: type, args: tuple, kwargs: dict) -> dict | None:
+    mro = trainer_class.__mro__
+    start = next(i for i, cls in enumerate(mro) if cls.__name__ == "DPTrainerMixin") + 1
+    for cls in mro[start:]:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        parameters = inspect.signature(init).parameters
+        named = parameters.get("args")
+        if named is not None and named.kind is not inspect.Parameter.VAR_POSITIONAL:
+            try:
+                return inspect.signature(init).bind_partial(None, *args, **kwargs).arguments
+            except TypeError:
+                return None
+    return None

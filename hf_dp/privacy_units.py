@@ -57,16 +57,27 @@ def dataset_units(args, dataset, row_unit: str, trainer_name: str) -> DatasetUni
 
 
 def micro_batch_units(inputs: dict[str, Any], unit_of_row: torch.Tensor | None) -> PrivacyUnits | None:
-    """How a micro-batch's rows and tokens form units; None: one unit per row. Users come from the loader;
-    records packed into one row by padding-free collation (position ids restarting at 0 inside a row, e.g.
-    DataCollatorWithFlattening) are one unit each."""
+    """How a micro-batch's rows and tokens form units; None: one unit per row. Users come from the loader; records
+    packed into one row are one unit each, found from the collator's ``seq_idx`` (DataCollatorWithFlattening's
+    marker) or from position ids restarting at 0 AMONG ATTENDED TOKENS: padding, left or right, with any
+    ``position_ids`` convention, is never taken for a record."""
     if unit_of_row is not None:
         return PrivacyUnits.of_rows(unit_of_row)
-    position_ids = inputs.get("position_ids")
-    if (
-        isinstance(position_ids, torch.Tensor)
-        and position_ids.dim() == 2
-        and (position_ids[:, 1:] == 0).any()
-    ):
-        return PrivacyUnits.of_records(position_ids)
-    return None
+    seq_idx, position_ids = inputs.get("seq_idx"), inputs.get("position_ids")
+    marker = seq_idx if _is_2d(seq_idx) else position_ids if _is_2d(position_ids) else None
+    if marker is None:
+        return None
+    mask = inputs.get("attention_mask")
+    attended = (mask if _is_2d(mask) and mask.shape == marker.shape else torch.ones_like(marker)).bool()
+    if marker is seq_idx:
+        restarts = torch.ones_like(attended)
+        restarts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    else:
+        restarts = position_ids == 0
+    units = PrivacyUnits.of_restarts(restarts, attended)
+    # one record per non-empty row is the default unit, a row
+    return units if units.count > int(attended.any(dim=1).sum()) else None
+
+
+def _is_2d(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 2

@@ -46,16 +46,21 @@ class PrivacyUnits:
         return PrivacyUnits(unit_of_row.numel(), count, _slots(unit_of_row, count), per_row=True)
 
     @staticmethod
-    def of_records(position_ids: torch.Tensor) -> PrivacyUnits:
-        """Records packed into rows without padding: a record starts at each row's start and wherever the
-        position ids restart at 0 (padding-free collation, e.g. transformers' DataCollatorWithFlattening)."""
-        position_ids = position_ids.reshape(position_ids.shape[0], -1)
-        starts = position_ids == 0
-        starts[:, 0] = True
-        unit_of_token = starts.flatten().cumsum(0).view(position_ids.shape) - 1
-        count = int(unit_of_token.max()) + 1
+    def of_records(position_ids: torch.Tensor, attended: torch.Tensor | None = None) -> PrivacyUnits:
+        """Records packed into rows without padding between them: one starts wherever the position ids restart at
+        0 (padding-free collation, e.g. transformers' DataCollatorWithFlattening); see ``of_restarts``."""
+        return PrivacyUnits.of_restarts(position_ids.reshape(position_ids.shape[0], -1) == 0, attended)
+
+    @staticmethod
+    def of_restarts(restarts: torch.Tensor, attended: torch.Tensor | None = None) -> PrivacyUnits:
+        """Token units: a record starts at each row's first attended token and at every attended restart (R, W).
+        Only attended tokens (the attention mask; all when None) belong to a record: padding belongs to none (-1)."""
+        attended = torch.ones_like(restarts) if attended is None else attended.reshape(restarts.shape).bool()
+        starts = attended & (restarts | (attended.cumsum(1) == 1))
+        unit_of_token = torch.where(attended, starts.flatten().cumsum(0).view(starts.shape) - 1, -1)
+        count = int(unit_of_token.max()) + 1 if unit_of_token.numel() else 0
         return PrivacyUnits(
-            position_ids.shape[0], count, _slots(unit_of_token.flatten(), count), False, unit_of_token
+            starts.shape[0], count, _slots(unit_of_token.flatten(), count), False, unit_of_token
         )
 
     @property
