@@ -266,6 +266,7 @@ class DPTrainingArguments(TrainingArguments):
 def check_trainer_call(trainer_class: type, args: tuple, kwargs: dict) -> None:
     """Refuse, before the Trainer builds anything, a call DP cannot train with. The arguments are named by the
     first ``__init__`` after ``DPTrainerMixin`` in the MRO that names them (a subclass may take ``*args``)."""
+    _refuse_bare_trl(trainer_class)
     bound = _bind_trainer_call(trainer_class, args, kwargs)
     if bound is None:
         return  # the Trainer's own error says what is wrong
@@ -277,6 +278,26 @@ def check_trainer_call(trainer_class: type, args: tuple, kwargs: dict) -> None:
             "compute_per_example_loss(model, inputs) to return one loss per example instead"
         )
     check_launched_world(bound["args"])
+
+
+# TRL trainers hf_dp privatises, and its class for each (their units, losses and config are TRL-specific)
+TRL_TRAINERS = {"SFTTrainer": "DPSFTTrainer", "DPOTrainer": "DPDPOTrainer"}
+
+
+def _refuse_bare_trl(trainer_class: type) -> None:
+    """DPTrainerMixin mixed straight into a TRL trainer misses what hf_dp.trl adds (DPO's pair units and per-pair
+    losses, SFT's packing units and config): refused, naming the class to use."""
+    mro = trainer_class.__mro__
+    if any(cls.__module__ == "hf_dp.trl" for cls in mro):
+        return
+    trl = next((cls for cls in mro if cls.__module__.split(".")[0] == "trl"), None)
+    if trl is not None:
+        ours = TRL_TRAINERS.get(trl.__name__)
+        instead = f"subclass hf_dp.trl.{ours} (with its config)" if ours else "hf_dp.trl supports SFT and DPO"
+        raise TypeError(
+            f"{trainer_class.__name__} mixes DPTrainerMixin into trl's {trl.__name__} directly, which would clip and "
+            f"account the wrong units and losses; {instead}"
+        )
 
 
 def _bind_trainer_call(trainer_class: type, args: tuple, kwargs: dict) -> dict | None:

@@ -34,9 +34,11 @@ def require_per_example(
         return units.mean_over_rows(losses)
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != batch_size:
         shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        rows = "" if units is None or units.rows == batch_size else f" made of {units.rows} rows"
         raise ValueError(
-            f"{source} returned {shape}; under DP it must return one loss per privacy unit, shape ({batch_size},), "
-            "or override compute_per_example_loss instead"
+            f"{source} returned {shape}; under DP it must return one loss per privacy unit, shape ({batch_size},) "
+            f"for this micro-batch's {batch_size} units{rows} (no mean over the batch): return the per-example "
+            "losses, or override compute_per_example_loss instead"
         )
     return losses
 

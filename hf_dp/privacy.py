@@ -62,14 +62,20 @@ UNITS = {
 }
 
 
+def require_map_style(dataset) -> None:
+    """Poisson sampling draws each of the N examples independently: it needs random access and a length."""
+    if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        raise ValueError(
+            f"DPTrainer needs a map-style train_dataset (random access and a length), not {type(dataset).__name__}: "
+            "Poisson sampling draws each of the N examples independently; convert a streaming or iterable dataset "
+            "with datasets' to_list/from_list"
+        )
+
+
 def plan_privacy(args, dataset, unit: str = "example", num_units: int | None = None) -> PrivacyPlan:
     """The plan for ``DPTrainingArguments`` ``args`` over ``dataset``; one-line ValueError if it cannot hold.
     N counts ``unit``s: the dataset's rows, or ``num_units`` when several rows form one unit (users)."""
-    if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
-        raise ValueError(
-            "DPTrainer needs a map-style train_dataset (random access and a length): Poisson sampling draws each "
-            "of the N examples independently; convert an IterableDataset with datasets' to_list/from_list"
-        )
+    require_map_style(dataset)
     if not args.has_privacy_budget:
         raise ValueError(
             "DPTrainer: to train, give one of target_epsilon (σ is then calibrated) and noise_multiplier in "

@@ -12,6 +12,7 @@ import torch
 
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.data import rows_look_like_blocks, units_of_column
+from hf_dp.privacy import require_map_style
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class DatasetUnits:
 def dataset_units(args, dataset, row_unit: str, trainer_name: str) -> DatasetUnits:
     """``row_unit`` is what one row is for this trainer ("example"; "pair" for DPO). Users come from
     ``privacy_unit_column``; rows cut from concatenated text (run_clm's ``group_texts``) are blocks."""
+    require_map_style(dataset)
     column = args.privacy_unit_column
     if column is None and args.rows_are_blocks is None and rows_look_like_blocks(dataset):
         logger.warning(

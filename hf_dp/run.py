@@ -79,6 +79,11 @@ class PrivateRun:
     @classmethod
     def build(cls, args, model: nn.Module, dataset, backend: Backend, units: DatasetUnits) -> PrivateRun:
         """The plan (σ calibrated for the planned steps), the ledger, the secret drawn now, the clipping hooks."""
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                "the model has no trainable parameters, so there is nothing to fine-tune: unfreeze the weights to "
+                "train (requires_grad=True) or add an adapter (peft)"
+            )
         plan = plan_privacy(args, dataset, units.name, units.count)
         accountant = PrivacyAccountant(args.accountant, plan.delta)
         state = RunPrivacyState(shared_secret(args.insecure_dp_seed), accountant, plan_record(plan, args))
