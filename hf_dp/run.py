@@ -107,9 +107,9 @@ class PrivateRun:
         self.clipping = clipping_strategy(self.engine, model, self.backend)
 
     def close(self) -> None:
+        """Remove the clipping hooks (after training; before hooking a new model)."""
         if self.engine is not None:
             self.engine.remove_hooks()
-            self.engine = None
 
     def set_noise_multiplier(self, sigma: float) -> None:
         """σ set by hand before the optimizer exists (e.g. to continue a checkpoint at its own σ)."""
