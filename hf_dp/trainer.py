@@ -6,7 +6,7 @@ Trainer's hooks:
     sample     data.dp_dataloader            Poisson logical batches drawn with the run's secret key
     units      privacy_units                 which rows / tokens form one protected unit (default: a row)
     losses     compute_per_example_loss      L_i, one per unit of each micro-batch
-    clip       clipping.strategies           Σ_i c_i g_i into the gradients (book-keeping or two-pass)
+    clip       clipping.pipeline             Σ_i c_i g_i into the gradients (norm pass × sum pass)
     release    mechanism.GaussianMechanism   + N(0, σ²C²) once, ÷ B̄, one accountant step: the only noise
     update     optim (dp_optimizer)          the update rule on ĝ: post-processing
 """
@@ -32,10 +32,8 @@ from hf_dp.backend import Backend
 from hf_dp.budget import PrivacyBudgetCallback
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import replay_rng, rng_state
-from hf_dp.clipping.loss_scale import LossScale
+from hf_dp.clipping.pipeline import clipped_step, several_evaluations_refused
 from hf_dp.clipping.plan import StepPlanner
-from hf_dp.clipping.strategies import Bookkeeping, clipping_strategy
-from hf_dp.clipping.sums import ClippedSums
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.data import (
@@ -167,17 +165,16 @@ class DPTrainerMixin:
         checkpointing = bool(self.args.activation_checkpointing) or getattr(
             unwrap_model(model), "is_activation_checkpointing", False
         )
-        self._clipping = clipping_strategy(
-            self.clipping_engine,
-            model,
+        backend = Backend(
             self.args.world_size,
-            deepspeed=self.is_deepspeed_enabled,
-            checkpointing=checkpointing,
+            self.args.process_index,
+            zero_stage=self._zero_stage,
             fsdp=self.is_fsdp_enabled,
-            fp16=LossScale(self.args.dp_fp16_loss_scale, self.args.device.type)
-            if self._fp16_under_dp
-            else None,
+            checkpointing=checkpointing,
+            fp16_loss_scale=self.args.dp_fp16_loss_scale if self._fp16_under_dp else None,
+            device_type=self.args.device.type,
         )
+        self._clipping = clipped_step(self.clipping_engine, model, backend)
 
     @property
     def _fp16_under_dp(self) -> bool:
@@ -300,12 +297,16 @@ class DPTrainerMixin:
         if self._dp_optimizer is None:
             self._dp_optimizer = self.optimizer  # before accelerate or DeepSpeed wrap it
             self._planner.bind(self.optimizer)
-            if isinstance(self._clipping, Bookkeeping):  # nothing but the strategy may have written .grad
-                self.optimizer.register_step_pre_hook(lambda *_: self._clipping.check_untouched())
+            # nothing but the clipped step may have written .grad (a no-op where the framework owns it)
+            self.optimizer.register_step_pre_hook(lambda *_: self._clipping.check_untouched())
             # ZeRO and FSDP: each process noises the partition (shard) it owns
             partitioned = bool(self._zero_stage) or self.is_fsdp_enabled
-            backend = Backend(self.args.world_size, self.args.process_index, zero_stage=self._zero_stage,
-                              fsdp=self.is_fsdp_enabled)
+            backend = Backend(
+                self.args.world_size,
+                self.args.process_index,
+                zero_stage=self._zero_stage,
+                fsdp=self.is_fsdp_enabled,
+            )
             assert partitioned == backend.partitioned
             self._mechanism = self._privacy_state.mechanism = GaussianMechanism.for_run(
                 self.privacy_plan, self.accountant, self._secret, backend, self.args.secure_mode
@@ -314,7 +315,7 @@ class DPTrainerMixin:
 
             def release_before_step(opt, args, kwargs):
                 plan = self._planner.current
-                sums = self.clipping_engine.take_sums() if self.clipping_engine else ClippedSums()
+                sums = self._clipping.take_sums()
                 self._mechanism.release((p for g in opt.param_groups for p in g["params"]), plan, sums)
                 if not released or released[-1] is not plan:
                     self._mechanism.account()
@@ -324,11 +325,7 @@ class DPTrainerMixin:
             if getattr(self.optimizer, "evaluations_per_step", 1) > 1 and getattr(
                 self._clipping, "norms_in_backward", False
             ):
-                raise ValueError(
-                    f"{self._update_rule()[0]} evaluates each example at two parameter points (DiSK), which "
-                    "activation checkpointing does not support yet: turn activation_checkpointing off or pick "
-                    "another dp_optimizer"
-                )
+                raise several_evaluations_refused(self._update_rule()[0])
             if getattr(self.optimizer, "evaluations_per_step", 1) > 1 and self.args.device.type == "cpu":
                 keep_freed_memory()  # two evaluations' buffers are reused, not re-mapped every step (cpu_heap.py)
         return self.optimizer
