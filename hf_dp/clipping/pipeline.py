@@ -83,7 +83,7 @@ class ClippedStep:
         self.norms_in_backward = backend.checkpointing or backend.fsdp
         self.skips_tail: bool | None = None  # the weighted pass skips the tail (tail.py): None until checked
         self.shifter = ParameterShifter()
-        self._first = True
+        self.first_step = True  # the first step runs the checks (checks.py)
         self._guard = None if backend.framework_owns_gradients else GradientGuard(lambda: engine.parameters)
 
     def check_untouched(self) -> None:
@@ -125,7 +125,7 @@ class ClippedStep:
         step = sum_pass(losses_of, found, norms, factors, batch)
         if found.tail_exact is not None:
             self.skips_tail = found.tail_exact
-        self._first = False
+        self.first_step = False
         if self._guard is not None:
             self._guard.written()
         return step if step is not None else MicroStep(self.scale.unscale(found.losses.detach()), None)
@@ -135,7 +135,7 @@ class ClippedStep:
             return "evaluations"
         if self.owner != "module":
             return "whole"
-        if self._first:
+        if self.first_step:
             return "first step"
         if self.norms_in_backward and kept_gradients_fit(self.engine, batch.size):
             return "kept gradients"
@@ -166,7 +166,7 @@ def _framework(step: ClippedStep, model: nn.Module) -> WeightedThroughFramework:
 # (owner, norms inside a backward, need) → (how the norms are obtained, how the clipped sum is written)
 TABLE: dict[tuple[Owner, bool, Need], Parts] = {
     ("module", False, "evaluations"): lambda s, m: (
-        EvaluatedNorms(s.engine, s.module, s.shifter, verify=s._first),
+        EvaluatedNorms(s.engine, s.module, s.shifter, verify=s.first_step),
         FactoredSum(s.engine, s.scale),
     ),
     ("module", False, "first step"): lambda s, m: (
