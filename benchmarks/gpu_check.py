@@ -480,7 +480,7 @@ def exactness_case(
         sync(device)
         ours = torch.cat([released[-1][n].flatten() for n in names])
         errors.append(float((ours - expected).norm() / expected.norm()))
-    engine = getattr(trainer, "clipping_engine", None)
+    engine = trainer.dp.engine
     return {
         "precision": precision,
         "tuning": tuning,
@@ -669,7 +669,7 @@ def build_dp(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cel
     batch = {k: v.to(device) for k, v in trainer.data_collator(rows[: s.batch]).items()}
     cell = Cell("dp", step=lambda: trainer.train_one_step([batch]), keep=[folder, trainer])
     _cell_info(cell, trainer.model)
-    strategy = getattr(trainer, "_clipping", None)  # private: reported only if it is there
+    strategy = trainer.dp.clipping
     cell.info["clipping_strategy"] = type(strategy).__name__ if strategy is not None else None
     cell.info["norms_in_backward"] = getattr(strategy, "norms_in_backward", None)
     cell.report = trainer.privacy_report

@@ -327,7 +327,7 @@ def build_dp(s: Setting, rows: list[dict], device: str, private: bool) -> Varian
         name, step=_synced(lambda: trainer.train_one_step([batch]), device), keep=[folder, trainer]
     )
     _common_info(variant, model)
-    strategy = getattr(trainer, "_clipping", None)  # private attribute: reported only if it is there
+    strategy = trainer.dp.clipping
     variant.info["clipping_strategy"] = type(strategy).__name__ if strategy is not None else None
     variant.info["norms_in_backward"] = getattr(strategy, "norms_in_backward", None)
     dtype_probe(model, variant)

@@ -30,8 +30,8 @@ from hf_dp.budget import PrivacyBudgetCallback
 from hf_dp.checkpoint import RunPrivacyState, public_ledger
 from hf_dp.clipping.checks import check_records_apart
 from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.pipeline import clipped_step, several_evaluations_refused
 from hf_dp.clipping.plan import StepPlanner
-from hf_dp.clipping.strategies import clipping_strategy
 from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.data import EpochDataLoader, dp_dataloader
 from hf_dp.loss_contract import MicroBatch
@@ -68,7 +68,7 @@ class PrivateRun:
         self.units = units
         self.planner = StepPlanner(plan.clip_norm)
         self.engine: ClippingEngine | None = None
-        self.clipping = None  # the clipped step for this backend (clipping.strategies)
+        self.clipping = None  # the clipped step for this backend (clipping.pipeline)
         self.mechanism: GaussianMechanism | None = None
         self.optimizer: torch.optim.Optimizer | None = None  # the DP update rule, before accelerate wraps it
         self.update_rule: UpdateRule = (args.dp_optimizer, dict(args.dp_optimizer_kwargs))
@@ -104,7 +104,7 @@ class PrivateRun:
         if self.plan.private:
             self.engine = ClippingEngine(model, self.args.clipping_fn, self.args.clipping_mode)
             weakref.finalize(self, self.engine.remove_hooks)
-        self.clipping = clipping_strategy(self.engine, model, self.backend)
+        self.clipping = clipped_step(self.engine, model, self.backend)
 
     def close(self) -> None:
         """Remove the clipping hooks (after training; before hooking a new model)."""
@@ -153,11 +153,8 @@ class PrivateRun:
         if self.optimizer is not None:
             return
         evaluations = getattr(optimizer, "evaluations_per_step", 1)
-        if evaluations > 1 and self.clipping.norms_in_backward:
-            raise ValueError(
-                f"{update_rule[0]} evaluates each example at two parameter points (DiSK), which activation "
-                "checkpointing does not support yet: turn activation_checkpointing off or pick another dp_optimizer"
-            )
+        if evaluations > 1 and (self.clipping.norms_in_backward or self.backend.framework_owns_gradients):
+            raise several_evaluations_refused(update_rule[0])
         if evaluations > 1 and self.backend.device_type == "cpu":
             keep_freed_memory()  # two evaluations' buffers are reused, not re-mapped every step (cpu_heap.py)
         self.optimizer, self.update_rule = optimizer, update_rule

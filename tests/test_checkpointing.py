@@ -15,9 +15,10 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from hf_dp.backend import Backend
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
+from hf_dp.clipping.pipeline import clipped_step
 from hf_dp.clipping.plan import Evaluation, Shift, StepPlan
-from hf_dp.clipping.strategies import Bookkeeping
 from hf_dp.losses import per_example_loss, unwrap_model
 from tests import models
 from tests.test_clipping_geometry import factored_scales
@@ -63,7 +64,7 @@ def checkpointed_steps(
     step checks (two whole passes), later ones skip the tail where the check allowed it. Each step's clipped sum
     per name; ``forwards`` (a list) gets each step's number of forwards."""
     engine = strategy.engine if strategy else ClippingEngine(model)
-    strategy = strategy or Bookkeeping(engine, model, norms_in_backward=True)
+    strategy = strategy or clipped_step(engine, model, Backend(checkpointing=True))
     mask = torch.ones(batch["input_ids"].shape[0])
     sums, calls = [], []
 
@@ -154,7 +155,7 @@ def test_a_model_checkpointed_by_its_user_is_detected_and_exact(reentrant: bool)
     assert norms.min() > 0.5
     model.reentrant = reentrant
     engine = ClippingEngine(model)
-    strategy = Bookkeeping(engine, model)  # nothing told it about checkpointing
+    strategy = clipped_step(engine, model, Backend())  # nothing told it about checkpointing
     for ours in checkpointed_steps(model, batch, 0.5, strategy=strategy, loss_fn=_next_token_loss):
         assert engine.saw_checkpointing and strategy.norms_in_backward
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
@@ -252,7 +253,7 @@ def test_few_trainable_weights_take_one_pass_after_the_checked_first_step(
 ) -> None:
     """LoRA: each example's explicit adapter gradient is kept from the norm pass, so no second pass is needed
     (the tiny test model's adapters are not small relative to it: the threshold is lifted for the test)."""
-    monkeypatch.setattr("hf_dp.clipping.engine.KEPT_GRADIENTS_SHARE", 1e9)
+    monkeypatch.setattr("hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE", 1e9)
     torch.manual_seed(0)
     model = llama_lora().double().train()
     batch = models.token_batch()
@@ -260,7 +261,7 @@ def test_few_trainable_weights_take_one_pass_after_the_checked_first_step(
     max_norm = 0.5 * norms.min().item()
     reference, _ = models.brute_force(model, batch, max_norm=max_norm)
     unwrap_model(model).activation_checkpointing_enable({"use_reentrant": reentrant})
-    strategy = Bookkeeping(ClippingEngine(model), model, norms_in_backward=True)
+    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
     forwards = []
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
@@ -317,7 +318,7 @@ def test_bf16_first_step_check_allows_rounding_at_llm_like_shapes() -> None:
         engine = ClippingEngine(model)
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            Bookkeeping(engine, model, norms_in_backward=True).run(
+            clipped_step(engine, model, Backend(checkpointing=True)).run(
                 lambda module: per_example_loss(module, batch), torch.ones(2), StepPlan(0.1), model
             )
         engine.remove_hooks()
@@ -344,7 +345,7 @@ def test_a_no_grad_forward_inside_the_loss_changes_nothing(checkpointing: bool) 
         return per_example_loss(module, inputs)
 
     engine = ClippingEngine(model)
-    strategy = Bookkeeping(engine, model, norms_in_backward=checkpointing)
+    strategy = clipped_step(engine, model, Backend(checkpointing=checkpointing))
     ours = checkpointed_step(
         model, batch, 0.5 * norms.min().item(), strategy=strategy, loss_fn=loss_with_reference
     )
@@ -375,7 +376,7 @@ def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: 
         return per_example_loss(module, batch)
 
     engine = ClippingEngine(model)
-    strategy = Bookkeeping(engine, model, norms_in_backward=True)
+    strategy = clipped_step(engine, model, Backend(checkpointing=True))
     first, second = checkpointed_steps(model, batch, max_norm, strategy=strategy, loss_fn=counted_loss)
     assert strategy.skips_tail
     # step 1: norm pass, whole weighted pass, the check's forward up to the tail; step 2: norm pass, body only
@@ -408,7 +409,7 @@ def test_a_loss_that_reaches_the_body_outside_the_tail_keeps_the_whole_weighted_
     reference, norms = models.brute_force(model, batch, max_norm=0.5, loss_fn=loss_fn)
     assert norms.min() > 0.5
     engine = ClippingEngine(model)
-    strategy = Bookkeeping(engine, model, norms_in_backward=True)
+    strategy = clipped_step(engine, model, Backend(checkpointing=True))
     for ours in checkpointed_steps(model, batch, 0.5, strategy=strategy, loss_fn=loss_fn):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
     assert strategy.skips_tail is False  # the first step's check found the difference
@@ -422,7 +423,7 @@ def test_the_replayed_weighted_pass_draws_the_norm_pass_dropout_masks(reentrant:
     model = models.llama(attention_dropout=0.5).double().train()
     model.activation_checkpointing_enable({"use_reentrant": reentrant})
     batch = models.token_batch()
-    strategy = Bookkeeping(ClippingEngine(model), model, norms_in_backward=True)
+    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
     mask = torch.ones(batch["input_ids"].shape[0])
 
     def step(seed: int, fast: bool) -> dict[str, torch.Tensor]:

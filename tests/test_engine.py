@@ -65,7 +65,7 @@ def test_every_layer_materialised_inside_the_backward_matches_brute_force(monkey
     """Layers whose B explicit per-example gradients are smaller than their output gradient (T > d_in: the LM
     head at long context) form them inside the backward and keep neither input nor output gradient; forced
     here for every layer with a rule (tied GPT-2: the head's explicit part meets the embedding's index part)."""
-    monkeypatch.setattr("hf_dp.clipping.engine.MATERIALISE_BELOW_OUTPUT_SHARE", float("inf"))
+    monkeypatch.setattr("hf_dp.clipping.bookkeeping.MATERIALISE_BELOW_OUTPUT_SHARE", float("inf"))
     build, make_batch = MODELS[name]
     dtype = DTYPE.get(name, torch.float64)
     model = build().to(dtype).eval()
@@ -74,10 +74,12 @@ def test_every_layer_materialised_inside_the_backward_matches_brute_force(monkey
     max_norm = 0.5 * ref_norms.min().item()
     reference, ref_norms = models.brute_force(model, batch, max_norm=max_norm)
     engine = ClippingEngine(model)
-    with engine.record(batch["input_ids"].shape[0]):
+    with engine.record(batch["input_ids"].shape[0]) as recording:
         losses = per_example_loss(model, batch)
-    kept = [call.module for call in engine._calls]
-    assert all(engine._rules[module] is None for module in kept)  # only the torch.func fallback's are kept
+    kept = [call.module for call in recording._calls]
+    assert all(
+        engine.layers.rules[module] is None for module in kept
+    )  # only the torch.func fallback's are kept
     model.zero_grad(set_to_none=True)
     norms = engine.clipped_backward(losses, max_norm, verify=True)
     engine.remove_hooks()
@@ -102,9 +104,11 @@ def test_only_trained_parameters_are_materialised_in_the_backward(monkeypatch) -
     batch = models.classification_batch(3)
     _, ref_norms = models.brute_force(model, batch, max_norm=1e9)
     engine = ClippingEngine(model)
-    with engine.record(batch["input_ids"].shape[0]):
+    with engine.record(batch["input_ids"].shape[0]) as recording:
         losses = per_example_loss(model, batch)
-    assert engine._anchor is not None  # the token-wise layers were taken in the backward (the pooler is not)
+    assert (
+        recording._anchor is not None
+    )  # the token-wise layers were taken in the backward (the pooler is not)
     model.zero_grad(set_to_none=True)
     norms = engine.clipped_backward(losses, 1e9)
     engine.remove_hooks()
@@ -119,9 +123,9 @@ def test_a_long_sequence_materialises_the_lm_head_in_the_backward() -> None:
         model = models.llama().double().eval()
         batch = models.token_batch(batch=3, length=length)
         engine = ClippingEngine(model)
-        with engine.record(3):
+        with engine.record(3) as recording:
             per_example_loss(model, batch)
-        recorded = {engine._module_names[call.module] for call in engine._calls}
+        recorded = {engine.layers.module_names[call.module] for call in recording._calls}
         engine.remove_hooks()
         assert ("lm_head" not in recorded) == expected, recorded
 

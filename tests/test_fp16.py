@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from hf_dp import DPTrainer
+from hf_dp.backend import Backend
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.loss_scale import DEFAULT_FP16_LOSS_SCALE, LossScale
+from hf_dp.clipping.pipeline import clipped_step
 from hf_dp.clipping.plan import StepPlan
-from hf_dp.clipping.strategies import Bookkeeping
 from hf_dp.distributed import check_fp16
 from hf_dp.losses import unwrap_model
 from tests import models
@@ -68,7 +69,7 @@ def test_fp16_clipped_sum_matches_the_float64_brute_force(case: str) -> None:
     if checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": reentrant})
     engine = ClippingEngine(model)
-    strategy = Bookkeeping(engine, model, norms_in_backward=checkpointing, fp16=FP16)
+    strategy = clipped_step(engine, model, Backend(checkpointing=checkpointing, fp16_loss_scale=FP16.scale))
     # with checkpointing: the checked first step, then the step whose weighted pass skips the LM head (tail.py)
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy):
         assert relative_error(ours, reference) < TOLERANCE
@@ -80,13 +81,15 @@ def test_fp16_clipped_sum_matches_the_float64_brute_force(case: str) -> None:
 def test_fp16_lora_with_checkpointing_is_exact_in_the_one_pass_step_too(monkeypatch) -> None:
     """The first step checks the taps with two passes; the next keeps the explicit S-scaled adapter gradients
     of the norm pass and sums them with c_i / S (the threshold is lifted: the tiny model's adapters are large)."""
-    monkeypatch.setattr("hf_dp.clipping.engine.KEPT_GRADIENTS_SHARE", 1e9)
+    monkeypatch.setattr("hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE", 1e9)
     torch.manual_seed(0)
     model = llama_lora().train()
     batch = models.token_batch()
     reference, max_norm = clipped_reference(model, batch)
     unwrap_model(model).activation_checkpointing_enable({"use_reentrant": False})
-    strategy = Bookkeeping(ClippingEngine(model), model, norms_in_backward=True, fp16=FP16)
+    strategy = clipped_step(
+        ClippingEngine(model), model, Backend(checkpointing=True, fp16_loss_scale=FP16.scale)
+    )
     forwards = []
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
         assert relative_error(ours, reference) < TOLERANCE
@@ -105,7 +108,7 @@ class _TwoLayers(nn.Module):
 def _run(model: nn.Module, losses_of, max_norm: float, checkpointing: bool, scale: float) -> ClippingEngine:
     model.zero_grad(set_to_none=True)
     engine = ClippingEngine(model)
-    strategy = Bookkeeping(engine, model, norms_in_backward=checkpointing, fp16=LossScale(scale, "cpu"))
+    strategy = clipped_step(engine, model, Backend(checkpointing=checkpointing, fp16_loss_scale=scale))
     strategy.run(losses_of, torch.ones(4), StepPlan(max_norm), model)
     engine.remove_hooks()
     return engine

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from hf_dp.accounting import PrivacyAccountant
+from hf_dp.clipping.checks import GradientWrittenOutsideClipping
 from hf_dp.clipping.plan import StepPlan
-from hf_dp.clipping.strategies import GradientWrittenOutsideClipping
 from hf_dp.clipping.sums import ClippedSums
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.noise import GaussianNoise

@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+from hf_dp.backend import Backend
 from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.pipeline import clipped_step
 from hf_dp.clipping.plan import StepPlan
-from hf_dp.clipping.strategies import Bookkeeping
 from hf_dp.noise import GaussianNoise
 from tests import models
 from tests.test_trainer import brute_force_update
@@ -109,7 +110,7 @@ def test_an_example_whose_norm_overflows_weighs_zero_and_is_counted(checkpointin
     x = torch.randn(4, 64)
     x[2] = 1e30
     engine = ClippingEngine(model)
-    strategy = Bookkeeping(engine, model, norms_in_backward=checkpointing)
+    strategy = clipped_step(engine, model, Backend(checkpointing=checkpointing))
     strategy.run(lambda m: _tiny_loss(m, x), torch.ones(4), StepPlan(1.0), model)
     kept = [0, 1, 3]
     (expected,) = torch.autograd.grad(_tiny_loss(model, x[kept]).sum(), [model.layer.weight])
@@ -125,10 +126,10 @@ def test_an_overflowing_forward_is_dropped_by_book_keeping_and_refused_with_chec
     x = torch.randn(4, 4)
     x[1] = float("inf")
     engine = ClippingEngine(model)
-    Bookkeeping(engine, model).run(lambda m: m(x).squeeze(1), torch.ones(4), StepPlan(1.0), model)
+    clipped_step(engine, model, Backend()).run(lambda m: m(x).squeeze(1), torch.ones(4), StepPlan(1.0), model)
     assert engine.nonfinite_examples == 1 and torch.isfinite(model.layer.weight.grad).all()
     model.zero_grad(set_to_none=True)
-    strategy = Bookkeeping(engine, model, norms_in_backward=True)
+    strategy = clipped_step(engine, model, Backend(checkpointing=True))
     with pytest.raises(FloatingPointError, match="loss overflowed") as info:
         strategy.run(lambda m: m(x).squeeze(1), torch.ones(4), StepPlan(1.0), model)
     assert "\n" not in str(info.value)

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
+from hf_dp.backend import Backend
 from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.pipeline import clipped_step
 from hf_dp.clipping.plan import StepPlan
-from hf_dp.clipping.strategies import Bookkeeping, TwoPass
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.losses import per_example_loss, unwrap_model
 from tests import models
@@ -64,13 +65,15 @@ def strategy_step(
     model.zero_grad(set_to_none=True)
     mask = torch.ones(units.count)
     if strategy_name == "two_pass":
-        step = TwoPass(engine, model, world_size=1).run(loss_of, mask, StepPlan(max_norm), model, units)
+        step = clipped_step(engine, model, Backend(zero_stage=0)).run(
+            loss_of, mask, StepPlan(max_norm), model, units
+        )
         step.backward.backward()
     else:
-        strategy = Bookkeeping(engine, model, norms_in_backward=strategy_name == "checkpointing")
+        strategy = clipped_step(engine, model, Backend(checkpointing=strategy_name == "checkpointing"))
         with pytest.MonkeyPatch.context() as patch:
             if strategy_name == "in_backward":  # every layer's per-example gradients formed in the backward
-                patch.setattr("hf_dp.clipping.engine.MATERIALISE_BELOW_OUTPUT_SHARE", float("inf"))
+                patch.setattr("hf_dp.clipping.bookkeeping.MATERIALISE_BELOW_OUTPUT_SHARE", float("inf"))
             strategy.run(loss_of, mask, StepPlan(max_norm), model, units)
             if strategy_name == "checkpointing":  # again: the checked first step allows skipping the tail
                 strategy.check_untouched()

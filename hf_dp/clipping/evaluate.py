@@ -1,14 +1,15 @@
 """Evaluating one micro-batch more than once: the same dropout masks, and parameters at θ + shift.
 
-DiSK (Zhang et al.) evaluates every example at θ + γd and at θ and clips the combination once; the two-pass
-strategy runs the same forward twice. Both need the second pass to see the first one's randomness, and the
-shifted pass must leave θ exactly as it was (θ + δ − δ ≠ θ in floating point).
+DiSK (Zhang et al.) evaluates every example at θ + γd and at θ and clips the combination once
+(norm_passes.EvaluatedNorms); a weighted pass runs the norm pass's forward again. Both need the second pass to
+see the first one's randomness, and the shifted pass must leave θ exactly as it was (θ + δ − δ ≠ θ in floating
+point).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -59,26 +60,3 @@ class ParameterShifter:
         finally:
             for param, original in zip(params, originals, strict=True):
                 param.data = original
-
-
-def evaluate_at_points(
-    engine,
-    module: nn.Module,
-    losses_of: Callable[[nn.Module], torch.Tensor],
-    evaluations: Sequence,
-    batch_size: int,
-    shifter: ParameterShifter,
-    verify: bool,
-    units=None,
-) -> tuple[list, torch.Tensor]:
-    """Per-example gradients of every evaluation (same dropout masks), weighted; and the last losses.
-    ``batch_size`` counts the rows; ``units`` (``PrivacyUnits``) groups them, as in ``ClippingEngine.record``."""
-    state = rng_state()
-    evaluated = []
-    for k, evaluation in enumerate(evaluations):
-        if k:
-            replay_rng(state)
-        with shifter(evaluation.shift), engine.record(batch_size, units):
-            losses = losses_of(module)
-            evaluated.append((engine.per_example_gradients(losses, verify=verify), evaluation.weight))
-    return evaluated, losses

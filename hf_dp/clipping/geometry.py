@@ -23,12 +23,15 @@ CLIPPING_MODES: tuple[str, ...] = get_args(ClippingMode)
 
 # Automatic clipping's stability constant γ in C / (‖g_i‖ + γ) (Bu et al. 2022).
 AUTOMATIC_CLIPPING_GAMMA = 0.01
+# Abadi clipping's stability constant ε in min(1, C / (‖g_i‖ + ε)): a zero gradient divides by it, not by 0.
+ABADI_CLIPPING_EPSILON = 1e-6
 
 
 def clip_factors(norms: torch.Tensor, max_norm: float, fn: ClippingFn) -> torch.Tensor:
-    """c_i: min(1, C/‖g_i‖) ("abadi") or C/(‖g_i‖ + γ) ("automatic"); both keep ‖c_i g_i‖ ≤ C."""
+    """c_i: min(1, C/(‖g_i‖ + ε)) ("abadi", Abadi et al. 2016) or C/(‖g_i‖ + γ) ("automatic", Bu et al. 2022);
+    both keep ‖c_i g_i‖ ≤ C."""
     if fn == "abadi":
-        return (max_norm / (norms + 1e-6)).clamp(max=1.0)
+        return (max_norm / (norms + ABADI_CLIPPING_EPSILON)).clamp(max=1.0)
     return max_norm / (norms + AUTOMATIC_CLIPPING_GAMMA)
 
 
@@ -71,3 +74,24 @@ def owned_scale(scale: ClipScale, gradient: torch.Tensor) -> torch.Tensor:
         whole = dense_scale(unsharded(scale)).to(gradient.device)
         scale = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return scale.redistribute(gradient.device_mesh, gradient.placements).to_local()
+
+
+def scales_by_id(scales: ClipScales | None, clipped: list[nn.Parameter]) -> dict[int, ClipScale]:
+    """The clip scales of the ``clipped`` parameters by id, checked against their shapes."""
+    found: dict[int, ClipScale] = {}
+    by_id = {id(p): p for p in clipped}
+    for param, scale in (scales or {}).items():
+        if id(param) not in by_id:
+            continue
+        if isinstance(scale, FactoredScale):
+            shape = (scale.rows.numel(), scale.cols.numel())
+            if param.dim() != 2 or tuple(param.shape) != shape:
+                raise ValueError(
+                    f"a FactoredScale {shape} needs a 2-D parameter of that shape, got {tuple(param.shape)}"
+                )
+        elif scale.shape != param.shape:
+            raise ValueError(
+                f"a dense clip scale must be shaped like its parameter {tuple(param.shape)}, got {tuple(scale.shape)}"
+            )
+        found[id(param)] = scale
+    return found

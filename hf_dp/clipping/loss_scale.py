@@ -15,9 +15,12 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
+
+from hf_dp.backend import Backend
 
 LossFn = Callable[[nn.Module], torch.Tensor]
 
@@ -42,17 +45,30 @@ def check_loss_scale(scale: float) -> None:
 
 @dataclass(frozen=True)
 class LossScale:
-    """S, and the device type whose fp16 autocast the DP forward passes run under."""
+    """S, and the device type whose fp16 autocast the DP forward passes run under; ``LossScale.NONE`` (S = 1, no
+    autocast) is the identity. The one place that knows S: the clipping parts see S·L_i and their backward's
+    ``.grad`` through it, and the engine never does."""
+
+    NONE: ClassVar[LossScale]
 
     scale: float
-    device_type: str
+    device_type: str | None  # None: no fp16 autocast
 
     def __post_init__(self) -> None:
         check_loss_scale(self.scale)
 
-    def scaled(self, losses_of: LossFn) -> LossFn:
+    @staticmethod
+    def of(backend: Backend) -> LossScale:
+        """The run's fixed fp16 loss scale, or the identity."""
+        if backend.fp16_loss_scale is None:
+            return LossScale.NONE
+        return LossScale(backend.fp16_loss_scale, backend.device_type)
+
+    def wrap(self, losses_of: LossFn) -> LossFn:
         """S·L_i (in at least float32) from a forward under fp16 autocast; the backward, the norms and the clipped
         sum run outside autocast (the layer rules compute in float32)."""
+        if self.device_type is None:
+            return losses_of
 
         def forward(module: nn.Module) -> torch.Tensor:
             with torch.autocast(self.device_type, dtype=torch.float16):
@@ -61,27 +77,38 @@ class LossScale:
 
         return forward
 
+    def unscale(self, scaled: torch.Tensor) -> torch.Tensor:
+        """x from S·x: the norms ‖S g_i‖ / S = ‖g_i‖, and the losses S·L_i / S for logging (exact: S = 2^k)."""
+        return scaled / self.scale
 
-@contextlib.contextmanager
-def unscaled_gradients(params: list[nn.Parameter], scale: float) -> Iterator[None]:
-    """What a backward inside the block writes to ``.grad`` is divided by ``scale`` (a power of two: exact) and
-    added to the gradients already there: autograd's S·Σ_i c_i g_i lands as Σ_i c_i g_i. The fp16 weight
-    gradients of that backward sum the batch (at most S·B·C); one that overflowed stops training in one line."""
-    if scale == 1:
-        yield
-        return
-    kept = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield
+    def weights(self, factors: torch.Tensor) -> torch.Tensor:
+        """c_i / S: the weights of the S-scaled per-example gradients S g_i, so Σ_i (c_i / S)(S g_i) = Σ_i c_i g_i."""
+        return factors / self.scale
+
+    @contextlib.contextmanager
+    def unscaled_gradients(self, params: list[nn.Parameter]) -> Iterator[None]:
+        """What a backward inside the block writes to ``.grad`` is divided by S (exact) and added to the gradients
+        already there: autograd's S·Σ_i c_i g_i lands as Σ_i c_i g_i. The fp16 weight gradients of that backward
+        sum the batch (at most S·B·C); one that overflowed stops training in one line."""
+        if self.scale == 1:
+            yield
+            return
+        kept = [p.grad for p in params]
         for p in params:
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                raise FloatingPointError(
-                    f"the weighted backward's fp16 weight gradient (S·Σ_i c_i g_i, S = {scale:g}) overflowed; "
-                    "lower dp_fp16_loss_scale or per_device_train_batch_size (S·B·C must stay below 65504)"
-                )
-    finally:
-        for p, old in zip(params, kept, strict=True):
-            new = None if p.grad is None else p.grad.div_(scale)
-            p.grad = old if new is None else (new if old is None else old.add_(new))
+            p.grad = None
+        try:
+            yield
+            for p in params:
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    raise FloatingPointError(
+                        f"the weighted backward's fp16 weight gradient (S·Σ_i c_i g_i, S = {self.scale:g}) "
+                        "overflowed; lower dp_fp16_loss_scale or per_device_train_batch_size (S·B·C must stay "
+                        "below 65504)"
+                    )
+        finally:
+            for p, old in zip(params, kept, strict=True):
+                new = None if p.grad is None else p.grad.div_(self.scale)
+                p.grad = old if new is None else (new if old is None else old.add_(new))
+
+
+LossScale.NONE = LossScale(1.0, None)

@@ -51,8 +51,8 @@ class StepPlan:
 
     @property
     def single_evaluation(self) -> bool:
-        """One evaluation, at θ: every plan but DiSK's. Only the book-keeping strategy combines several (the
-        norm-pass strategies clip Σ_i c_i L_i at θ)."""
+        """One evaluation, at θ: every plan but DiSK's. Only book-keeping's norms combine several (a weighted
+        backward back-propagates Σ_i c_i L_i at θ: pipeline.py)."""
         return len(self.evaluations) == 1 and self.evaluations[0].shift is None
 
 

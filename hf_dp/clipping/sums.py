@@ -1,4 +1,4 @@
-"""The clipped sums of a logical batch, as handed to the mechanism: an explicit value, taken once per release.
+"""The clipped sums of a logical batch: how they are written, and the explicit value the mechanism receives.
 
 A float32 (or float64) parameter's clipped sum Σ_i c_i g_i lives in its ``.grad``. A bf16/fp16 parameter's is
 kept in float32 beside it (``wide``), so that the noise is added in float32 and only the released ĝ is cast
@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from hf_dp.clipping.geometry import ClippingFn, clip_factors
+from hf_dp.clipping.per_example import PerExampleGradient, Weighted
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+# per parameter id: the parameter and its weighted per-example parts (uses, evaluations)
+Terms = dict[int, tuple[nn.Parameter, list[Weighted]]]
 
 
 @dataclass
@@ -29,3 +36,58 @@ class ClippedSums:
             dtype = torch.promote_types(param.dtype, torch.float32)
             return param.grad if param.grad.dtype == dtype else param.grad.float()
         return torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
+
+
+class SumWriter:
+    """Writes the clipped sum Σ_i c_i g_i of a logical batch: c_i from the norms, then Σ_i w_i G_i per parameter
+    into ``.grad``, or for a bf16/fp16 parameter into its float32 sum, which the mechanism noises in float32
+    before the one cast; ``take()`` hands the sums to the release."""
+
+    def __init__(self, clipping_fn: ClippingFn) -> None:
+        self.clipping_fn = clipping_fn
+        self.nonfinite_examples = 0  # examples clipped to zero because their gradient overflowed
+        self.low_precision: dict[nn.Parameter, torch.Tensor] = {}  # the float32 sums of bf16/fp16 parameters
+
+    def clip_factors(self, norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
+        """c_i at ``clip_norm`` (geometry.clip_factors); c_i = 0 for an example whose gradient is not finite (an
+        overflow in low precision): it then contributes nothing, within the sensitivity C. Counted in
+        ``nonfinite_examples``."""
+        if not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
+        finite = torch.isfinite(norms)
+        self.nonfinite_examples += int((~finite).sum())
+        return torch.where(finite, clip_factors(norms.nan_to_num(), clip_norm, self.clipping_fn), 0.0)
+
+    def add(self, param: nn.Parameter, part: PerExampleGradient, weights: torch.Tensor) -> None:
+        """The clipped sum += Σ_i w_i G_i."""
+        if param.dtype not in LOW_PRECISION:
+            param.grad = part.accumulate(param.grad, weights, param)
+            return
+        wide = self.low_precision.get(param)
+        like = (
+            wide if wide is not None else torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        )
+        self.low_precision[param] = part.accumulate(wide, weights, like)
+
+    def add_terms(self, terms: Terms, weights: torch.Tensor, overflowed: torch.Tensor) -> None:
+        """Σ_e w_e Σ_i weights_i G_i^e for every parameter's weighted parts, without the ``overflowed`` examples'
+        rows (0 · inf would be nan)."""
+        for param, weighted in terms.values():
+            for weight, part in weighted:
+                if overflowed.any():
+                    part = part.without_examples(overflowed)
+                self.add(param, part, weights if weight == 1 else weight * weights)
+
+    def move_from_gradients(self, params: list[nn.Parameter]) -> None:
+        """After autograd wrote a micro-batch's clipped sum into a bf16/fp16 ``.grad``: add it to the float32 sum."""
+        for param in params:
+            if param.dtype in LOW_PRECISION and param.grad is not None:
+                wide = self.low_precision.get(param)
+                grad = param.grad.float()
+                self.low_precision[param] = grad if wide is None else wide.add_(grad)
+                param.grad = None
+
+    def take(self) -> ClippedSums:
+        """The logical batch's clipped sums for the release; the float32 sums start empty again."""
+        sums, self.low_precision = ClippedSums(self.low_precision), {}
+        return sums

@@ -15,16 +15,21 @@ nodes; reentrant checkpointing runs the forward under no_grad, untapped, and tap
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
-from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from hf_dp.clipping.geometry import ClipScale
+from hf_dp.clipping.hooks import (
+    Layers,
+    UnsupportedModuleError,
+    check_batch_dimension,
+    in_reentrant_checkpoint,
+    is_checkpointing,
+    tap,
+)
 from hf_dp.clipping.per_example import (
     Materialised,
     OuterProductSum,
@@ -34,35 +39,16 @@ from hf_dp.clipping.per_example import (
 from hf_dp.clipping.tail import Tail, TailBoundary, keep_form
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 
-Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
 
+@dataclass(frozen=True)
+class TapOptions:
+    """What the norm pass keeps beside the norms: ``probe`` the first step's projections (``direction``),
+    ``keep_gradients`` each example's explicit gradient (few trainable weights: LoRA), ``keep_tail`` what the
+    weighted pass needs to skip the model's tail (tail.py)."""
 
-Receiver = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
-
-
-class _Tap(torch.autograd.Function):
-    """y ↦ y whose backward hands (module, its input x, ∂L/∂y) to ``receive``. ``anchor`` requires grad, so y does
-    even while the parameters are frozen, and differentiating towards it runs every tap's backward."""
-
-    @staticmethod
-    def forward(ctx, output, anchor, receive, module, x):
-        ctx.receive, ctx.module = receive, module
-        ctx.save_for_backward(x)
-        return output.detach()  # a fresh tensor, not a view: the model may modify it in place
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (x,) = ctx.saved_tensors
-        ctx.receive(ctx.module, x, grad_output)
-        return grad_output, grad_output.new_zeros(()), None, None, None  # zero for the anchor
-
-
-def tap(
-    output: torch.Tensor, anchor: torch.Tensor, receive: Receiver, module: nn.Module, x: torch.Tensor
-) -> torch.Tensor:
-    """``output`` unchanged, with ``receive(module, x, ∂L/∂output)`` called when its gradient arrives; x is saved
-    through autograd (a checkpoint drops and recomputes it)."""
-    return _Tap.apply(output, anchor, receive, module, x)
+    probe: bool = False
+    keep_gradients: bool = False
+    keep_tail: bool = False
 
 
 class _AgainstIds:
@@ -88,44 +74,45 @@ class NormCollector:
 
     def __init__(
         self,
-        rules: dict[nn.Module, Rule],
-        owned: dict[nn.Module, list[str]],
-        batch_size: int,
+        layers: Layers,
+        count: int,
+        units: PrivacyUnits | None,
         scales: dict[int, ClipScale],
         materialise: bool,
-        dtype: torch.dtype,
-        device: torch.device,
-        probe: bool = False,
-        keep_gradients: bool = False,
-        units: PrivacyUnits | None = None,
-        module_names: dict[nn.Module, str] | None = None,
-        keep_tail: bool = False,
+        options: TapOptions,
     ) -> None:
-        self.rules, self.owned, self.scales, self.materialise = rules, owned, scales, materialise
+        self.layers, self.scales, self.materialise = layers, scales, materialise
+        self.owned = layers.owned
+        params = layers.parameters
+        device = params[0].device if params else torch.device("cpu")
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         # each scale by where its parameter is used: FSDP2 swaps the module's sharded parameter for an unsharded
         # one (another object) during the forward and backward, so the backward's ids are not the scales' keys
         self._site_scales = {
             (module, name): scales[id(getattr(module, name))]
-            for module, names in owned.items()
+            for module, names in self.owned.items()
             for name in names
             if id(getattr(module, name)) in scales
         }
-        self.units, self.module_names = units, module_names or {}  # norms per privacy unit (units.py)
-        self.batch_size = batch_size
+        self.units = None if units is None or units.is_trivial else units  # norms per privacy unit (units.py)
+        self.rows = count if units is None else units.rows
+        self.on = True  # a Receiver (hooks.py) for the whole pass
         self.anchor = torch.zeros((), device=device, requires_grad=True)
-        self.squared = torch.zeros(batch_size, dtype=dtype, device=device)
+        self.squared = torch.zeros(count, dtype=dtype, device=device)
         self.uses: dict[int, int] = {}  # per parameter, in the first forward
         self.counting = True
         self.low_precision = False  # a tapped output was bf16/fp16 (autocast or low-precision weights)
         self._waiting: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]] = {}
         self._ids: dict[int, torch.Tensor | None] = {}  # an embedding's ids, per parameter used once as one
         self._tied_heads: dict[int, _AgainstIds] = {}
-        self.probe = probe
+        self.probe = options.probe
         self.projections: dict[int, torch.Tensor] = {}
         # few trainable weights (LoRA): keep each example's explicit gradient, so no second pass is needed
-        self.kept: dict[int, tuple[nn.Parameter, torch.Tensor]] | None = {} if keep_gradients else None
+        self.kept: dict[int, tuple[nn.Parameter, torch.Tensor]] | None = (
+            {} if options.keep_gradients else None
+        )
         # the first forward's uses in order: the tail is every use after the last checkpointed one
-        self.keep_tail = keep_tail
+        self.keep_tail = options.keep_tail
         self._calls, self._last_checkpointed = 0, 0
         self._calls_of: dict[nn.Module, int] = {}
         self._boundary: tuple[int, TailBoundary] | None = None  # (its use's number, the boundary)
@@ -136,6 +123,24 @@ class NormCollector:
         on its own)."""
         generator = torch.Generator(device=param.device).manual_seed(0)
         return torch.randn(param.shape, generator=generator, dtype=self.squared.dtype, device=param.device)
+
+    def admits(self, module: nn.Module) -> bool:
+        """Reentrant checkpointing runs the first forward under no_grad: counted here, tapped when recomputed."""
+        if self.counting and not torch.is_grad_enabled() and in_reentrant_checkpoint():
+            self.count(module, checkpointed=True)
+        return True
+
+    def receive(
+        self, module: nn.Module, x: torch.Tensor | None, args: tuple, kwargs: dict, output
+    ) -> torch.Tensor:
+        check_batch_dimension(self.layers, module, x, self.rows)
+        if x is None or not isinstance(output, torch.Tensor):
+            raise UnsupportedModuleError(
+                f"{self.layers.where(module)} must take a tensor first and return one tensor for its norm to be "
+                "computed inside the backward (activation checkpointing): register a rule for a module that does, "
+                "or turn checkpointing off"
+            )
+        return self.tap(module, x, output)
 
     def count(self, module: nn.Module, checkpointed: bool = False) -> int:
         """One more use of the module's parameters in the forward (not in a recomputation); its number."""
@@ -175,9 +180,8 @@ class NormCollector:
         return Tail(boundary, self._tail_parts)
 
     def add(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor, call: int = 0) -> None:
-        where = f"{self.module_names.get(module, '?')} ({type(module).__name__})"
-        x, grad_output = regroup_for_rule(self.units, x, grad_output, where)
-        found = self.rules[module](module, x, grad_output)
+        x, grad_output = regroup_for_rule(self.units, x, grad_output, self.layers.where(module))
+        found = self.layers.rules[module](module, x, grad_output)
         in_tail = call > self._last_checkpointed
         for name in self.owned[module]:
             param = getattr(module, name)
@@ -248,40 +252,3 @@ class NormCollector:
     def kept_gradients(self) -> list[tuple[nn.Parameter, Materialised]]:
         """The explicit per-example gradients (``keep_gradients``), to be summed with the clip factors."""
         return [(param, Materialised(grads)) for param, grads in (self.kept or {}).values()]
-
-
-@contextlib.contextmanager
-def frozen(params: list[nn.Parameter]) -> Iterator[None]:
-    """The norm pass computes no weight gradient and writes no ``.grad``: the clipped parameters are frozen, and
-    their gradients set aside and put back, so that a parameter the forward itself unfreezes (peft's
-    ``disable_adapter`` sets ``requires_grad`` on the adapters when it exits) cannot leave an unclipped gradient."""
-    flags, grads = [p.requires_grad for p in params], [p.grad for p in params]
-    for p in params:
-        p.requires_grad_(False)
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, flag, grad in zip(params, flags, grads, strict=True):
-            p.requires_grad_(flag)
-            p.grad = grad
-
-
-_REENTRANT_FORWARD = torch_checkpoint.CheckpointFunction.forward.__code__
-
-
-def in_reentrant_checkpoint() -> bool:
-    """Inside the first forward of a reentrant ``torch.utils.checkpoint`` (run under no_grad, recomputed in the
-    backward); a no_grad forward of the user's own (a frozen reference model, an evaluation) is not."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _REENTRANT_FORWARD:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def is_checkpointing() -> bool:
-    """Inside a non-reentrant ``torch.utils.checkpoint`` forward (its saved-tensor hooks are on top)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")

@@ -1,0 +1,151 @@
+"""How a clipped step obtains its per-example norms ‖s ⊙ u_i‖ (the first half of pipeline.py's step).
+
+- ``RecordedNorms``: book-keeping (Bu et al. 2023) during the forward, one backward for the output gradients.
+- ``EvaluatedNorms``: the same at each of the plan's parameter points, same dropout masks, the weighted
+  combination u_i = Σ_e w_e g_i^e (DiSK, Zhang et al.).
+- ``TappedNorms``: inside a first backward of Σ_i L_i that writes no ``.grad`` (activation checkpointing,
+  FSDP2; taps.py).
+
+Each returns what it found for the sum pass: the norms of the losses it was given (S·L_i under fp16), the losses,
+the random state it started from (the weighted pass replays it) and its per-example gradients or collector.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.evaluate import ParameterShifter, RngState, replay_rng, rng_state
+from hf_dp.clipping.plan import StepPlan
+from hf_dp.clipping.replay import LayerReplay
+from hf_dp.clipping.sums import Terms
+from hf_dp.clipping.taps import NormCollector, TapOptions
+from hf_dp.clipping.units import PrivacyUnits
+
+LossFn = Callable[[nn.Module], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch as clipping sees it: ``mask`` (U,) marks its real privacy units, ``units`` groups its rows
+    or tokens into them (None: a unit is a row)."""
+
+    mask: torch.Tensor
+    units: PrivacyUnits | None = None
+
+    @property
+    def size(self) -> int:
+        """U, the number of privacy units (norms, factors and losses are per unit)."""
+        return self.mask.shape[0]
+
+    @property
+    def rows(self) -> int:
+        return self.size if self.units is None else self.units.rows
+
+
+@dataclass
+class FoundNorms:
+    """A norm pass's result: ``norms`` of the losses it was given, which are ``losses``; ``rng`` the random
+    state it started from; ``terms`` book-keeping's per-example gradients, or ``collector`` the taps'."""
+
+    norms: torch.Tensor
+    losses: torch.Tensor
+    rng: RngState
+    terms: Terms | None = None
+    collector: NormCollector | None = None
+    replay: LayerReplay | None = None  # the checkpointed layers' outputs, when the tail is kept
+    tail_exact: bool | None = None  # set by the first step's tail check (sum_passes.WeightedBackward)
+
+
+class NormPass(Protocol):
+    def __call__(self, losses_of: LossFn, batch: Batch, plan: StepPlan) -> FoundNorms | None:
+        """The norms of one micro-batch; None when the pass found it cannot run (pipeline.py re-selects)."""
+        ...
+
+
+@dataclass(frozen=True)
+class RecordedNorms:
+    """Book-keeping's norms; ``verify`` (the first step) checks its unclipped sum against autograd."""
+
+    engine: ClippingEngine
+    module: nn.Module
+    verify: bool = False
+
+    def __call__(self, losses_of: LossFn, batch: Batch, plan: StepPlan) -> FoundNorms | None:
+        """None when the user's own ``torch.utils.checkpoint`` ran in the forward (the random state is replayed)."""
+        state = rng_state()
+        with self.engine.record(batch.rows, batch.units) as recording:
+            losses = losses_of(self.module)
+        if recording.saw_checkpointing:
+            replay_rng(state)
+            return None
+        gradients = self.engine.per_example_gradients(losses, verify=self.verify)
+        norms, terms = self.engine.norms_and_terms([(gradients, 1.0)], plan.clip_scale)
+        return FoundNorms(norms, losses, state, terms=terms)
+
+
+@dataclass(frozen=True)
+class EvaluatedNorms:
+    """Book-keeping at every evaluation of the plan (θ + shift_e, same dropout masks), combined with weights w_e."""
+
+    engine: ClippingEngine
+    module: nn.Module
+    shifter: ParameterShifter
+    verify: bool = False
+
+    def __call__(self, losses_of: LossFn, batch: Batch, plan: StepPlan) -> FoundNorms:
+        state = rng_state()
+        evaluated = []
+        for k, evaluation in enumerate(plan.evaluations):
+            if k:
+                replay_rng(state)
+            with self.shifter(evaluation.shift), self.engine.record(batch.rows, batch.units):
+                losses = losses_of(self.module)
+                evaluated.append(
+                    (self.engine.per_example_gradients(losses, verify=self.verify), evaluation.weight)
+                )
+        norms, terms = self.engine.norms_and_terms(evaluated, plan.clip_scale)
+        return FoundNorms(norms, losses, state, terms=terms)
+
+
+@dataclass(frozen=True)
+class TappedNorms:
+    """One tapped forward and backward of Σ_i L_i: the collector holds the norms, no ``.grad`` is written.
+    ``taps_only``: differentiate towards the taps alone (``autograd.grad``), so that no weight gradient is even
+    formed: FSDP2 computes with unsharded copies of the parameters, which freezing the sharded ones does not
+    freeze. ``finite_losses``: refuse a loss that overflowed in the forward, which a zero clip weight cannot keep
+    out of a later weighted backward of the bare module."""
+
+    engine: ClippingEngine
+    module: nn.Module
+    options: TapOptions = TapOptions()
+    taps_only: bool = False
+    finite_losses: bool = True
+
+    def __call__(self, losses_of: LossFn, batch: Batch, plan: StepPlan) -> FoundNorms:
+        state = rng_state()
+        replay = LayerReplay(self.module) if self.options.keep_tail else None
+        with (
+            replay.recording() if replay else contextlib.nullcontext(),
+            self.engine.norms_in_backward(
+                batch.size, plan.clip_scale, batch.units, self.options, freeze=not self.taps_only
+            ) as collector,
+        ):
+            losses = losses_of(self.module)
+            collector.counting = False  # the backward's recomputations are not uses
+            if self.taps_only:
+                torch.autograd.grad(losses.sum(), collector.anchor)
+            else:
+                losses.sum().backward()
+        if self.finite_losses and not torch.isfinite(losses[batch.mask.bool()]).all():
+            raise FloatingPointError(
+                "an example's loss overflowed in the forward; with activation checkpointing its zero clip weight "
+                "cannot keep inf out of the weighted backward: train in bf16 or float32, or turn checkpointing off"
+            )
+        return FoundNorms(collector.norms(), losses, state, collector=collector, replay=replay)

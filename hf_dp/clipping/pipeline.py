@@ -1,0 +1,242 @@
+"""A clipped step as a pipeline: norms → clip factors → clipped sum, with each half chosen from one table.
+
+    norms = found.norms / S,    c_i = clip(norms_i, C) · mask_i,    Σ_i c_i g_i written by the sum pass
+
+(Abadi et al. 2016; book-keeping, Bu et al. 2023). How the norms are obtained is a ``NormPass``
+(norm_passes.py), how the sum is written a ``SumPass`` (sum_passes.py); ``TABLE`` picks both from the backend's
+gradient owner, whether the norms come from inside a backward (activation checkpointing, FSDP2) and what this
+step needs. A step whose book-keeping forward meets the user's own ``torch.utils.checkpoint`` re-selects with
+the norms inside the backward, for good. ``LossScale`` (fp16's S, identity otherwise) is applied here only.
+``NonPrivate`` is the same call without clipping (``disable_dp``). See docs/clipping.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from hf_dp.backend import Backend
+from hf_dp.clipping.checks import GradientGuard
+from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.evaluate import ParameterShifter
+from hf_dp.clipping.loss_scale import LossScale
+from hf_dp.clipping.norm_passes import Batch, EvaluatedNorms, NormPass, RecordedNorms, TappedNorms
+from hf_dp.clipping.plan import StepPlan
+from hf_dp.clipping.sum_passes import (
+    BodySum,
+    FactoredSum,
+    KeptSum,
+    MicroStep,
+    SumPass,
+    WeightedBackward,
+    WeightedThroughFramework,
+)
+from hf_dp.clipping.sums import ClippedSums
+from hf_dp.clipping.taps import TapOptions
+from hf_dp.clipping.units import PrivacyUnits
+
+__all__ = ["Batch", "ClippedStep", "MicroStep", "NonPrivate", "clipped_step", "several_evaluations_refused"]
+
+LossFn = Callable[[nn.Module], torch.Tensor]
+
+# With the norms inside a backward, explicit per-example gradients replace the weighted pass when all B of them
+# take at most this share of the model's parameter count (LoRA adapters: ~1%; full fine-tuning never qualifies).
+KEPT_GRADIENTS_SHARE = 0.05
+
+# Who writes the gradients: the bare module (one process, DDP), the framework (DeepSpeed), or the framework with
+# sharded parameters (FSDP2, whose norm pass differentiates towards its taps only).
+Owner = Literal["module", "framework", "sharded"]
+# What the step needs beyond that: several evaluations (DiSK), the first step's checks, or (later steps with the
+# norms inside a backward) one pass from kept gradients, the body without the tail, or the whole weighted pass.
+Need = Literal["evaluations", "first step", "kept gradients", "body", "whole"]
+
+
+def several_evaluations_refused(rule: str = "this dp_optimizer") -> ValueError:
+    """The one refusal of a plan with several evaluations (DiSK) where only book-keeping's norms can combine them."""
+    return ValueError(
+        f"{rule} evaluates each example at two parameter points (DiSK), which activation checkpointing, DeepSpeed "
+        "and FSDP do not support yet: turn activation_checkpointing off, train on one process or with DDP, or pick "
+        "another dp_optimizer"
+    )
+
+
+def kept_gradients_fit(engine: ClippingEngine, count: int) -> bool:
+    """B explicit per-example gradients cost at most KEPT_GRADIENTS_SHARE of the model's weights (LoRA)."""
+    return count * engine.clipped_numel <= KEPT_GRADIENTS_SHARE * engine.model_numel
+
+
+class ClippedStep:
+    """Σ_i c_i g_i of each micro-batch into the gradients (or handed to the framework), u_i = Σ_e w_e ∇L_i(θ +
+    shift_e) clipped once per example in the plan's geometry. Where the module writes ``.grad`` the step owns it
+    between two releases (``check_untouched``, checks.GradientGuard)."""
+
+    def __init__(self, engine: ClippingEngine, module: nn.Module, backend: Backend) -> None:
+        if backend.framework_owns_gradients and backend.fp16_loss_scale is not None:
+            raise ValueError("fp16 under DP runs on one process or with DDP, not with DeepSpeed or FSDP")
+        self.engine, self.module, self.backend = engine, module, backend
+        self.owner: Owner = "sharded" if backend.fsdp else "framework" if backend.deepspeed else "module"
+        self.scale = LossScale.of(backend)
+        self.norms_in_backward = backend.checkpointing or backend.fsdp
+        self.skips_tail: bool | None = None  # the weighted pass skips the tail (tail.py): None until checked
+        self.shifter = ParameterShifter()
+        self.first_step = True  # the first step runs the checks (checks.py)
+        self._guard = None if backend.framework_owns_gradients else GradientGuard(lambda: engine.parameters)
+
+    def check_untouched(self) -> None:
+        """Before the release: ``.grad`` is exactly as the step left it (a no-op where the framework owns it)."""
+        if self._guard is not None:
+            self._guard.check_untouched()
+
+    def take_sums(self) -> ClippedSums:
+        """The logical batch's clipped sums for the mechanism (where the framework owns the gradients: ``.grad``)."""
+        return ClippedSums() if self._guard is None else self.engine.take_sums()
+
+    def run(
+        self,
+        losses_of: LossFn,
+        mask: torch.Tensor,
+        plan: StepPlan,
+        model: nn.Module,
+        units: PrivacyUnits | None = None,
+    ) -> MicroStep:
+        """``mask`` (U,): the real units; ``units`` groups the rows or tokens (None: a unit is a row); ``model``: as
+        the framework wrapped it. Every process runs both passes under a framework, so its collectives match."""
+        batch = Batch(mask, units)
+        if self._guard is not None:
+            self._guard.check_untouched(before_release=False)
+            if not mask.any():  # nothing to add; the release still adds noise to the zero sum
+                self._guard.written()
+                return MicroStep(mask.new_zeros(batch.size), None)
+        losses_of = self.scale.wrap(losses_of)
+        norm_pass, sum_pass = self._select(plan, batch, model)
+        found = norm_pass(losses_of, batch, plan)
+        if (
+            found is None
+        ):  # the user's own torch.utils.checkpoint: the norms come from inside a backward for good
+            self.norms_in_backward = True
+            norm_pass, sum_pass = self._select(plan, batch, model)
+            found = norm_pass(losses_of, batch, plan)
+        norms = self.scale.unscale(found.norms)
+        factors = self.engine.clip_factors(norms, plan.clip_norm) * batch.mask.to(norms.dtype)
+        step = sum_pass(losses_of, found, norms, factors, batch)
+        if found.tail_exact is not None:
+            self.skips_tail = found.tail_exact
+        self.first_step = False
+        if self._guard is not None:
+            self._guard.written()
+        return step if step is not None else MicroStep(self.scale.unscale(found.losses.detach()), None)
+
+    def _need(self, plan: StepPlan, batch: Batch) -> Need:
+        if not plan.single_evaluation:
+            return "evaluations"
+        if self.owner != "module":
+            return "whole"
+        if self.first_step:
+            return "first step"
+        if self.norms_in_backward and kept_gradients_fit(self.engine, batch.size):
+            return "kept gradients"
+        return "body" if self.norms_in_backward and self.skips_tail else "whole"
+
+    def _select(self, plan: StepPlan, batch: Batch, model: nn.Module) -> tuple[NormPass, SumPass]:
+        key = (self.owner, self.norms_in_backward, self._need(plan, batch))
+        if key not in TABLE:
+            raise several_evaluations_refused()
+        return TABLE[key](self, model)
+
+
+Parts = Callable[[ClippedStep, nn.Module], tuple[NormPass, SumPass]]
+
+
+def _tapped(step: ClippedStep, **options: bool) -> TappedNorms:
+    return TappedNorms(step.engine, step.module, TapOptions(**options))
+
+
+def _whole(step: ClippedStep, check: bool = False) -> WeightedBackward:
+    return WeightedBackward(step.engine, step.module, step.scale, check)
+
+
+def _framework(step: ClippedStep, model: nn.Module) -> WeightedThroughFramework:
+    return WeightedThroughFramework(model, step.backend.world_size)
+
+
+# (owner, norms inside a backward, need) → (how the norms are obtained, how the clipped sum is written)
+TABLE: dict[tuple[Owner, bool, Need], Parts] = {
+    ("module", False, "evaluations"): lambda s, m: (
+        EvaluatedNorms(s.engine, s.module, s.shifter, verify=s.first_step),
+        FactoredSum(s.engine, s.scale),
+    ),
+    ("module", False, "first step"): lambda s, m: (
+        RecordedNorms(s.engine, s.module, verify=True),
+        FactoredSum(s.engine, s.scale),
+    ),
+    ("module", False, "whole"): lambda s, m: (
+        RecordedNorms(s.engine, s.module),
+        FactoredSum(s.engine, s.scale),
+    ),
+    ("module", True, "first step"): lambda s, m: (
+        _tapped(s, probe=True, keep_tail=s.skips_tail is not False),
+        _whole(s, check=True),
+    ),
+    ("module", True, "kept gradients"): lambda s, m: (
+        _tapped(s, keep_gradients=True),
+        KeptSum(s.engine, s.scale),
+    ),
+    ("module", True, "body"): lambda s, m: (
+        _tapped(s, keep_tail=True),
+        BodySum(s.engine, s.module, s.scale, _whole(s)),
+    ),
+    ("module", True, "whole"): lambda s, m: (_tapped(s), _whole(s)),
+    ("framework", False, "whole"): lambda s, m: (RecordedNorms(s.engine, s.module), _framework(s, m)),
+    ("framework", True, "whole"): lambda s, m: (
+        TappedNorms(s.engine, s.module, finite_losses=False),
+        _framework(s, m),
+    ),
+    ("sharded", True, "whole"): lambda s, m: (
+        TappedNorms(s.engine, s.module, taps_only=True, finite_losses=False),
+        _framework(s, m),
+    ),
+}
+
+
+@dataclass
+class NonPrivate:
+    """Σ_i L_i of the real examples, back-propagated by the Trainer (×W through a framework's mean, as above).
+    ``module`` None: the passes run on the framework-wrapped model."""
+
+    module: nn.Module | None
+    scale: float = 1.0
+    norms_in_backward: bool = False
+
+    def run(
+        self,
+        losses_of: LossFn,
+        mask: torch.Tensor,
+        plan: StepPlan,
+        model: nn.Module,
+        units: PrivacyUnits | None = None,
+    ) -> MicroStep:
+        if self.module is not None and not mask.any():
+            return MicroStep(mask.new_zeros(mask.shape[0]), None)
+        losses = losses_of(self.module if self.module is not None else model)
+        return MicroStep(losses.detach(), (losses * mask.to(losses.dtype)).sum() * self.scale)
+
+    def check_untouched(self) -> None:
+        """Nothing to check: without DP the Trainer's own backward writes the gradients."""
+
+    def take_sums(self) -> ClippedSums:
+        return ClippedSums()
+
+
+def clipped_step(
+    engine: ClippingEngine | None, module: nn.Module, backend: Backend
+) -> ClippedStep | NonPrivate:
+    """The run's step: no engine means no DP; otherwise the pipeline, its parts chosen per step from ``TABLE``."""
+    if engine is None:
+        if backend.framework_owns_gradients:
+            return NonPrivate(None, backend.world_size)
+        return NonPrivate(module)
+    return ClippedStep(engine, module, backend)

@@ -1,0 +1,189 @@
+"""How a clipped step writes Σ_i c_i g_i once the clip factors c_i are known (the second half of pipeline.py's step).
+
+- ``FactoredSum``: Σ_i c_i G_i from book-keeping's factored per-example gradients, one GEMM a layer.
+- ``KeptSum``: Σ_i c_i G_i from the explicit per-example gradients the norm pass kept (LoRA: one pass).
+- ``BodySum``: the weighted pass of the body alone from the tail's input h, plus the tail's Σ_i c_i G_i (tail.py),
+  the checkpointed layers replayed (replay.py).
+- ``WeightedBackward``: ∇(Σ_i c_i L_i) back-propagated through the bare module into ``.grad``.
+- ``WeightedThroughFramework``: W·Σ_i c_i L_i handed to the framework (DeepSpeed, FSDP2), which averages the
+  gradients over its W processes, so its backward leaves each process its part of the plain Σ_i c_i g_i.
+
+The losses are S·L_i under fp16 (loss_scale.py): the parts weight the S-scaled gradients by c_i / S and unscale
+what a backward writes. Each returns the ``MicroStep`` the Trainer completes, or None when ``.grad`` holds the sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from hf_dp.clipping.checks import check_projections, projections, sums_match
+from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.evaluate import replay_rng
+from hf_dp.clipping.loss_scale import LossScale
+from hf_dp.clipping.norm_passes import Batch, FoundNorms
+from hf_dp.clipping.replay import LayerReplay
+from hf_dp.clipping.tail import Tail, forward_to
+
+LossFn = Callable[[nn.Module], torch.Tensor]
+
+
+@dataclass
+class MicroStep:
+    """The per-unit losses (for logging), and what the Trainer back-propagates (None: ``.grad`` holds the sum)."""
+
+    losses: torch.Tensor
+    backward: torch.Tensor | None
+
+
+class SumPass(Protocol):
+    def __call__(
+        self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
+    ) -> MicroStep | None:
+        """Σ_i c_i g_i, given the unscaled ``norms`` ‖s ⊙ u_i‖ and the masked clip ``factors`` c_i."""
+        ...
+
+
+@dataclass(frozen=True)
+class FactoredSum:
+    engine: ClippingEngine
+    scale: LossScale
+
+    def __call__(
+        self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
+    ) -> None:
+        """Σ_e w_e Σ_i (c_i / S)(S G_i^e); an overflowed example's rows are dropped (0 · inf would be nan)."""
+        self.engine.add_terms(found.terms, self.scale.weights(factors), ~torch.isfinite(norms))
+
+
+@dataclass(frozen=True)
+class KeptSum:
+    engine: ClippingEngine
+    scale: LossScale
+
+    def __call__(
+        self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
+    ) -> None:
+        """Σ_i (c_i / S)(S G_i) from the kept explicit G_i, without the overflowed examples."""
+        overflowed = ~torch.isfinite(norms)
+        weights = self.scale.weights(factors)
+        with torch.no_grad():
+            for param, part in found.collector.kept_gradients():
+                part = part.without_examples(overflowed) if overflowed.any() else part
+                self.engine.add_to_sum(param, part, weights)
+
+
+def _forward_to_tail(
+    tail: Tail, replay: LayerReplay | None, losses_of: LossFn, module: nn.Module
+) -> torch.Tensor:
+    """The weighted pass's forward up to the tail's input h, the checkpointed layers replayed (replay.py)."""
+    with replay.replaying() if replay and replay.complete else contextlib.nullcontext():
+        return forward_to(tail.boundary, lambda: losses_of(module))
+
+
+@dataclass(frozen=True)
+class BodySum:
+    engine: ClippingEngine
+    module: nn.Module
+    scale: LossScale
+    whole: WeightedBackward  # when the norm pass found no tail
+
+    def __call__(
+        self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
+    ) -> None:
+        """Σ_i c_i g_i without the tail: the body's backward from h with spread(c) ⊙ ∂(Σ_j L_j)/∂h, then the
+        tail's own Σ_i c_i G_i (tail.py)."""
+        tail = found.collector.tail()
+        if tail is None:
+            self.whole(losses_of, found, norms, factors, batch)
+            return
+        replay_rng(found.rng)
+        self.body_backward(tail, found.replay, losses_of, factors, batch)
+        with torch.no_grad():
+            weights = self.scale.weights(factors)
+            for param, part in tail.clipped_parts(factors):
+                self.engine.add_to_sum(param, part, weights)
+        self.engine.move_to_low_precision_sums()
+
+    def body_backward(
+        self, tail: Tail, replay: LayerReplay | None, losses_of: LossFn, factors: torch.Tensor, batch: Batch
+    ) -> None:
+        """The body's part of Σ_i c_i g_i into ``.grad``: the forward to h, the backward from it."""
+        hidden = _forward_to_tail(tail, replay, losses_of, self.module)
+        if hidden.requires_grad:
+            with self.scale.unscaled_gradients(self.engine.parameters):
+                hidden.backward(tail.hidden_gradient(factors, batch.units))
+
+    def matches_whole(
+        self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch
+    ) -> bool:
+        """The first step: the clipped sum without the tail equals the whole weighted pass's, now in ``.grad``,
+        for every clipped parameter (checks.py); ``.grad`` is left as the whole pass wrote it."""
+        tail = found.collector.tail()
+        if tail is None:
+            return False
+        params = self.engine.parameters
+        set_aside = [
+            p.grad for p in params
+        ]  # the whole pass's; reentrant checkpointing allows backward() only
+        for param in params:
+            param.grad = None
+        self.body_backward(tail, found.replay, losses_of, factors, batch)
+        sums = {id(p): None if p.grad is None else p.grad.float() for p in params}
+        for param, grad in zip(params, set_aside, strict=True):
+            param.grad = grad
+        with torch.no_grad():
+            weights = self.scale.weights(factors)
+            for param, part in tail.clipped_parts(factors):
+                sums[id(param)] = part.accumulate(sums[id(param)], weights, param.float())
+        return sums_match(params, sums, found.collector.low_precision)
+
+
+@dataclass(frozen=True)
+class WeightedBackward:
+    """``check``: the first step, which checks the taps against autograd along random probes and, where the norm
+    pass kept the tail, whether ``BodySum`` would be exact (``found.tail_exact``)."""
+
+    engine: ClippingEngine
+    module: nn.Module
+    scale: LossScale
+    check: bool = False
+
+    def __call__(
+        self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
+    ) -> None:
+        """∇(Σ_i c_i S·L_i) / S into ``.grad``, the forward drawing the norm pass's dropout masks."""
+        params = self.engine.parameters
+        replay_rng(found.rng)
+        before = projections(params, found.collector) if self.check else None
+        with self.scale.unscaled_gradients(params):
+            (factors.detach().to(found.losses.dtype) * losses_of(self.module)).sum().backward()
+        if self.check:
+            check_projections(
+                params, self.engine.parameter_name, found.collector, self.scale.weights(factors), before
+            )
+            if found.collector.keep_tail:
+                replay_rng(found.rng)
+                body = BodySum(self.engine, self.module, self.scale, self)
+                found.tail_exact = body.matches_whole(losses_of, found, factors, batch)
+        self.engine.move_to_low_precision_sums()
+
+
+@dataclass(frozen=True)
+class WeightedThroughFramework:
+    model: nn.Module  # as the framework wrapped it
+    world_size: int
+
+    def __call__(
+        self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
+    ) -> MicroStep:
+        """W·Σ_i c_i L_i of the wrapped model's forward (same dropout masks), for the Trainer's backward."""
+        replay_rng(found.rng)
+        losses = losses_of(self.model)
+        weighted = (factors.detach().to(losses.dtype) * losses).sum() * self.world_size
+        return MicroStep(losses.detach(), weighted)
