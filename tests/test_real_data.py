@@ -15,7 +15,7 @@ from transformers import GPT2Tokenizer
 from hf_dp import DPTrainer
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.losses import per_example_loss
-from tests import models
+from tests import models, oracle
 from tests.trainer_utils import make_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,9 +54,9 @@ def test_e2e_real_tokens_match_brute_force(shared_data):
         .double()
         .eval()
     )
-    reference, ref_norms = models.brute_force(model, batch, max_norm=math.inf)
+    reference, ref_norms = oracle.per_example(model, batch, max_norm=math.inf)
     clip = float(ref_norms.median())
-    reference, ref_norms = models.brute_force(model, batch, max_norm=clip)
+    reference, ref_norms = oracle.per_example(model, batch, max_norm=clip)
     engine = ClippingEngine(model)
     with engine.record(6):
         losses = per_example_loss(model, batch)

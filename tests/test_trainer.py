@@ -13,7 +13,7 @@ from transformers import Trainer
 
 from hf_dp import DPTrainer, DPTrainerMixin
 from hf_dp.losses import per_example_loss
-from tests import models
+from tests import models, oracle
 from tests.trainer_utils import (
     TokenRows,
     make_args,
@@ -27,7 +27,7 @@ from tests.trainer_utils import (
 def brute_force_update(model, dataset, indices, max_norm, expected_batch):
     """Σ_{i in batch} clip(∇L_i, C) / B̄, each example run alone in its own forward and backward."""
     batch = pad_collate([dataset[i] for i in indices])
-    total, _ = models.brute_force(model, batch, max_norm)
+    total, _ = oracle.per_example(model, batch, max_norm)
     return {n: g / expected_batch for n, g in total.items()}
 
 

@@ -10,7 +10,7 @@ import torch
 
 from hf_dp import compute_epsilon
 from hf_dp.optim.registry import dp_optimizer_names
-from tests import models
+from tests import models, oracle
 from tests.trainer_utils import make_trainer, pad_collate, sampled_logical_batches, snapshot
 
 # the kwargs each name needs to train a few steps on the tiny GPT-2 (DP² cycles every 2 steps here)
@@ -110,7 +110,7 @@ def test_disk_two_steps_equal_the_algorithm_written_out(tmp_path, monkeypatch):
 
     def clipped_mean(indices, evaluations):
         batch = pad_collate([trainer.train_dataset[i] for i in indices])
-        total, _ = models.brute_force_combined(reference, batch, clip, evaluations=evaluations)
+        total, _ = oracle.per_example(reference, batch, clip, evaluations=evaluations)
         return {n: g / batch_size for n, g in total.items()}
 
     g0 = clipped_mean(first, ((1.0, None),))
