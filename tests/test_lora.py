@@ -97,9 +97,11 @@ def test_only_adapters_are_trainable_clipped_and_optimised(trained):
 
 
 def test_frozen_weights_are_bit_identical_and_get_no_noise(trained):
+    """Exactly the adapters train (every LoRA matrix and modules_to_save copy moves, nothing else does)."""
     _, trainer, before = trained
     after = dict(trainer.model.named_parameters())
     for name, param in after.items():
+        assert param.requires_grad == is_adapter(name), name
         if param.requires_grad:
             assert not torch.equal(param, before[name]), f"{name} did not train"
         else:

@@ -81,6 +81,7 @@ def test_minilm_loads_offline_as_a_masked_lm_with_a_new_head(minilm_tokenizer):
     assert torch.all(model.cls.predictions.bias == 0)  # absent from the checkpoint: newly initialised
 
 
+@pytest.mark.slow
 def test_mlm_end_to_end_prints_and_writes_held_out_loss_and_epsilon(shared_data, tmp_path, capsys):
     results = tmp_path / "mlm.json"
     trainer, record = mlm.run(
@@ -119,6 +120,7 @@ def test_held_out_rows_are_not_trained_on_and_masked_reproducibly(shared_data, m
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
 
 
+@pytest.mark.slow
 def test_lora_trains_adapters_head_and_bias_only_and_saves_a_merged_model(shared_data, tmp_path):
     args = ["--from_scratch", "--model_config", TINY_BERT, "--max_train_samples", "48",
             "--max_eval_samples", "16", "--max_seq_length", "64", "--max_steps", "2",
