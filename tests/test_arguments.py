@@ -47,7 +47,7 @@ REFUSED = [
 
 
 @pytest.mark.parametrize(("overrides", "message"), REFUSED)
-def test_invalid_arguments_are_refused_in_one_line(tmp_path, overrides, message):
+def test_invalid_arguments_raise_one_clear_line(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message) as info, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_args(tmp_path, **overrides)
