@@ -293,7 +293,7 @@ def test_one_private_step_through_engine_and_mechanism() -> None:
                     p.copy_(value)
         engine.clip_and_accumulate(gradients, plan.clip_norm, clip_scale=plan.clip_scale)
         filtered = {n: optimizer.state[p]["filtered"].clone() for n, p in model.named_parameters() if step}
-        mechanism.release(model.parameters(), plan)
+        mechanism.release(model.parameters(), plan, engine.take_sums())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         for name, p in model.named_parameters():
