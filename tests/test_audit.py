@@ -27,11 +27,11 @@ from torch.utils.data import Dataset
 from hf_dp import DPTrainer
 from hf_dp.audit import audit_one_run, audit_step, bounds
 from hf_dp.audit.faults import fault
+from hf_dp.optim.registry import dp_optimizer_names
 from tests.trainer_utils import make_args
 
 REPO = Path(__file__).resolve().parents[1]
 SIGMA, CLIP, DELTA = 1.0, 1.0, 1e-5
-OPTIMIZERS = ("sgd", "adam", "adamw", "adam_bc", "stp", "dp2", "disk", "doppler")
 
 
 # ---- the statistics -----------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def test_the_audit_catches_a_canary_sampled_every_step_while_q_below_1_is_claime
     "optimizer",
     [
         name if name in ("sgd", "disk") else pytest.param(name, marks=pytest.mark.benchmark)
-        for name in OPTIMIZERS
+        for name in dp_optimizer_names()
     ],
 )
 def test_every_update_rule_stays_below_its_reported_epsilon(tmp_path, optimizer):

@@ -8,6 +8,10 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_speed.py"
 VARIANTS = ("non_private", "dp_ghost", "dp_per_sample", "opacus_ghost")
 

@@ -1,7 +1,7 @@
 """Clip geometries and combined evaluations against brute force (one backward per example and point).
 
 The engine clips u_i = Σ_e w_e ∇L_i(θ + shift_e) once, by ‖s ⊙ u_i‖ (dense or rank-1 scale s), and adds the
-UN-scaled Σ_i c_i u_i to ``.grad``; ``models.brute_force_combined`` does the same with per-example autograd.
+UN-scaled Σ_i c_i u_i to ``.grad``; ``oracle.per_example`` does the same with per-example autograd.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.geometry import FactoredScale
 from hf_dp.losses import per_example_loss
-from tests import models
+from tests import models, oracle
 
 MODELS = {
     "gpt2_tied": (models.gpt2, lambda: models.token_batch()),
@@ -74,8 +74,8 @@ def assert_matches_brute_force(
 ):
     _, free_norms = engine_combined(model, batch, 1e12, evaluations, scale)
     max_norm = 0.5 * free_norms.median().item()  # clipping active for about half the examples
-    reference, ref_norms = models.brute_force_combined(
-        model, batch, max_norm, evaluations, scale, clipping_fn, mask
+    reference, ref_norms = oracle.per_example(
+        model, batch, max_norm, evaluations=evaluations, scale=scale, clipping_fn=clipping_fn, mask=mask
     )
     ours, norms = engine_combined(model, batch, max_norm, evaluations, scale, clipping_fn, mask, mode)
     torch.testing.assert_close(norms, ref_norms, rtol=1e-10, atol=0)
@@ -119,7 +119,7 @@ def test_scale_and_two_evaluations_together(name: str, geometry: str, mode: str)
 def test_clipped_backward_takes_norm_and_scale() -> None:
     model, batch = build("gpt2_tied")
     scale = factored_scales(model)
-    reference, ref_norms = models.brute_force_combined(model, batch, 0.05, scale=scale)
+    reference, ref_norms = oracle.per_example(model, batch, 0.05, scale=scale)
     engine = ClippingEngine(model)
     with engine.record(5):
         losses = per_example_loss(model, batch)

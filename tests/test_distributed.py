@@ -222,6 +222,7 @@ def assert_world(out: Path, distributed_type: str, zero_stage: int | None = None
     return run
 
 
+@pytest.mark.slow
 def test_user_level_dp_with_two_processes_matches_one_process(runs):
     """Users sampled once for all processes, split between them by user (never a user's rows on two), each
     user's rows clipped as one: DDP equals the one-process run without noise."""
@@ -233,12 +234,14 @@ def test_user_level_dp_with_two_processes_matches_one_process(runs):
     assert relative_difference(out / "final.pt", runs("reference") / "final.pt") > 1e-3
 
 
+@pytest.mark.slow
 def test_reference_clips(runs):
     """The parity tests below mean something only if clipping is active: a huge C gives another result."""
     reference, unclipped = runs("reference"), runs("reference_unclipped")
     assert relative_difference(unclipped / "final.pt", reference / "final.pt") > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "distributed_type", "stage"),
     [
@@ -267,6 +270,7 @@ def test_two_processes_match_one_process_without_noise(runs, name, distributed_t
     assert run["losses"] == pytest.approx(info(reference)["losses"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_zero2_bf16_matches_one_process_within_bf16_rounding(runs):
     """DeepSpeed with bf16 (bf16 weights and activations, float32 master weights and gradient partitions, noise
     in the float32 client optimizer): the update is the float32 one-process update up to bf16 rounding. Measured:
@@ -282,6 +286,7 @@ def test_zero2_bf16_matches_one_process_within_bf16_rounding(runs):
     assert ((ours - reference).norm() / reference.norm()).item() < 0.04
 
 
+@pytest.mark.slow
 def test_zero3_llama_matches_one_process_without_noise(runs):
     """RMSNorm's rule runs the module itself: under ZeRO-3 it must not trip the parameter gathering."""
     reference, out = runs("reference_llama"), runs("zero3_llama")
@@ -289,6 +294,7 @@ def test_zero3_llama_matches_one_process_without_noise(runs):
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
 
 
+@pytest.mark.slow
 def test_ddp_disk_matches_one_process_without_noise(runs):
     """DiSK's two evaluations per step (shifted parameters, the combination clipped once) under DDP."""
     reference, out = runs("reference_disk"), runs("ddp_disk")
@@ -296,6 +302,7 @@ def test_ddp_disk_matches_one_process_without_noise(runs):
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
 
 
+@pytest.mark.slow
 def test_optimizers_that_need_bookkeeping_are_refused_under_deepspeed(runs):
     error = runs("zero2_disk", fails=True)
     assert "dp_optimizer='disk'" in error and "not supported under DeepSpeed" in error
@@ -312,6 +319,7 @@ def assert_noise_std(noise: torch.Tensor, sigma: float, expected_batch: int) -> 
     assert noise.std().item() == pytest.approx(expected, rel=0.03)
 
 
+@pytest.mark.slow
 def test_ddp_noise_is_added_once_and_identical_on_replicas(runs):
     noisy = runs("ddp_noisy")
     run = assert_world(noisy, "MULTI_CPU")
@@ -320,6 +328,7 @@ def test_ddp_noise_is_added_once_and_identical_on_replicas(runs):
     assert torch.equal(torch.load(noisy / "noise_process0.pt"), torch.load(noisy / "noise_process1.pt"))
 
 
+@pytest.mark.slow
 def test_a_secret_key_drawn_by_the_main_process_is_shared_by_both(runs):
     """The default run (no insecure_dp_seed): one OS-entropy key, broadcast, so both DDP replicas draw the same
     global batches and the same noise; a second such run draws other noise."""
@@ -331,6 +340,7 @@ def test_a_secret_key_drawn_by_the_main_process_is_shared_by_both(runs):
     assert relative_difference(first / "final.pt", second / "final.pt") > 1e-6
 
 
+@pytest.mark.slow
 def test_zero2_noise_is_independent_per_partition_and_epsilon_matches_one_process(runs):
     noisy = runs("zero2_noisy")
     run = assert_world(noisy, "DEEPSPEED", 2)
@@ -353,6 +363,7 @@ def test_zero2_noise_is_independent_per_partition_and_epsilon_matches_one_proces
     assert run["epsilon"] <= 4.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_fsdp2_matches_one_process_without_noise(runs, model):
     """FSDP2 through the Trainer's own fsdp arguments really shards on CPU (every parameter a DTensor, gloo, two
@@ -365,6 +376,7 @@ def test_fsdp2_matches_one_process_without_noise(runs, model):
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
 
 
+@pytest.mark.slow
 def test_fsdp2_through_accelerate_launch_matches_one_process(runs):
     """`accelerate launch` with recipes/configs/fsdp2.yaml (the script sets no fsdp argument) shards as well."""
     out = runs("fsdp2_accelerate")
@@ -373,6 +385,7 @@ def test_fsdp2_through_accelerate_launch_matches_one_process(runs):
     assert relative_difference(out / "final.pt", runs("reference") / "final.pt") < 1e-4
 
 
+@pytest.mark.slow
 def test_fsdp2_bf16_mixed_precision_is_applied_and_close_to_float32(runs):
     """bf16=True under FSDP2 becomes FSDP's MixedPrecisionPolicy (bf16 compute over float32 sharded weights and
     gradients, noise in float32): the update is the float32 one-process update up to bf16 rounding (measured
@@ -387,6 +400,7 @@ def test_fsdp2_bf16_mixed_precision_is_applied_and_close_to_float32(runs):
     assert 1e-4 < ((ours - reference).norm() / reference.norm()).item() < 2e-2
 
 
+@pytest.mark.slow
 def test_fsdp2_lora_matches_one_process(runs):
     """peft LoRA on every linear layer of Llama, the base sharded and frozen: the adapters take the one-process
     steps."""
@@ -400,6 +414,7 @@ def test_fsdp2_lora_matches_one_process(runs):
     assert ((x - y).norm() / y.norm()).item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", SHARDED)
 @pytest.mark.parametrize("rule", STATEFUL)
 def test_every_stateful_update_rule_on_every_sharded_backend_matches_one_process(runs, backend, rule):
@@ -415,6 +430,7 @@ def test_every_stateful_update_rule_on_every_sharded_backend_matches_one_process
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
 
 
+@pytest.mark.slow
 def test_fsdp2_noise_is_independent_per_shard_and_epsilon_matches_one_process(runs):
     noisy = runs("fsdp2_noisy")
     run = assert_world(noisy, "FSDP")
@@ -435,6 +451,7 @@ def test_fsdp2_noise_is_independent_per_shard_and_epsilon_matches_one_process(ru
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "distributed_type", "stage"),
     [("ddp", "MULTI_CPU", None), ("zero3", "DEEPSPEED", 3), ("fsdp2", "FSDP", None)],
@@ -447,6 +464,7 @@ def test_resume_continues_the_uninterrupted_run(runs, name, distributed_type, st
     assert relative_difference(resumed / "final.pt", whole / "final.pt") < 1e-6
 
 
+@pytest.mark.slow
 def test_deepspeed_norm_and_gradient_passes_see_the_same_dropout(runs):
     """DeepSpeed needs two passes; with different dropout masks the clipped object would not be the one
     whose norm was measured. One process, dropout on: DeepSpeed ZeRO-2 must equal the book-keeping path."""
@@ -488,6 +506,7 @@ def test_fsdp_settings_that_break_dp_are_refused():
         check_fsdp(2, "sgd", reentrant_checkpointing=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", SCALED)
 def test_a_clip_geometry_from_sharded_optimizer_state_matches_one_process_on_fsdp2(runs, rule):
     """STP's and DP²'s scale s lives on the optimizer's DTensor shards: the norm pass gathers each layer's s as it
@@ -498,6 +517,7 @@ def test_a_clip_geometry_from_sharded_optimizer_state_matches_one_process_on_fsd
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["stp", "stp_factored"])
 def test_fsdp2_noise_is_shaped_by_the_matching_shard_of_the_clip_scale(runs, rule):
     """Each process adds N(0, σ²C²) ⊘ s to its shard with ITS rows of s: at σ = 100 the released ĝ of step 2

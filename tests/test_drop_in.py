@@ -258,11 +258,3 @@ def test_data_loader_options_reach_the_dp_loader(tmp_path):
         True,
         False,
     )
-
-
-def test_the_license_is_an_spdx_string_setuptools_accepts_without_warning():
-    import tomllib
-
-    project = tomllib.loads((DOCS.parents[1] / "pyproject.toml").read_text())["project"]
-    assert project["license"] == "Apache-2.0"
-    assert not any(c.startswith("License ::") for c in project.get("classifiers", []))

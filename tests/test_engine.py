@@ -8,7 +8,7 @@ from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.losses import per_example_loss
-from tests import models
+from tests import models, oracle
 
 MODELS = {
     "gpt2_tied": (models.gpt2, lambda: models.token_batch()),
@@ -52,9 +52,9 @@ def test_clipped_sum_matches_brute_force(name: str, clipping: str, mode: str) ->
     dtype = DTYPE.get(name, torch.float64)
     model = build().to(dtype).eval()
     batch = make_batch()
-    reference, ref_norms = models.brute_force(model, batch, max_norm=1e9)
+    reference, ref_norms = oracle.per_example(model, batch, max_norm=1e9)
     max_norm = 0.5 * ref_norms.min().item() if clipping == "active" else 10 * ref_norms.max().item()
-    reference, ref_norms = models.brute_force(model, batch, max_norm=max_norm)
+    reference, ref_norms = oracle.per_example(model, batch, max_norm=max_norm)
     ours, norms = engine_clipped_sum(model, batch, max_norm, mode)
     torch.testing.assert_close(norms, ref_norms, rtol=TOLERANCE[dtype], atol=0)
     assert_close(ours, reference, rtol=TOLERANCE[dtype], floor=1e-3 if dtype == torch.float32 else 1e-6)
@@ -70,9 +70,9 @@ def test_every_layer_materialised_inside_the_backward_matches_brute_force(monkey
     dtype = DTYPE.get(name, torch.float64)
     model = build().to(dtype).eval()
     batch = make_batch()
-    _, ref_norms = models.brute_force(model, batch, max_norm=1e9)
+    _, ref_norms = oracle.per_example(model, batch, max_norm=1e9)
     max_norm = 0.5 * ref_norms.min().item()
-    reference, ref_norms = models.brute_force(model, batch, max_norm=max_norm)
+    reference, ref_norms = oracle.per_example(model, batch, max_norm=max_norm)
     engine = ClippingEngine(model)
     with engine.record(batch["input_ids"].shape[0]) as recording:
         losses = per_example_loss(model, batch)
@@ -102,7 +102,7 @@ def test_only_trained_parameters_are_materialised_in_the_backward(monkeypatch) -
     for name, param in model.named_parameters():
         param.requires_grad_(name.endswith("bias"))  # every biased module is then taken in the backward
     batch = models.classification_batch(3)
-    _, ref_norms = models.brute_force(model, batch, max_norm=1e9)
+    _, ref_norms = oracle.per_example(model, batch, max_norm=1e9)
     engine = ClippingEngine(model)
     with engine.record(batch["input_ids"].shape[0]) as recording:
         losses = per_example_loss(model, batch)
@@ -134,7 +134,7 @@ def test_a_long_sequence_materialises_the_lm_head_in_the_backward() -> None:
 def test_float32_gpt2_within_float_tolerance(mode: str) -> None:
     model = models.gpt2().eval()
     batch = models.token_batch(batch=6, length=12)
-    reference, ref_norms = models.brute_force(model, batch, max_norm=1.0)
+    reference, ref_norms = oracle.per_example(model, batch, max_norm=1.0)
     ours, norms = engine_clipped_sum(model, batch, 1.0, mode)
     torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
     assert_close(ours, reference, rtol=1e-5, floor=1e-3)
@@ -145,13 +145,13 @@ def test_tied_embedding_cross_term_is_included() -> None:
     model = models.gpt2().double().eval()
     assert model.lm_head.weight is model.transformer.wte.weight
     batch = models.token_batch()
-    _, ref_norms = models.brute_force(model, batch, max_norm=1e9)
+    _, ref_norms = oracle.per_example(model, batch, max_norm=1e9)
     _, norms = engine_clipped_sum(model, batch, 1e9, "ghost")
     torch.testing.assert_close(norms, ref_norms, rtol=1e-10, atol=0)
     untied = models.gpt2().double().eval()
     untied.load_state_dict(model.state_dict())
     untied.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
-    _, untied_norms = models.brute_force(untied, batch, max_norm=1e9)
+    _, untied_norms = oracle.per_example(untied, batch, max_norm=1e9)
     assert (untied_norms - ref_norms).abs().max() > 1e-3, "the cross term should change the norm"
 
 
@@ -163,7 +163,7 @@ def test_padding_idx_row_gets_zero_gradient() -> None:
     ours, _ = engine_clipped_sum(model, batch, 1.0, "ghost")
     pad_row = ours["bert.embeddings.word_embeddings.weight"][models.PAD]
     assert pad_row.abs().max() == 0
-    reference, _ = models.brute_force(model, batch, max_norm=1.0)
+    reference, _ = oracle.per_example(model, batch, max_norm=1.0)
     torch.testing.assert_close(
         ours["bert.embeddings.word_embeddings.weight"],
         reference["bert.embeddings.word_embeddings.weight"],
@@ -178,7 +178,7 @@ def test_broadcast_position_ids_stay_per_example() -> None:
     batch = models.token_batch()
     batch["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None, :]
     batch_for_brute = {k: v for k, v in batch.items() if k != "position_ids"}
-    reference, ref_norms = models.brute_force(model, batch_for_brute, max_norm=0.3)
+    reference, ref_norms = oracle.per_example(model, batch_for_brute, max_norm=0.3)
     ours, norms = engine_clipped_sum(model, batch, 0.3, "ghost")
     torch.testing.assert_close(norms, ref_norms, rtol=1e-10, atol=0)
     assert_close(ours, reference, rtol=1e-9, floor=1e-6)
@@ -215,7 +215,7 @@ def _tiny_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 def test_functorch_fallback_for_modules_without_rule() -> None:
     model = _TinyClassifier().double()
     batch = {"input_ids": torch.randint(0, 20, (6, 5)), "labels": torch.arange(6) % 3}
-    reference, ref_norms = models.brute_force(model, batch, max_norm=0.2, loss_fn=_tiny_loss)
+    reference, ref_norms = oracle.per_example(model, batch, max_norm=0.2, loss_fn=_tiny_loss)
     engine = ClippingEngine(model)
     with engine.record(6):
         losses = _tiny_loss(model, batch)
@@ -266,7 +266,7 @@ def test_example_mask_drops_placeholder_examples() -> None:
     ours = {n: p.grad.double() for n, p in model.named_parameters()}
     kept = {k: v[[0, 2]] for k, v in batch.items()}
     model.zero_grad(set_to_none=True)
-    reference, _ = models.brute_force(model, kept, max_norm=0.5)
+    reference, _ = oracle.per_example(model, kept, max_norm=0.5)
     assert_close(ours, reference, rtol=1e-9, floor=1e-6)
 
 
@@ -275,13 +275,7 @@ def test_automatic_clipping_matches_brute_force() -> None:
     model = models.gpt2().double().eval()
     batch = models.token_batch()
     named = dict(model.named_parameters())
-    reference = {n: torch.zeros_like(p) for n, p in named.items()}
-    for i in range(batch["input_ids"].shape[0]):
-        one = {k: v[i : i + 1] for k, v in batch.items()}
-        grads = torch.autograd.grad(per_example_loss(model, one)[0], list(named.values()))
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-        for n, g in zip(named, grads, strict=True):
-            reference[n] += 0.7 / (norm + 0.01) * g
+    reference, _ = oracle.per_example(model, batch, 0.7, clipping_fn="automatic")
     engine = ClippingEngine(model, clipping_fn="automatic")
     with engine.record(batch["input_ids"].shape[0]):
         losses = per_example_loss(model, batch)
@@ -363,7 +357,7 @@ def test_a_trainable_gru_is_refused_naming_it_and_a_frozen_one_trains() -> None:
     def loss(m, b):
         return nn.functional.cross_entropy(m(b["input_ids"]), b["labels"], reduction="none")
 
-    reference, ref_norms = models.brute_force(model, batch, max_norm=0.3, loss_fn=loss)
+    reference, ref_norms = oracle.per_example(model, batch, max_norm=0.3, loss_fn=loss)
     with engine.record(4):
         losses = loss(model, batch)
     norms = engine.clipped_backward(losses, 0.3, verify=True)
@@ -399,7 +393,7 @@ def test_a_registered_rule_for_a_users_module_is_exact(monkeypatch) -> None:
     def loss(m, b):
         return nn.functional.cross_entropy(m(b["input_ids"]).mean(dim=1), b["labels"], reduction="none")
 
-    reference, ref_norms = models.brute_force(model, batch, max_norm=0.2, loss_fn=loss)
+    reference, ref_norms = oracle.per_example(model, batch, max_norm=0.2, loss_fn=loss)
     engine = ClippingEngine(model, allow_functorch_fallback=False)  # the rule, not the fallback
     with engine.record(5):
         losses = loss(model, batch)

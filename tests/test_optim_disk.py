@@ -11,13 +11,12 @@ import torch
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.plan import StepPlan
-from hf_dp.clipping.sums import ClippedSums
 from hf_dp.losses import per_example_loss
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.noise import GaussianNoise
 from hf_dp.optim.disk import DiSK, build
 from hf_dp.optim.registry import make_dp_optimizer
-from tests import models
+from tests import models, oracle
 
 
 def disk(params, base: str = "sgd", kappa: float = 0.7, gamma: float = 0.5, **base_kwargs) -> DiSK:
@@ -276,8 +275,8 @@ def test_one_private_step_through_engine_and_mechanism() -> None:
     for step in range(2):
         plan = optimizer.plan_step(0.3)
         assert len(plan.evaluations) == (1 if step == 0 else 2)
-        reference, _ = models.brute_force_combined(
-            model, batch, 0.3, tuple((e.weight, _offsets(e.shift)) for e in plan.evaluations)
+        reference, _ = oracle.per_example(
+            model, batch, 0.3, evaluations=tuple((e.weight, _offsets(e.shift)) for e in plan.evaluations)
         )
         gradients = []
         for evaluation in plan.evaluations:
@@ -294,7 +293,7 @@ def test_one_private_step_through_engine_and_mechanism() -> None:
                     p.copy_(value)
         engine.clip_and_accumulate(gradients, plan.clip_norm, clip_scale=plan.clip_scale)
         filtered = {n: optimizer.state[p]["filtered"].clone() for n, p in model.named_parameters() if step}
-        mechanism.release(model.parameters(), plan, ClippedSums())
+        mechanism.release(model.parameters(), plan, engine.take_sums())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         for name, p in model.named_parameters():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import warnings
 from pathlib import Path
@@ -16,7 +15,7 @@ from hf_dp import compute_epsilon
 from hf_dp.checkpoint import PRIVACY_STATE_FILE, is_private_file
 from tests import models
 from tests.test_hub import fake_hub  # noqa: F401  (the local Hub endpoint fixture)
-from tests.trainer_utils import TokenRows, make_args, make_trainer, sampled_logical_batches, snapshot
+from tests.trainer_utils import TokenRows, make_trainer, sampled_logical_batches, snapshot
 
 
 def _final(tmp_path, **overrides) -> dict[str, torch.Tensor]:
@@ -176,36 +175,7 @@ def test_a_corrupt_or_truncated_state_file_is_one_clear_line(tmp_path, content):
     assert "\n" not in str(info.value)
 
 
-# ---- misuse, refused before step 1 ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (
-            {"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.inf},
-            "per_sample_max_grad_norm must be > 0 and finite",
-        ),
-        (
-            {"noise_multiplier": 1.0, "per_sample_max_grad_norm": math.nan},
-            "per_sample_max_grad_norm must be > 0 and finite",
-        ),
-        ({"noise_multiplier": math.inf}, "noise_multiplier must be >= 0 and finite"),
-        ({"noise_multiplier": math.nan}, "noise_multiplier must be >= 0 and finite"),
-        ({"target_epsilon": math.inf}, "target_epsilon must be > 0 and finite"),
-        (
-            {"noise_multiplier": 1.0, "dp_optimizer_kwargs": "{kappa: 1"},
-            "dp_optimizer_kwargs is not valid JSON",
-        ),
-        ({"noise_multiplier": 1.0, "ignore_data_skip": True}, "ignore_data_skip=True would replay"),
-        ({"noise_multiplier": 1.0, "insecure_dp_seed": 1, "secure_mode": True}, "contradict"),
-    ],
-)
-def test_invalid_privacy_arguments_are_one_line(tmp_path, overrides, message):
-    with pytest.raises(ValueError, match=message) as info, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        make_args(tmp_path, **overrides)
-    assert "\n" not in str(info.value)
+# ---- misuse, refused before step 1 (the arguments alone: tests/test_arguments.py) -----------------------
 
 
 def test_a_delta_not_below_one_over_n_is_refused_unless_allowed(tmp_path):
@@ -244,24 +214,3 @@ class _StreamWithLength(IterableDataset):
 def test_an_iterable_dataset_with_a_length_is_refused(tmp_path):
     with pytest.raises(ValueError, match="needs a map-style train_dataset"):
         make_trainer(tmp_path, dataset=_StreamWithLength(), noise_multiplier=1.0)
-
-
-def test_a_wrong_optimizer_kwarg_is_named_with_the_arguments(tmp_path):
-    with pytest.raises(ValueError, match="betaz") as info:
-        make_args(tmp_path, noise_multiplier=1.0, dp_optimizer="adamw", dp_optimizer_kwargs={"betaz": 0.9})
-    assert "\n" not in str(info.value)
-
-
-@pytest.mark.parametrize("name", ["sgd", "adam", "adamw", "adam_bc", "stp", "dp2", "disk", "doppler"])
-def test_every_optimizer_trains_without_kwargs(tmp_path, name):
-    torch.manual_seed(0)
-    model = models.gpt2()
-    before = snapshot(model)
-    trainer = make_trainer(tmp_path, model=model, noise_multiplier=1.0, dp_optimizer=name, learning_rate=1e-3)
-    assert trainer.args.dp_optimizer_kwargs == {}
-    trainer.train()
-    assert trainer.accountant.steps == 2
-    after = snapshot(model)
-    assert all(torch.isfinite(after[n]).all() for n in after) and any(
-        not torch.equal(before[n], after[n]) for n in after
-    )

@@ -18,7 +18,7 @@ from hf_dp.clipping.pipeline import clipped_step
 from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.losses import per_example_loss, unwrap_model
-from tests import models
+from tests import models, oracle
 from tests.test_checkpointing import float64_rms_norm, llama_lora  # noqa: F401 (an autouse fixture)
 from tests.test_engine import assert_close
 from tests.trainer_utils import TokenRows, make_trainer, sampled_logical_batches, snapshot
@@ -31,30 +31,6 @@ MODELS = {
     "llama_lora": (llama_lora, lambda: models.token_batch(6)),
     "bert_classifier": (models.bert_classifier, lambda: models.classification_batch(3, batch=6)),
 }
-
-
-def brute_force_units(
-    model: nn.Module, units: list[list[dict]], max_norm: float
-) -> tuple[dict, torch.Tensor]:
-    """Σ_u min(1, C/(‖∇L_u‖ + 1e-6)) ∇L_u with L_u the mean loss of unit u's batches, each run alone; and the norms."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in named}
-    norms = []
-    for parts in units:
-        loss = sum(per_example_loss(model, part)[0] for part in parts) / len(parts)
-        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-        grads = [
-            torch.zeros_like(p) if g is None else g.double() for g, (_, p) in zip(grads, named, strict=True)
-        ]
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-        norms.append(norm)
-        for (n, _), g in zip(named, grads, strict=True):
-            total[n] += min(1.0, max_norm / (norm.item() + 1e-6)) * g  # the +1e-6 of the abadi clip
-    return total, torch.stack(norms)
-
-
-def rows_of(batch: dict, rows: list[int]) -> list[dict]:
-    return [{k: v[r : r + 1] for k, v in batch.items()} for r in rows]
 
 
 def strategy_step(
@@ -93,16 +69,16 @@ def test_units_of_rows_are_clipped_as_one(name: str, strategy_name: str) -> None
         unwrap_model(model).activation_checkpointing_enable({"use_reentrant": False})
     batch = make_batch()
     members = [[r for r in range(6) if UNIT_OF_ROW[r] == u] for u in range(3)]
-    _, norms = brute_force_units(model, [rows_of(batch, m) for m in members], 1e9)
+    _, norms = oracle.per_unit(model, [oracle.rows(batch, m) for m in members], 1e9)
     max_norm = 0.5 * norms.min().item()
-    reference, _ = brute_force_units(model, [rows_of(batch, m) for m in members], max_norm)
+    reference, _ = oracle.per_unit(model, [oracle.rows(batch, m) for m in members], max_norm)
     units = PrivacyUnits.of_rows(UNIT_OF_ROW)
     ours = strategy_step(
         strategy_name, model, lambda m: units.mean_over_rows(per_example_loss(m, batch)), units, max_norm
     )
     assert_close(ours, reference, rtol=1e-9, floor=1e-6)
     # not the per-row clipping it replaces
-    per_row, _ = models.brute_force(model, batch, max_norm)
+    per_row, _ = oracle.per_example(model, batch, max_norm)
     assert max((ours[n] - per_row[n]).norm() / per_row[n].norm().clamp(min=1e-12) for n in ours) > 1e-3
 
 
@@ -135,9 +111,9 @@ def test_packed_records_are_clipped_each_on_its_own(name: str, strategy_name: st
     unwrap_model(model).config.use_cache = False
     batch, records = packed_batch()
     alone = [[{"input_ids": r[None], "labels": r[None]}] for r in records]
-    _, norms = brute_force_units(model, alone, 1e9)
+    _, norms = oracle.per_unit(model, alone, 1e9)
     max_norm = 0.5 * norms.min().item()
-    reference, _ = brute_force_units(model, alone, max_norm)
+    reference, _ = oracle.per_unit(model, alone, max_norm)
     if strategy_name == "checkpointing":
         unwrap_model(model).activation_checkpointing_enable({"use_reentrant": True})
     units = PrivacyUnits.of_records(batch["position_ids"])
@@ -178,7 +154,7 @@ def test_trainer_packs_sampled_records_and_clips_each(tmp_path) -> None:
     alone = [[{"input_ids": torch.tensor(dataset[i]["input_ids"])[None]}] for i in drawn]
     for parts in alone:
         parts[0]["labels"] = parts[0]["input_ids"]
-    reference, norms = brute_force_units(model, alone, 0.05)
+    reference, norms = oracle.per_unit(model, alone, 0.05)
     assert (norms > 0.05).all()
     trainer.train()
     lr, expected_batch = trainer.args.learning_rate, trainer.expected_batch_size
@@ -268,7 +244,7 @@ def test_trainer_samples_users_and_clips_each_user_once(tmp_path) -> None:
         ids = torch.tensor(dataset[i]["input_ids"])[None]
         return {"input_ids": ids, "labels": ids}
 
-    reference, norms = brute_force_units(model, [[row(i) for i in g] for g in groups], 0.05)
+    reference, norms = oracle.per_unit(model, [[row(i) for i in g] for g in groups], 0.05)
     assert (norms > 0.05).all()
     before = snapshot(model)
     trainer.train()

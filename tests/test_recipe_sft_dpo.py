@@ -74,6 +74,7 @@ def test_e2e_conversations_and_preference_pairs(shared_data):
     assert tokenizer.decode(trained) == f" {rows[0]['ref']}<|endoftext|>"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--lora", "--packing"]], ids=["full", "lora_packed"])
 def test_sft_recipe_end_to_end(extra, shared_data, tmp_path, capsys):
     results = tmp_path / "sft.json"
@@ -92,6 +93,7 @@ def test_sft_recipe_end_to_end(extra, shared_data, tmp_path, capsys):
         assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--lora"]], ids=["full_with_reference_copy", "lora"])
 def test_dpo_recipe_end_to_end(extra, shared_data, tmp_path, capsys):
     results = tmp_path / "dpo.json"

@@ -110,6 +110,7 @@ def _check_run(record: dict, out: str, results_path, metrics: tuple[str, ...], e
     assert written["steps"] == 2 and written["eval_tables"] == 2 and len(written["examples"]) == 2
 
 
+@pytest.mark.slow
 def test_e2e_end_to_end_prints_and_writes_metrics_and_epsilon(shared_data, tmp_path, capsys):
     results = tmp_path / "e2e.json"
     trainer, record = t2t.run(
@@ -121,6 +122,7 @@ def test_e2e_end_to_end_prints_and_writes_metrics_and_epsilon(shared_data, tmp_p
     assert record["examples"][0]["table"].startswith("name : Blue Spice")
 
 
+@pytest.mark.slow
 def test_dart_with_lora_dp_sgd_and_rdp(shared_data, tmp_path, capsys):
     """DART, LoRA adapters only, DP-SGD, the RDP accountant and the metrics that need no Java."""
     results = tmp_path / "dart.json"

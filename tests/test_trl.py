@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import math
 import random
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -38,6 +37,7 @@ from hf_dp.trl import (
     DPSFTConfig,
     DPSFTTrainer,
 )
+from tests import oracle
 from tests.test_checkpointing import float64_rms_norm  # noqa: F401 (an autouse fixture: float64 Llama)
 from tests.test_engine import assert_close
 from tests.trainer_utils import sampled_logical_batches, snapshot
@@ -157,25 +157,6 @@ class ClippedSums(TrainerCallback):
         self.sums.append(
             {n: p.grad.detach().double().clone() for n, p in self.model.named_parameters() if p.requires_grad}
         )
-
-
-def brute_force(model: torch.nn.Module, unit_losses: list[Callable[[], torch.Tensor]], max_norm: float):
-    """Σ_u min(1, C/(‖∇L_u‖ + 1e-6)) ∇L_u with one backward per unit; the norms ‖∇L_u‖ and the losses L_u."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in named}
-    norms, losses = [], []
-    for loss_of in unit_losses:
-        loss = loss_of()
-        losses.append(loss.detach())
-        grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-        grads = [
-            torch.zeros_like(p) if g is None else g.double() for g, (_, p) in zip(grads, named, strict=True)
-        ]
-        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
-        norms.append(norm)
-        for (n, _), g in zip(named, grads, strict=True):
-            total[n] += min(1.0, max_norm / (norm.item() + 1e-6)) * g  # the +1e-6 of the abadi clip
-    return total, torch.stack(norms), torch.stack(losses)
 
 
 def token_mean_loss(
@@ -347,7 +328,7 @@ def test_sft_clips_each_example_or_record_exactly(mode: str, tmp_path, caplog) -
             assert labels == trainer.train_dataset[i]["labels"]  # ... and masked the same tokens
             assert 0 < sum(label != -100 for label in labels) < len(labels)
         units.append(lambda ids=ids, labels=labels: token_mean_loss(model, ids, labels, dft=mode == "dft"))
-    reference, norms, losses = brute_force(model, units, args.per_sample_max_grad_norm)
+    reference, norms, losses = oracle.clipped_sum(model, units, args.per_sample_max_grad_norm)
     assert (norms > 100 * args.per_sample_max_grad_norm).all()  # every unit is clipped
 
     trainer.train()
@@ -465,7 +446,7 @@ def test_dpo_clips_each_pair_exactly(setup: str, tmp_path) -> None:
             return -F.logsigmoid(beta * ((chosen - ref[0]) - (rejected - ref[1])))
 
         units.append(loss_of)
-    reference, norms, losses = brute_force(policy, units, args.per_sample_max_grad_norm)
+    reference, norms, losses = oracle.clipped_sum(policy, units, args.per_sample_max_grad_norm)
     assert (norms > 100 * args.per_sample_max_grad_norm).all()
 
     trainer.train()

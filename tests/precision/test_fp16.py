@@ -25,9 +25,9 @@ from hf_dp.clipping.pipeline import clipped_step
 from hf_dp.clipping.plan import StepPlan
 from hf_dp.distributed import check_fp16
 from hf_dp.losses import unwrap_model
-from tests import models
+from tests import models, oracle
+from tests.precision.test_mixed_precision import released_gradients
 from tests.test_checkpointing import checkpointed_steps, llama_lora
-from tests.test_mixed_precision import released_gradients
 from tests.trainer_utils import make_args, make_trainer, sampled_logical_batches, snapshot
 
 TOLERANCE = 2e-3
@@ -42,9 +42,9 @@ def relative_error(ours: dict[str, torch.Tensor], reference: dict[str, torch.Ten
 def clipped_reference(model: nn.Module, batch: dict) -> tuple[dict[str, torch.Tensor], float]:
     """The float64 brute-force clipped sum at C = half the smallest per-example norm (every example clipped)."""
     reference_model = copy.deepcopy(model).double()
-    _, norms = models.brute_force(reference_model, batch, max_norm=1e9)
+    _, norms = oracle.per_example(reference_model, batch, max_norm=1e9)
     max_norm = 0.5 * norms.min().item()
-    reference, _ = models.brute_force(reference_model, batch, max_norm=max_norm)
+    reference, _ = oracle.per_example(reference_model, batch, max_norm=max_norm)
     return reference, max_norm
 
 
@@ -105,7 +105,10 @@ class _TwoLayers(nn.Module):
         return self.second(self.first(x)).squeeze(1)
 
 
-def _run(model: nn.Module, losses_of, max_norm: float, checkpointing: bool, scale: float) -> ClippingEngine:
+def _run(
+    model: nn.Module, losses_of, max_norm: float, checkpointing: bool, scale: float | None
+) -> ClippingEngine:
+    """One step of book-keeping (under fp16 autocast with loss scale ``scale``, or none: float32)."""
     model.zero_grad(set_to_none=True)
     engine = ClippingEngine(model)
     strategy = clipped_step(engine, model, Backend(checkpointing=checkpointing, fp16_loss_scale=scale))
@@ -114,17 +117,12 @@ def _run(model: nn.Module, losses_of, max_norm: float, checkpointing: bool, scal
     return engine
 
 
-def _brute_force(model: nn.Module, losses_of, max_norm: float, keep: list[int]) -> list[torch.Tensor]:
-    """Σ_i c_i ∇L_i over ``keep`` in float64, one backward per example, c_i = min(1, C/(‖∇L_i‖ + 1e-6)) as the
+def _brute_force(model: nn.Module, losses_of, max_norm: float, keep: list[int]) -> dict[str, torch.Tensor]:
+    """Σ_i c_i ∇L_i over ``keep`` in float64 (the oracle on a float64 copy), one backward per example, c_i the
     engine's "abadi" clipping (its 1e-6 matters at these tiny norms)."""
     reference = copy.deepcopy(model).double()
-    losses = losses_of(reference)
-    total = [torch.zeros_like(p) for p in reference.parameters()]
-    for i in keep:
-        grads = torch.autograd.grad(losses[i], list(reference.parameters()), retain_graph=True)
-        factor = min(1.0, max_norm / (float(torch.sqrt(sum(g.pow(2).sum() for g in grads))) + 1e-6))
-        total = [t + factor * g for t, g in zip(total, grads, strict=True)]
-    return total
+    units = [lambda i=i: losses_of(reference)[i] for i in keep]
+    return oracle.clipped_sum(reference, units, max_norm).total
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -145,16 +143,34 @@ def test_the_loss_is_scaled_so_small_gradients_survive_fp16(checkpointing: bool)
     assert all(not p.grad.any() for p in model.parameters())  # the failure the scaling prevents
     engine = _run(model, losses_of, 2e-6, checkpointing, scale=2.0**20)
     assert engine.nonfinite_examples == 0
-    for param, reference in zip(model.parameters(), expected, strict=True):
+    for param, reference in zip(model.parameters(), expected.values(), strict=True):
         assert (param.grad.double() - reference).norm() < TOLERANCE * reference.norm()
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_an_example_whose_scaled_gradient_overflows_weighs_zero(checkpointing: bool) -> None:
+def _norm_overflows() -> tuple:
+    """float32, no loss scale. A 64 → 64 layer at T = 1 takes its norm by the Gram ⟨x, x⟩⟨g, g⟩ (cheaper than the
+    explicit g xᵀ): example 2's x is 1e30, its loss 1e-10·f(x) and gradient are finite, but ⟨x, x⟩ = 6.4e61
+    overflows float32. The others are not clipped (norms ~1e-8 below C = 1)."""
+    model = nn.Sequential(nn.Linear(64, 64, bias=False))
+    model.layer = model[0]
+    x = torch.randn(4, 64)
+    x[2] = 1e30
+
+    def losses_of(module: nn.Module) -> torch.Tensor:
+        return 1e-10 * module(x.to(next(module.parameters()).dtype)).sum(dim=1)
+
+    def check(grad: torch.Tensor, reference: torch.Tensor) -> None:
+        # float32 sums of three examples: an entry where they cancel is exact to float32 of the largest term
+        torch.testing.assert_close(
+            grad.double(), reference, rtol=1e-6, atol=1e-6 * float(reference.abs().max())
+        )
+
+    return model, losses_of, 1.0, None, check
+
+
+def _fp16_scaled_gradient_overflows() -> tuple:
     """Example 2's loss is 10^4·f(x_2): finite, and so is its gradient, but S = 2^8 lifts its fp16 output gradient
-    past 65504. It gets c_2 = 0 and is counted; the others' clipped sum is the brute force (measured 3.4e-4,
-    5.0e-4 with checkpointing), and .grad is finite."""
-    torch.manual_seed(0)
+    past 65504. The others' clipped sum is the brute force (measured 3.4e-4, 5.0e-4 with checkpointing)."""
     model, x = _TwoLayers(), torch.randn(4, 4)
     weights = torch.tensor([1.0, 1.0, 1e4, 1.0])
 
@@ -164,12 +180,31 @@ def test_an_example_whose_scaled_gradient_overflows_weighs_zero(checkpointing: b
             * module(x.to(next(module.parameters()).dtype)).float()
         )
 
-    expected = _brute_force(model, losses_of, 0.05, keep=[0, 1, 3])
-    engine = _run(model, losses_of, 0.05, checkpointing, scale=2.0**8)
+    def check(grad: torch.Tensor, reference: torch.Tensor) -> None:
+        assert (grad.double() - reference).norm() < TOLERANCE * reference.norm()
+
+    return model, losses_of, 0.05, 2.0**8, check
+
+
+OVERFLOWS = {
+    "norm_overflows_float32": _norm_overflows,
+    "fp16_gradient_overflows": _fp16_scaled_gradient_overflows,
+}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("overflow", list(OVERFLOWS))
+def test_an_overflowing_example_weighs_zero_and_is_counted(overflow: str, checkpointing: bool) -> None:
+    """Example 2 overflows (its norm in float32, or its fp16-scaled gradient): it gets c_2 = 0 and is counted,
+    .grad is finite, and the others' clipped sum is the float64 brute force over examples 0, 1 and 3."""
+    torch.manual_seed(0)
+    model, losses_of, max_norm, scale, check = OVERFLOWS[overflow]()
+    expected = _brute_force(model, losses_of, max_norm, keep=[0, 1, 3])
+    engine = _run(model, losses_of, max_norm, checkpointing, scale)
     assert engine.nonfinite_examples == 1
-    for param, reference in zip(model.parameters(), expected, strict=True):
+    for param, reference in zip(model.parameters(), expected.values(), strict=True):
         assert torch.isfinite(param.grad).all()
-        assert (param.grad.double() - reference).norm() < TOLERANCE * reference.norm()
+        check(param.grad, reference)
 
 
 def _fp16_trainer(tmp_path, **overrides) -> DPTrainer:
