@@ -8,8 +8,7 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 from hf_dp.privacy_units import micro_batch_units
-from tests import models
-from tests.test_privacy_units import brute_force_units
+from tests import models, oracle
 from tests.trainer_utils import TokenRows, make_trainer, sampled_logical_batches, snapshot
 
 
@@ -71,7 +70,7 @@ def test_the_trainer_trains_padded_rows_exactly(tmp_path, left: bool, pad_positi
     alone = [[{"input_ids": torch.tensor(dataset[i]["input_ids"])[None]}] for i in drawn]
     for parts in alone:
         parts[0]["labels"] = parts[0]["input_ids"]
-    reference, norms = brute_force_units(model, alone, 0.05)
+    reference, norms = oracle.per_unit(model, alone, 0.05)
     assert (norms > 0.05).all()
     trainer.train()
     lr, expected_batch = trainer.args.learning_rate, trainer.expected_batch_size
