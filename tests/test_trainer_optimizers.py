@@ -90,7 +90,7 @@ def test_each_optimizer_trains_through_dptrainer_at_dp_sgd_epsilon(tmp_path, nam
 
 def _count_heap_requests(monkeypatch) -> list:
     calls: list = []
-    monkeypatch.setattr("hf_dp.trainer.keep_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr("hf_dp.run.keep_freed_memory", lambda: calls.append(1))
     return calls
 
 
