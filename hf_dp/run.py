@@ -27,7 +27,7 @@ from transformers import TrainerCallback
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.backend import Backend
 from hf_dp.budget import PrivacyBudgetCallback
-from hf_dp.checkpoint import RunPrivacyState, public_ledger
+from hf_dp.checkpoint import RunPrivacyState, public_ledger, resume_point
 from hf_dp.clipping.checks import check_records_apart
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.plan import StepPlanner
@@ -113,8 +113,10 @@ class PrivateRun:
         self.plan = dataclasses.replace(self.plan, noise_multiplier=sigma)
         self.state.record = plan_record(self.plan, self.args)
 
-    def start_training(self) -> None:
-        """Once per run: a second ``train()`` would redraw the same batches from the same secret."""
+    def start_training(self, resume_from_checkpoint: str | bool | None = None) -> str | None:
+        """Once per run: a second ``train()`` would redraw the same batches from the same secret. Returns the
+        checkpoint to resume from: only a complete one (``checkpoint.resume_point``)."""
+        resume = resume_point(resume_from_checkpoint, self.args.output_dir)
         if self._trained:
             raise RuntimeError(
                 "train() was already called on this DPTrainer and would redraw its batches from the same secret; "
@@ -125,6 +127,15 @@ class PrivateRun:
             "hf_dp: the logged training loss is the mean per-example loss of each drawn batch, without noise: it "
             "is NOT private (the released model and ε are)"
         )
+        return resume
+
+    def finished(self, state, control) -> bool:
+        """Resumed from the run's last checkpoint: the Trainer's epoch loop checks ``max_steps`` only after a
+        step, so it would take (and account) one step more than planned. Draw nothing and stop instead."""
+        if state.global_step < state.max_steps:
+            return False
+        control.should_training_stop = True
+        return True
 
     def dataloader(self, dataset, collator) -> EpochDataLoader:
         """The logical batches of the plan, drawn with the run's secret sampling key (users: by user)."""
