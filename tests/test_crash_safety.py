@@ -310,15 +310,19 @@ def _say(line: str) -> None:
 def _train_once(job: dict) -> None:
     """One start of the run (a fresh process): resume when told, train to the end, report."""
     torch.set_num_threads(1)
-    real = checkpoint.mark_complete
+    mark, private = checkpoint.mark_complete, checkpoint.RunPrivacyState.save
 
     def slow_disk(folder, processes):
         time.sleep(SLOW_DISK_S)
-        real(folder, processes)
+        mark(folder, processes)
 
-    checkpoint.mark_complete = slow_disk
+    def announced(self, folder, *args, **kwargs):  # the Trainer's files are written: the private ones now
+        _say(f"event private-begin {folder.rsplit('-', 1)[1]}")
+        return private(self, folder, *args, **kwargs)
+
+    checkpoint.mark_complete, checkpoint.RunPrivacyState.save = slow_disk, announced
     directory = Path(job["dir"])
-    trainer = _trainer(directory, max_steps=KILL_STEPS)
+    trainer = _trainer(directory, max_steps=KILL_STEPS, logging_steps=1000)  # no ε computed per step
     trainer.add_callback(_Events())
     trainer.train(resume_from_checkpoint=job["resume"])
     torch.save(snapshot(trainer.model), directory / "final.pt")
@@ -425,7 +429,9 @@ def _where(events: list[tuple[str, float]], killed_at: float) -> str:
     before = [name for name, stamp in events if stamp <= killed_at]
     last = before[-1] if before else "start"
     if last.startswith("save-begin"):
-        return f"during the save of checkpoint-{last.split()[1]}"
+        return f"during the save of checkpoint-{last.split()[1]} (the Trainer's files)"
+    if last.startswith("private-begin"):
+        return f"during the save of checkpoint-{last.split()[1]} (the private files or the marker)"
     if last.startswith("step-begin"):
         return f"during step {last.split()[1]}"
     if last == f"save-end {KILL_STEPS}":
@@ -444,22 +450,25 @@ def test_sigkill_at_random_moments_then_resume_ends_like_the_uninterrupted_run(t
             (tmp_path / "zygote.log").read_text()[-3000:],
         )
         reference = json.loads(result.removeprefix("done "))
-        begins = {n.split()[1]: s for n, s in events if n.startswith("save-begin")}
-        saves = sorted(s - begins[n.split()[1]] for n, s in events if n.startswith("save-end"))
-        save_time = saves[len(saves) // 2]
+        stamps = {name: stamp for name, stamp in events}
+        save_time = {t: stamps[f"save-end {t}"] - stamps[f"save-begin {t}"] for t in range(1, KILL_STEPS + 1)}
 
         directory, landed, resumed_at, step = tmp_path / "killed", [], [], 0
-        plan = [rng.choice(["step", "save"]) for _ in range(KILLS - 1)] + ["final"]
+        out = directory / "out"
+        plan = [rng.choice(["step", "save", "private"]) for _ in range(KILLS - 1)] + ["final"]
         for kind in plan + [None]:
+            target = min(step + rng.randint(1, 4), KILL_STEPS)
             if kind is None:
                 kill_at = None
-            elif kind == "final":
+            elif kind == "final":  # the process ends after its last checkpoint: the 15-of-14 case
                 kill_at = (f"save-end {KILL_STEPS}", 0.0)
+            elif kind == "step":
+                kill_at = (f"step-begin {target}", rng.uniform(0, 0.05))
+            elif kind == "save":
+                kill_at = (f"save-begin {target}", rng.uniform(0, save_time[target]))
             else:
-                target = min(step + rng.randint(1, 3), KILL_STEPS)
-                name = "step-begin" if kind == "step" else "save-begin"
-                kill_at = (f"{name} {target}", rng.uniform(0, save_time if kind == "save" else 0.05))
-            resume = True if newest_complete(str(directory / "out")) else None
+                kill_at = (f"private-begin {target}", rng.uniform(0, SLOW_DISK_S + 0.01))
+            resume = True if newest_complete(str(out)) else None
             code, events, killed_at, result = zygote.run(directory, resume, kill_at)
             resumed_at.append(step if resume else "start")
             if killed_at is None or code == 0:  # done (a kill after its last line comes too late)
@@ -471,14 +480,11 @@ def test_sigkill_at_random_moments_then_resume_ends_like_the_uninterrupted_run(t
                 break
             assert code == -signal.SIGKILL, (kind, code, result)
             where = _where(events, killed_at)
-            newest = newest_complete(str(directory / "out"))
+            saved = out / f"checkpoint-{kill_at[0].split()[1]}"
+            state = "absent" if not saved.exists() else (missing_part(str(saved)) or "complete")
+            newest = newest_complete(str(out))
             step = int(newest.rsplit("-", 1)[1]) if newest else 0
-            torn = [
-                f"{Path(f).name}: {missing_part(f)}"
-                for f in checkpoint.checkpoint_folders(str(directory / "out"))
-                if missing_part(f) is not None
-            ]
-            landed.append(f"{kill_at[0]} +{kill_at[1] * 1000:.0f} ms -> {where}; torn {torn or 'none'}")
+            landed.append(f"{kill_at[0]} +{kill_at[1] * 1000:.0f} ms -> {where}; {saved.name}: {state}")
         print("\nkills:\n  " + "\n  ".join(landed) + f"\nstarts resumed at: {resumed_at}")
         final = json.loads(result.removeprefix("done "))
         assert len(landed) >= KILLS - 1 and final["global_step"] == KILL_STEPS
