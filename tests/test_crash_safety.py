@@ -10,6 +10,7 @@ imports again.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -297,13 +298,13 @@ class _Events(TrainerCallback):
         _say(f"event save-end {state.global_step}")
 
 
-_OUT = (
-    sys.stdout
-)  # the zygote's events pipe (the Trainer prints its logs to sys.stdout, sent to stderr there)
+# the events pipe; the zygote sends the Trainer's prints (its log lines) to stderr
+_OUT = sys.stdout
+_TAG = "@crash-test "  # our lines on the pipe, among a launcher's and the Trainer's
 
 
 def _say(line: str) -> None:
-    _OUT.write(f"{line} {time.monotonic():.6f}\n")
+    _OUT.write(f"{_TAG}{line} {time.monotonic():.6f}\n")
     _OUT.flush()
 
 
@@ -320,16 +321,25 @@ def _train_once(job: dict) -> None:
         _say(f"event private-begin {folder.rsplit('-', 1)[1]}")
         return private(self, folder, *args, **kwargs)
 
-    checkpoint.mark_complete, checkpoint.RunPrivacyState.save = slow_disk, announced
-    directory = Path(job["dir"])
-    trainer = _trainer(directory, max_steps=KILL_STEPS, logging_steps=1000)  # no ε computed per step
-    trainer.add_callback(_Events())
+    checkpoint.mark_complete = slow_disk
+    directory, rank = Path(job["dir"]), int(os.environ.get("RANK", "0"))
+    _say(f"pid {rank} {os.getpid()}")
+    if rank == 0:
+        checkpoint.RunPrivacyState.save = announced
+    # no ε computed on a log line every step
+    trainer = _trainer(directory, max_steps=job["steps"], logging_steps=1000, **job.get("args", {}))
+    if rank == 0:
+        trainer.add_callback(_Events())
     trainer.train(resume_from_checkpoint=job["resume"])
+    if rank != 0:
+        return
     torch.save(snapshot(trainer.model), directory / "final.pt")
     result = {
         "global_step": trainer.state.global_step,
         "epsilon": trainer.get_epsilon(),
         "ledger": trainer.accountant.state_dict(),
+        "world_size": trainer.args.world_size,
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
     }
     _say("done " + json.dumps(result))
 
@@ -353,26 +363,26 @@ def _zygote() -> None:
                 _OUT.flush()
                 sys.stderr.flush()
                 os._exit(code)
-        _say(f"pid {pid}")
+        _say(f"forked {pid}")
         _, status = os.waitpid(pid, 0)
         _say(f"exit {os.waitstatus_to_exitcode(status)}")
 
 
-class _Zygote:
-    def __init__(self, log: Path) -> None:
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-            "DS_ACCELERATOR": "cpu",
-        }
+ENV = {
+    "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+class _Lines:
+    """A process whose stdout carries ``_say``'s stamped lines."""
+
+    def __init__(self, command: list[str], log: Path, **kwargs) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--zygote"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log.open("w"),
-            env=env,
+            command, stdout=subprocess.PIPE, stderr=log.open("a"), env={**os.environ, **ENV}, **kwargs
         )
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.process.stdout, selectors.EVENT_READ)
@@ -388,20 +398,32 @@ class _Zygote:
                 raise EOFError("the zygote died")
             self.buffer += chunk
         raw, self.buffer = self.buffer.split(b"\n", 1)
-        text, _, stamp = raw.decode().rpartition(" ")
+        line = raw.decode(errors="replace")
+        if not line.startswith(_TAG):  # someone else's line (the Trainer's, a launcher's)
+            return self.line(deadline)
+        text, _, stamp = line.removeprefix(_TAG).rpartition(" ")
         return text, float(stamp)
+
+
+class _Zygote(_Lines):
+    def __init__(self, log: Path) -> None:
+        super().__init__([sys.executable, __file__, "--zygote"], log, stdin=subprocess.PIPE)
 
     def run(self, directory: Path, resume: bool | None, kill_at=None, deadline: float = 120.0):
         """One start; ``kill_at``: (event line, delay) after which it is SIGKILLed. Returns (exit code, events,
         the event last written before the kill, the result line)."""
-        self.process.stdin.write((json.dumps({"dir": str(directory), "resume": resume}) + "\n").encode())
+        job = {"dir": str(directory), "resume": resume, "steps": KILL_STEPS}
+        self.process.stdin.write((json.dumps(job) + "\n").encode())
         self.process.stdin.flush()
         end = time.monotonic() + deadline
-        text, _ = self.line(end)
-        pid = int(text.split()[1])
-        events, result, killed_after = [], None, None
+        events, result, killed_after, pid = [], None, None, None
         while True:
             text, stamp = self.line(end)
+            if text.startswith("forked "):
+                pid = int(text.split()[1])
+                continue
+            if text.startswith("pid "):
+                continue
             if text.startswith("exit "):
                 return int(text.split()[1]), events, killed_after, result
             if text.startswith(("done ", "crash ")):
@@ -424,7 +446,7 @@ class _Zygote:
             self.process.kill()
 
 
-def _where(events: list[tuple[str, float]], killed_at: float) -> str:
+def _where(events: list[tuple[str, float]], killed_at: float, steps: int = KILL_STEPS) -> str:
     """Where a kill landed: the last event the process wrote before it."""
     before = [name for name, stamp in events if stamp <= killed_at]
     last = before[-1] if before else "start"
@@ -434,7 +456,7 @@ def _where(events: list[tuple[str, float]], killed_at: float) -> str:
         return f"during the save of checkpoint-{last.split()[1]} (the private files or the marker)"
     if last.startswith("step-begin"):
         return f"during step {last.split()[1]}"
-    if last == f"save-end {KILL_STEPS}":
+    if last == f"save-end {steps}":
         return "after the last checkpoint"
     return f"after {last}"
 
@@ -501,5 +523,119 @@ def test_sigkill_at_random_moments_then_resume_ends_like_the_uninterrupted_run(t
         zygote.close()
 
 
+# ---- the same with 2 processes (DDP on CPU, gloo), each start a torchrun launch ----------------------------
+
+DDP_STEPS = 7  # B̄ = 2 processes × 4 × 2 accumulation = 16 of 32: 2 steps per epoch, 7 ends inside one
+DDP_KILLS = 3
+
+
+def _worker(job: dict) -> None:
+    """One process of a torchrun launch: a crash is a line for the test and a failed launch."""
+    try:
+        _train_once(job)
+    except BaseException as error:
+        _say("crash " + json.dumps(f"{type(error).__name__}: {error}"))
+        raise
+
+
+def _torchrun(
+    directory: Path, resume: bool | None, port: int, log: Path, kill_at=None, deadline: float = 300.0
+):
+    """One start of the 2-process run; ``kill_at``: (event, delay) after which the launcher and both processes
+    are SIGKILLed at once (a machine that dies). Returns (exit code, events, kill time, result line)."""
+    job = {"dir": str(directory), "resume": resume, "steps": DDP_STEPS}
+    launcher = str(Path(sys.executable).parent / "torchrun")
+    command = [
+        launcher,
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(port),
+        __file__,
+        "--worker",
+        json.dumps(job),
+    ]
+    launch = _Lines(command, log)
+    end = time.monotonic() + deadline
+    pids, events, result, killed_at = {launch.process.pid}, [], None, None
+    try:
+        while True:
+            try:
+                text, stamp = launch.line(end)
+            except EOFError:
+                break
+            if text.startswith("pid "):
+                pids.add(int(text.split()[2]))
+            elif text.startswith(("done ", "crash ")):
+                result = text
+            else:
+                events.append((text.removeprefix("event "), stamp))
+                if kill_at is not None and text == f"event {kill_at[0]}":
+                    assert len(pids) == 3, pids  # the launcher and both processes
+                    time.sleep(max(0.0, stamp + kill_at[1] - time.monotonic()))
+                    for pid in pids:
+                        os.kill(pid, signal.SIGKILL)
+                    killed_at, kill_at = time.monotonic(), None
+    finally:
+        if launch.process.poll() is None and time.monotonic() > end:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    return launch.process.wait(timeout=60), events, killed_at, result
+
+
+@pytest.mark.slow
+def test_two_processes_killed_at_random_moments_resume_like_the_uninterrupted_run(tmp_path):
+    rng, port, log = random.Random(KILL_SEED + 2), 29400 + os.getpid() % 300, tmp_path / "torchrun.log"
+    code, events, _, result = _torchrun(tmp_path / "reference", None, port, log)
+    assert code == 0 and result and result.startswith("done "), (result, log.read_text()[-3000:])
+    reference = json.loads(result.removeprefix("done "))
+    assert reference["world_size"] == 2 and reference["backend"] == "gloo"
+    stamps = {name: stamp for name, stamp in events}
+    save_time = {t: stamps[f"save-end {t}"] - stamps[f"save-begin {t}"] for t in range(1, DDP_STEPS + 1)}
+    directory, out, landed, step = tmp_path / "killed", tmp_path / "killed" / "out", [], 0
+    plan = [rng.choice(["save", "private"]) for _ in range(DDP_KILLS - 1)] + ["final"]
+    for kind in plan + [None]:
+        target = min(step + rng.randint(1, 3), DDP_STEPS)
+        kill_at = {
+            None: None,
+            "final": (f"save-end {DDP_STEPS}", 0.0),
+            "save": (f"save-begin {target}", rng.uniform(0, save_time[target])),
+            "private": (f"private-begin {target}", rng.uniform(0, SLOW_DISK_S + 0.01)),
+        }[kind]
+        resume = True if newest_complete(str(out)) else None
+        port += 1
+        code, events, killed_at, result = _torchrun(directory, resume, port, log, kill_at)
+        if killed_at is None or code == 0:
+            assert code == 0 and result and result.startswith("done "), (
+                kind,
+                result,
+                log.read_text()[-3000:],
+            )
+            break
+        assert result is None or not result.startswith("crash "), result
+        saved = out / f"checkpoint-{kill_at[0].split()[1]}"
+        state = "absent" if not saved.exists() else (missing_part(str(saved)) or "complete")
+        landed.append(
+            f"{kill_at[0]} +{kill_at[1] * 1000:.0f} ms -> {_where(events, killed_at, DDP_STEPS)}; {saved.name}: {state}"
+        )
+        newest = newest_complete(str(out))
+        step = int(newest.rsplit("-", 1)[1]) if newest else 0
+    print("\nkills (2 processes):\n  " + "\n  ".join(landed))
+    final = json.loads(result.removeprefix("done "))
+    assert len(landed) >= DDP_KILLS - 1 and final["world_size"] == 2 and final["backend"] == "gloo"
+    assert final["global_step"] == DDP_STEPS and final["ledger"] == reference["ledger"]
+    assert final["epsilon"] == reference["epsilon"]
+    last = f"checkpoint-{DDP_STEPS}"
+    assert _ledger_of(out / last) == _ledger_of(tmp_path / "reference" / "out" / last)
+    listed = json.loads((out / last / COMPLETE_FILE).read_text())["files"]
+    assert noise_state_file(0) in listed and noise_state_file(1) in listed
+    expected, got = torch.load(tmp_path / "reference" / "final.pt"), torch.load(directory / "final.pt")
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
     _zygote()
+elif __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    _worker(json.loads(sys.argv[2]))
