@@ -229,10 +229,15 @@ def rotate(output_dir: str, limit: int | None, keep: list[str | None]) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _disk_full(error: BaseException) -> bool:
+def _disk_full(error: BaseException | None, folder: str) -> bool:
+    """ENOSPC/EDQUOT anywhere in the chain, or a write that failed without an errno (torch.save's C++ writer
+    says "file write failed") on a nearly full disk."""
     while error is not None:
         if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(error):
             return True
+        if "write failed" in str(error):
+            with contextlib.suppress(OSError):
+                return shutil.disk_usage(os.path.dirname(os.path.abspath(folder))).free < 64 * 2**20
         error = error.__cause__ or error.__context__
     return False
 
@@ -429,9 +434,9 @@ class RunPrivacyState:
             if main:
                 mark_complete(folder, args.world_size if noise and not args.save_on_each_node else None)
         except Exception as error:
-            if not _disk_full(error):
+            if not _disk_full(error, folder):
                 raise
-            previous = newest_complete(os.path.dirname(folder))
+            previous = newest_complete(os.path.dirname(folder)) or "none"
             raise CheckpointWriteError(
                 f"hf_dp: the disk is full, {folder} could not be written ({' '.join(str(error).split())}); it is "
                 f"incomplete and resume skips it. The newest complete checkpoint, intact: {previous}. Free space and "

@@ -229,6 +229,24 @@ def test_a_full_disk_in_the_trainers_own_files_is_the_same_line(tmp_path, monkey
     assert missing_part(str(tmp_path / "out" / "checkpoint-1")) is None
 
 
+def test_a_write_failure_without_errno_on_a_full_disk_counts_as_disk_full(tmp_path, monkeypatch):
+    """torch.save's C++ writer reports ENOSPC as "file write failed", without an errno."""
+    error = RuntimeError(
+        "[enforce fail at inline_container.cc:664] PytorchStreamWriter failed writing file data/0: file write failed"
+    )
+    folder = str(tmp_path / "checkpoint-3")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: _Usage(0))
+    assert checkpoint._disk_full(error, folder)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: _Usage(10 * 2**30))
+    assert not checkpoint._disk_full(error, folder)
+    assert not checkpoint._disk_full(RuntimeError("CUDA out of memory"), folder)
+
+
+class _Usage:
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+
 def _fake_checkpoint(out: Path, step: int, complete: bool, age: float) -> Path:
     folder = out / f"checkpoint-{step}"
     folder.mkdir(parents=True)
