@@ -3,9 +3,9 @@ last, resume from the newest COMPLETE checkpoint, a torn one refused, a full dis
 a training process killed with SIGKILL at seeded random moments and restarted until it completes ends exactly
 where the uninterrupted run ends (steps, ε, ledger, weights).
 
-Run as a script (``python tests/test_crash_safety.py --zygote``) this file is the kill test's zygote: it imports
-torch and hf_dp once, then forks one training process per line it reads, so that a restart does not pay the
-imports again.
+Run as a script this file is the kill tests' training process: ``--zygote`` imports torch and hf_dp once, then
+forks one training process per line it reads (a restart does not pay the imports again); ``--worker JOB`` is
+one process of a torchrun launch (the 2-process test).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -63,8 +64,6 @@ def _ledger_of(folder: Path) -> dict:
 
 @pytest.fixture(autouse=True)
 def _quiet_seed_warning():
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*insecure_dp_seed.*")
         yield
