@@ -198,6 +198,13 @@ class PrivateRun:
             self.mechanism.account()
             self._accounted = True
 
+    def restore(self, folder: str, global_step: int, process_index: int) -> None:
+        """The checkpoint's privacy state (``RunPrivacyState.restore``), then a closed step: loading the optimizer
+        may step it once (torch's distributed checkpoint fills an empty FSDP optimizer state with a zero-lr
+        step), a release that must not leave its batch marked accounted, or the next real step goes unaccounted."""
+        self.state.restore(folder, global_step, process_index)
+        self.end_step()
+
     def end_step(self) -> None:
         """The logical batch is released and applied: close its plan."""
         self.planner.end()

@@ -243,7 +243,7 @@ class DPTrainerMixin:
     def _load_optimizer_and_scheduler(self, folder: str | None) -> None:
         super()._load_optimizer_and_scheduler(folder)
         if folder is not None:
-            self.dp.state.restore(folder, self.state.global_step, self.args.process_index)
+            self.dp.restore(folder, self.state.global_step, self.args.process_index)
 
 
 class DPTrainer(DPTrainerMixin, Trainer):
