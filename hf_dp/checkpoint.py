@@ -8,17 +8,28 @@ The public copy of the ledger goes into ``trainer_state.json`` under ``LEDGER_KE
 agree with each other and with the Trainer's step count, and the run must draw from the same population with
 the same sampling, or training refuses with one line. A changed δ is honoured: ε is re-reported at the new δ
 over the whole history.
+
+Crash safety: the private files are written atomically (a temporary file in the same folder, fsync'd, then
+``os.replace``), and a checkpoint is complete only once ``COMPLETE_FILE`` exists: the main process writes it
+last, after the Trainer's files and every process's noise state (a barrier), with every file fsync'd first.
+``resume_point`` resumes only from complete checkpoints; a torn one (killed mid-save) is skipped or refused,
+and ``save_total_limit`` rotates complete checkpoints only once the new one is complete.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import math
 import os
+import re
 import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -27,8 +38,12 @@ from hf_dp.randomness import RunSecret
 logger = logging.getLogger(__name__)
 
 PRIVACY_STATE_FILE = "hf_dp_privacy_state.json"
+COMPLETE_FILE = "hf_dp_checkpoint_complete.json"  # written last; no secret: the files the checkpoint holds
+TRAINER_STATE_FILE = "trainer_state.json"
 LEDGER_KEY = "hf_dp_privacy_ledger"
 FORMAT = 1
+_TEMPORARY = re.compile(r"^\..+\.tmp$")  # atomic_write's temporary files: ".<name>.<random>.tmp"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR
 
 
 def noise_state_file(process_index: int) -> str:
@@ -36,10 +51,199 @@ def noise_state_file(process_index: int) -> str:
 
 
 def is_private_file(name: str) -> bool:
-    """Files that must never leave the machine (the secret and the noise streams)."""
-    return name == PRIVACY_STATE_FILE or (
-        name.startswith("hf_dp_noise_state_process") and name.endswith(".pt")
+    """Files that must never leave the machine (the secret and the noise streams), and their temporary
+    copies (a save killed before its ``os.replace`` leaves one)."""
+    base = name.lstrip(".")
+    return base.startswith(PRIVACY_STATE_FILE) or base.startswith("hf_dp_noise_state_process")
+
+
+# ---- crash safety: atomic files, the completion marker -------------------------------------------------
+
+
+def atomic_write(path: str, write: Callable[[IO[bytes]], Any]) -> None:
+    """``write`` into a temporary file next to ``path``, flush and fsync it, then ``os.replace`` it onto
+    ``path`` and fsync the folder: ``path`` is the old file or the whole new one, never a part."""
+    folder, name = os.path.split(path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    _fsync(folder or ".")
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's or a folder's (its entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as error:  # some filesystems cannot fsync a folder
+        if error.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _files(folder: str) -> list[str]:
+    """The checkpoint's files, relative to it, without temporary ones."""
+    found = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            if name != COMPLETE_FILE and not _TEMPORARY.match(name):
+                found.append(os.path.relpath(os.path.join(root, name), folder))
+    return sorted(found)
+
+
+def mark_complete(folder: str, processes: int | None) -> None:
+    """The main process, once every process has written its part: fsync every file, then write the marker.
+    ``processes``: the number of noise states the folder must hold (None: not checked, e.g. when each node
+    saves its own processes' files)."""
+    files = _files(folder)
+    if processes is not None:
+        absent = [noise_state_file(i) for i in range(processes) if noise_state_file(i) not in files]
+        if absent:
+            raise RuntimeError(
+                f"hf_dp: {folder} lacks {', '.join(absent)} after every process saved: output_dir must be one folder "
+                "shared by all processes (or set save_on_each_node)"
+            )
+    for name in files:
+        _fsync(os.path.join(folder, name))
+    for root, _, _ in os.walk(folder):
+        _fsync(root)
+    content = json.dumps({"format": FORMAT, "files": files}).encode()
+    atomic_write(os.path.join(folder, COMPLETE_FILE), lambda f: f.write(content))
+
+
+def unmark(folder: str) -> None:
+    """Before a save into ``folder``: it is torn until its new marker (a re-save after resuming from an older
+    checkpoint overwrites its files one by one). Leftover temporary files go too."""
+    if not os.path.isdir(folder):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(folder, COMPLETE_FILE))
+    for name in os.listdir(folder):
+        if _TEMPORARY.match(name):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+    _fsync(folder)
+
+
+def missing_part(folder: str) -> str | None:
+    """None for a complete checkpoint, else which part is missing (one phrase)."""
+    if not os.path.isdir(folder):
+        return "the folder does not exist"
+    marker = os.path.join(folder, COMPLETE_FILE)
+    if not os.path.isfile(marker):
+        for part in (TRAINER_STATE_FILE, PRIVACY_STATE_FILE):
+            if not os.path.isfile(os.path.join(folder, part)):
+                return f"{part} is missing"
+        return f"{COMPLETE_FILE}, the marker written last, is missing"
+    try:
+        with open(marker) as f:
+            files = json.load(f)["files"]
+        listed = [str(name) for name in files]
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        return f"{COMPLETE_FILE} is unreadable ({type(error).__name__})"
+    for name in listed:
+        if not os.path.isfile(os.path.join(folder, name)):
+            return f"{name} is missing (the completion marker lists it)"
+    return None
+
+
+def checkpoint_folders(output_dir: str) -> list[str]:
+    """``output_dir``'s checkpoint folders, oldest step first."""
+    if not os.path.isdir(output_dir):
+        return []
+    steps = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT.match(name))]
+    return [
+        os.path.join(output_dir, name)
+        for _, name in sorted(steps)
+        if os.path.isdir(os.path.join(output_dir, name))
+    ]
+
+
+def newest_complete(output_dir: str) -> str | None:
+    """The complete checkpoint with the highest step in ``output_dir`` (None if there is none)."""
+    return next((f for f in reversed(checkpoint_folders(output_dir)) if missing_part(f) is None), None)
+
+
+def resume_point(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
+    """What ``Trainer.train`` resumes from: ``True`` is the newest COMPLETE checkpoint in ``output_dir`` (one
+    log line names the torn ones skipped); an explicit torn checkpoint is refused in one line, naming the part
+    it misses and the complete checkpoint to use instead."""
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True:
+        torn = []
+        for folder in reversed(checkpoint_folders(output_dir)):
+            problem = missing_part(folder)
+            if problem is None:
+                if torn:
+                    logger.warning(
+                        f"hf_dp: resuming from {folder}, the newest complete checkpoint; skipped the torn "
+                        f"{', '.join(torn)} (their save was interrupted)"
+                    )
+                return folder
+            torn.append(f"{os.path.basename(folder)} ({problem})")
+        found = f": only torn ones, {', '.join(torn)}" if torn else ""
+        raise ValueError(
+            f"hf_dp: no complete checkpoint in {output_dir} to resume from{found}; train without "
+            "resume_from_checkpoint to start over"
+        )
+    folder = os.fspath(resume_from_checkpoint)
+    problem = missing_part(folder)
+    if problem is None:
+        return folder
+    instead = newest_complete(os.path.dirname(os.path.abspath(folder)))
+    advice = f"resume from {instead} instead" if instead else "there is no complete checkpoint next to it"
+    raise ValueError(
+        f"hf_dp: {folder} is not a complete checkpoint ({problem}: its save was interrupted); {advice}"
     )
+
+
+def rotate(output_dir: str, limit: int | None, keep: list[str | None]) -> None:
+    """``save_total_limit`` over COMPLETE checkpoints, once the newest one is complete: the ``limit`` most
+    recently completed (and ``keep``: the one just saved, the best) stay; torn folders older than the newest
+    complete one can never be resumed from and go; newer torn ones are left alone."""
+    if limit is None or limit <= 0:
+        return
+    folders = checkpoint_folders(output_dir)
+    complete = [f for f in folders if missing_part(f) is None]
+    if not complete:
+        return
+    newest = complete[-1]
+    protected = {os.path.abspath(f) for f in [*keep, newest] if f is not None}
+    by_completion = sorted(complete, key=lambda f: os.path.getmtime(os.path.join(f, COMPLETE_FILE)))
+    protected |= {os.path.abspath(f) for f in by_completion[-limit:]}
+    for folder in folders:
+        if os.path.abspath(folder) in protected:
+            continue
+        if folder in complete or folders.index(folder) < folders.index(newest):
+            logger.info(f"hf_dp: deleting {folder} (save_total_limit={limit})")
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _disk_full(error: BaseException | None, folder: str) -> bool:
+    """ENOSPC/EDQUOT anywhere in the chain, or a write that failed without an errno (torch.save's C++ writer
+    says "file write failed") on a nearly full disk."""
+    while error is not None:
+        if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(error):
+            return True
+        if "write failed" in str(error):
+            with contextlib.suppress(OSError):
+                return shutil.disk_usage(os.path.dirname(os.path.abspath(folder))).free < 64 * 2**20
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (the disk is full); the previous complete checkpoints are intact."""
 
 
 class CheckpointMismatch(ValueError):
@@ -62,21 +266,23 @@ def public_ledger(ledger: dict[str, Any]) -> dict[str, Any]:
 def save(
     folder: str, state: PrivacyCheckpoint, noise_state: dict | None, process_index: int, main: bool
 ) -> None:
+    """Each file written atomically: a kill leaves the old file or the new one, never a part."""
     os.makedirs(folder, exist_ok=True)
     if noise_state is not None:
-        torch.save(noise_state, os.path.join(folder, noise_state_file(process_index)))
+        atomic_write(
+            os.path.join(folder, noise_state_file(process_index)), lambda f: torch.save(noise_state, f)
+        )
     if main:
-        with open(os.path.join(folder, PRIVACY_STATE_FILE), "w") as f:
-            json.dump(
-                {
-                    "format": FORMAT,
-                    "secret": state.secret.to_dict(),
-                    "sampler_epoch": state.sampler_epoch,
-                    "ledger": state.ledger,
-                    "plan": state.plan,
-                },
-                f,
-            )
+        content = {
+            "format": FORMAT,
+            "secret": state.secret.to_dict(),
+            "sampler_epoch": state.sampler_epoch,
+            "ledger": state.ledger,
+            "plan": state.plan,
+        }
+        atomic_write(
+            os.path.join(folder, PRIVACY_STATE_FILE), lambda f: f.write(json.dumps(content).encode())
+        )
 
 
 def _fail(path: str, problem: str) -> CheckpointMismatch:
@@ -176,10 +382,10 @@ def stage_without_privacy_state(checkpoint_folder: str, output_dir: str, clear_o
         shutil.rmtree(staging, ignore_errors=True)
     staged = os.path.join(staging, os.path.basename(checkpoint_folder))
     shutil.rmtree(staged, ignore_errors=True)
-    shutil.copytree(
+    shutil.copytree(  # without the marker too: without its private files the copy is no resumable checkpoint
         checkpoint_folder,
         staged,
-        ignore=lambda _, names: [n for n in names if is_private_file(n)],
+        ignore=lambda _, names: [n for n in names if is_private_file(n) or n == COMPLETE_FILE],
         copy_function=_link_or_copy,
     )
     return staged
@@ -202,12 +408,44 @@ class RunPrivacyState:
         self.sampler = None
         self.mechanism = None
 
-    def save(self, folder: str, process_index: int, main: bool) -> None:
+    def save(self, folder: str, process_index: int, main: bool) -> bool:
+        """This process's private files; True when it wrote a noise state."""
         state = PrivacyCheckpoint(
             self.secret, self.sampler.epoch if self.sampler else 0, self.accountant.state_dict(), self.record
         )
         noise = self.mechanism.state_dict()["noise"] if self.mechanism is not None else None
         save(folder, state, noise, process_index, main)
+        return noise is not None
+
+    @contextlib.contextmanager
+    def saving(self, folder: str, args, trainer_state) -> Iterator[None]:
+        """Around the Trainer's ``_save_checkpoint`` (every process): ``folder`` is torn from the start, the
+        Trainer writes its files (its rotation held back), then the private files, a barrier, and the main
+        process's marker; then ``save_total_limit`` rotates. A full disk is one line, the older checkpoints intact."""
+        main = args.should_save
+        if main:
+            unmark(folder)
+        limit, args.save_total_limit = args.save_total_limit, None
+        try:
+            yield
+            noise = self.save(folder, args.process_index, main)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.barrier()  # every process's noise state is on the disk
+            if main:
+                mark_complete(folder, args.world_size if noise and not args.save_on_each_node else None)
+        except Exception as error:
+            if not _disk_full(error, folder):
+                raise
+            previous = newest_complete(os.path.dirname(folder)) or "none"
+            raise CheckpointWriteError(
+                f"hf_dp: the disk is full, {folder} could not be written ({' '.join(str(error).split())}); it is "
+                f"incomplete and resume skips it. The newest complete checkpoint, intact: {previous}. Free space and "
+                "resume with resume_from_checkpoint=True"
+            ) from None
+        finally:
+            args.save_total_limit = limit
+        if main:
+            rotate(os.path.dirname(folder), limit, [folder, trainer_state.best_model_checkpoint])
 
     def restore(self, folder: str, global_step: int, process_index: int) -> None:
         """Continue the checkpoint's secret, sampling stream, ledger (at this run's δ) and noise streams."""

@@ -27,7 +27,7 @@ from transformers import TrainerCallback
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.backend import Backend
 from hf_dp.budget import PrivacyBudgetCallback
-from hf_dp.checkpoint import RunPrivacyState, public_ledger
+from hf_dp.checkpoint import RunPrivacyState, public_ledger, resume_point
 from hf_dp.clipping.checks import check_records_apart
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.pipeline import clipped_step, several_evaluations_refused
@@ -118,8 +118,10 @@ class PrivateRun:
         self.plan = dataclasses.replace(self.plan, noise_multiplier=sigma)
         self.state.record = plan_record(self.plan, self.args)
 
-    def start_training(self) -> None:
-        """Once per run: a second ``train()`` would redraw the same batches from the same secret."""
+    def start_training(self, resume_from_checkpoint: str | bool | None = None) -> str | None:
+        """Once per run: a second ``train()`` would redraw the same batches from the same secret. Returns the
+        checkpoint to resume from: only a complete one (``checkpoint.resume_point``)."""
+        resume = resume_point(resume_from_checkpoint, self.args.output_dir)
         if self._trained:
             raise RuntimeError(
                 "train() was already called on this DPTrainer and would redraw its batches from the same secret; "
@@ -130,6 +132,15 @@ class PrivateRun:
             "hf_dp: the logged training loss is the mean per-example loss of each drawn batch, without noise: it "
             "is NOT private (the released model and ε are)"
         )
+        return resume
+
+    def finished(self, state, control) -> bool:
+        """Resumed from the run's last checkpoint: the Trainer's epoch loop checks ``max_steps`` only after a
+        step, so it would take (and account) one step more than planned. Draw nothing and stop instead."""
+        if state.global_step < state.max_steps:
+            return False
+        control.should_training_stop = True
+        return True
 
     def dataloader(self, dataset, collator) -> EpochDataLoader:
         """The logical batches of the plan, drawn with the run's secret sampling key (users: by user)."""
@@ -188,6 +199,13 @@ class PrivateRun:
         if not self._accounted:
             self.mechanism.account()
             self._accounted = True
+
+    def restore(self, folder: str, global_step: int, process_index: int) -> None:
+        """The checkpoint's privacy state (``RunPrivacyState.restore``), then a closed step: loading the optimizer
+        may step it once (torch's distributed checkpoint fills an empty FSDP optimizer state with a zero-lr
+        step), a release that must not leave its batch marked accounted, or the next real step goes unaccounted."""
+        self.state.restore(folder, global_step, process_index)
+        self.end_step()
 
     def end_step(self) -> None:
         """The logical batch is released and applied: close its plan."""

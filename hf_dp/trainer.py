@@ -91,11 +91,11 @@ class DPTrainerMixin:
 
     # ---- training ---------------------------------------------------------------------------------
 
-    def train(self, *args: Any, **kwargs: Any):
-        """The Trainer's ``train``, once per DPTrainer; its metrics (``train_results.json``) carry the guarantee."""
-        self._private_run("train").start_training()
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """The Trainer's ``train``, once per DPTrainer, from a complete checkpoint; its metrics carry the guarantee."""
+        resume = self._private_run("train").start_training(resume_from_checkpoint)
         try:
-            output = super().train(*args, **kwargs)
+            output = super().train(resume, *args, **kwargs)
         finally:
             self.dp.close()
         output.metrics.update(self.privacy_metrics())
@@ -137,7 +137,8 @@ class DPTrainerMixin:
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """Count the logical batch's real examples over all processes: the logged loss is their mean."""
-        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        done = self.dp.finished(self.state, self.control)  # resumed at max_steps: no step past the plan
+        batches, _ = ([], None) if done else super().get_batch_samples(epoch_iterator, num_batches, device)
         self._drawn_examples = count_drawn_examples(batches, self.args.device, self.accelerator.reduce)
         return batches, None
 
@@ -220,18 +221,17 @@ class DPTrainerMixin:
         super().create_model_card(*args, **kwargs)
         if self.is_world_process_zero() and self.dp is not None:
             dataset = kwargs.get("dataset") or kwargs.get("dataset_tags") or kwargs.get("dataset_args")
-            add_privacy_to_model_card(
-                os.path.join(self.args.output_dir, "README.md"), self.privacy_report(), dataset
-            )
+            card = os.path.join(self.args.output_dir, "README.md")
+            add_privacy_to_model_card(card, self.privacy_report(), dataset)
 
     # ---- checkpoints: the privacy state, private ------------------------------------------------------
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """The Trainer's checkpoint, the public ledger in ``trainer_state.json``, then the private state."""
+        """The Trainer's checkpoint (with the public ledger), the private state, then the completion marker."""
         self.state.stateful_callbacks[checkpoint.LEDGER_KEY] = self.dp.public_ledger()
-        super()._save_checkpoint(model, trial)
         folder = f"{self._get_output_dir(trial=trial)}/{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        self.dp.state.save(folder, self.args.process_index, main=self.args.should_save)
+        with self.dp.state.saving(folder, self.args, self.state):
+            super()._save_checkpoint(model, trial)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """The Trainer uploads whole checkpoint folders (hub_strategy checkpoint / all_checkpoints): hand it a
@@ -243,7 +243,7 @@ class DPTrainerMixin:
     def _load_optimizer_and_scheduler(self, folder: str | None) -> None:
         super()._load_optimizer_and_scheduler(folder)
         if folder is not None:
-            self.dp.state.restore(folder, self.state.global_step, self.args.process_index)
+            self.dp.restore(folder, self.state.global_step, self.args.process_index)
 
 
 class DPTrainer(DPTrainerMixin, Trainer):
