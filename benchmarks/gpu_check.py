@@ -78,6 +78,7 @@ from torch import nn  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from benchmarks._opacus import ghost_clipping, ghost_step  # noqa: E402
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_check.json"
@@ -677,30 +678,12 @@ def build_dp(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cel
 
 
 def build_opacus(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
-    from opacus import PrivacyEngine
-    from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
-    from torch.utils.data import DataLoader, TensorDataset
     from transformers import default_data_collator
 
     if s.checkpointing:
         enable_checkpointing(model)
-    defaults = TrainingArguments.__dataclass_fields__
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=defaults["learning_rate"].default,
-        weight_decay=defaults["weight_decay"].default,
-    )
-    loader = DataLoader(TensorDataset(torch.zeros(len(rows), 1)), batch_size=s.batch)
-    engine = PrivacyEngine()
-    dp_model, dp_optimizer, _, _ = engine.make_private(
-        module=model,
-        optimizer=optimizer,
-        data_loader=loader,
-        noise_multiplier=NOISE_MULTIPLIER,
-        max_grad_norm=MAX_GRAD_NORM,
-        grad_sample_mode="ghost",
-        loss_reduction="mean",
-        poisson_sampling=False,
+    engine, dp_model, dp_optimizer = ghost_clipping(
+        model, len(rows), s.batch, NOISE_MULTIPLIER, MAX_GRAD_NORM
     )
     batch = {k: v.to(device) for k, v in default_data_collator(rows[: s.batch]).items()}
     autocast = torch.autocast(device, dtype=torch.bfloat16)
@@ -708,12 +691,7 @@ def build_opacus(s: Setting, model: nn.Module, rows: list[dict], device: str) ->
     def step() -> float:
         with autocast:
             logits = dp_model(input_ids=batch["input_ids"]).logits
-        losses = per_example_loss(logits, batch["labels"])
-        loss = DPTensorFastGradientClipping(dp_model, dp_optimizer, losses, loss_reduction="mean")
-        loss.backward()  # Opacus' two backward passes
-        dp_optimizer.step()
-        dp_optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return ghost_step(dp_model, dp_optimizer, per_example_loss(logits, batch["labels"]))
 
     cell = Cell("opacus", step=step, keep=[engine, dp_model, dp_optimizer])
     _cell_info(cell, model)
@@ -811,6 +789,23 @@ def over_budget(record: Record, config: Config) -> str | None:
     return None
 
 
+def timed_setting(
+    s: Setting, build: Callable[[], nn.Module], config: Config, record: Record, section: dict
+) -> None:
+    """Stock, DP and Opacus on one setting, interleaved; an error is recorded and the next setting runs."""
+    start = time.perf_counter()
+    try:
+        result = run_setting(s, ["stock", "dp", "opacus"], build, config)
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"setting": asdict(s), "error": error_text(exc)}
+        free_memory(config.device)
+    result["seconds"] = time.perf_counter() - start
+    section["settings"][s.name] = result
+    print(setting_lines(s.name, result), flush=True)
+    record.save()
+
+
 def run_performance(config: Config, record: Record) -> None:
     section = record.data["performance"]
     for tuning, ckpt in (("full", True), ("lora", True), ("full", False), ("lora", False)):
@@ -819,22 +814,9 @@ def run_performance(config: Config, record: Record) -> None:
             section["settings"][s.name] = {"setting": asdict(s), "skipped": reason}
             record.save()
             continue
-        start = time.perf_counter()
-        try:
-            result = run_setting(
-                s,
-                ["stock", "dp", "opacus"],
-                lambda s=s: build_llama(s.shape, s.seq, config.device, s.tuning),
-                config,
-            )
-        except Exception as exc:
-            traceback.print_exc()
-            result = {"setting": asdict(s), "error": error_text(exc)}
-            free_memory(config.device)
-        result["seconds"] = time.perf_counter() - start
-        section["settings"][s.name] = result
-        print(setting_lines(s.name, result), flush=True)
-        record.save()
+        timed_setting(
+            s, lambda s=s: build_llama(s.shape, s.seq, config.device, s.tuning), config, record, section
+        )
 
 
 def bitsandbytes_problem(device: str) -> str | None:
@@ -898,19 +880,7 @@ def run_qlora(config: Config, record: Record) -> None:
                 section["settings"][s.name] = {"setting": asdict(s), "skipped": reason}
                 record.save()
                 continue
-            start = time.perf_counter()
-            try:
-                result = run_setting(
-                    s, ["stock", "dp", "opacus"], lambda s=s: build_qlora(s, folder, config.device), config
-                )
-            except Exception as exc:
-                traceback.print_exc()
-                result = {"setting": asdict(s), "error": error_text(exc)}
-                free_memory(config.device)
-            result["seconds"] = time.perf_counter() - start
-            section["settings"][s.name] = result
-            print(setting_lines(s.name, result), flush=True)
-            record.save()
+            timed_setting(s, lambda s=s: build_qlora(s, folder, config.device), config, record, section)
 
 
 # ---- the table --------------------------------------------------------------------------------------------------

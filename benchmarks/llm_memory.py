@@ -65,6 +65,7 @@ if _REPO_ROOT not in sys.path:
 
 from benchmarks import _timing  # noqa: E402  (sets the offline environment first)
 from benchmarks._memory import LAUNCHER, reset_peak_rss, vm_hwm_kb  # noqa: E402
+from benchmarks._opacus import ghost_clipping, ghost_step  # noqa: E402
 from benchmarks._timing import Variant, fmt  # noqa: E402
 
 # isort: split
@@ -72,7 +73,6 @@ from benchmarks._timing import Variant, fmt  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
@@ -344,30 +344,13 @@ def per_example_next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> t
 
 
 def build_opacus(s: Setting, rows: list[dict], device: str) -> Variant:
-    from opacus import PrivacyEngine
-    from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
     from transformers import default_data_collator
 
     model = build_model(s, device)
     if s.checkpointing:
         enable_checkpointing(model)
-    defaults = TrainingArguments.__dataclass_fields__
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=defaults["learning_rate"].default,
-        weight_decay=defaults["weight_decay"].default,
-    )
-    loader = DataLoader(TensorDataset(torch.zeros(len(rows), 1)), batch_size=s.batch)
-    engine = PrivacyEngine()
-    dp_model, dp_optimizer, _, _ = engine.make_private(
-        module=model,
-        optimizer=optimizer,
-        data_loader=loader,
-        noise_multiplier=NOISE_MULTIPLIER,
-        max_grad_norm=MAX_GRAD_NORM,
-        grad_sample_mode="ghost",
-        loss_reduction="mean",
-        poisson_sampling=False,
+    engine, dp_model, dp_optimizer = ghost_clipping(
+        model, len(rows), s.batch, NOISE_MULTIPLIER, MAX_GRAD_NORM
     )
     if dp_optimizer.expected_batch_size != s.batch:
         raise RuntimeError(f"Opacus expects a batch of {dp_optimizer.expected_batch_size}, not {s.batch}")
@@ -377,12 +360,7 @@ def build_opacus(s: Setting, rows: list[dict], device: str) -> Variant:
     def step() -> float:
         with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             logits = dp_model(input_ids=batch["input_ids"]).logits
-        losses = per_example_next_token_loss(logits, batch["labels"])
-        loss = DPTensorFastGradientClipping(dp_model, dp_optimizer, losses, loss_reduction="mean")
-        loss.backward()  # Opacus' two backward passes
-        dp_optimizer.step()
-        dp_optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+        return ghost_step(dp_model, dp_optimizer, per_example_next_token_loss(logits, batch["labels"]))
 
     variant = Variant("opacus", step=_synced(step, device), keep=[engine, dp_model, dp_optimizer])
     _common_info(variant, model)

@@ -263,11 +263,11 @@ class DPTrainingArguments(TrainingArguments):
             )
 
 
-def check_trainer_call(trainer_class: type, args: tuple, kwargs: dict) -> None:
+def check_trainer_call(trainer_class: type, mixin: type, args: tuple, kwargs: dict) -> None:
     """Refuse, before the Trainer builds anything, a call DP cannot train with. The arguments are named by the
-    first ``__init__`` after ``DPTrainerMixin`` in the MRO that names them (a subclass may take ``*args``)."""
+    first ``__init__`` after ``mixin`` (DPTrainerMixin) in the MRO that names them (a subclass may take ``*args``)."""
     _refuse_bare_trl(trainer_class)
-    bound = _bind_trainer_call(trainer_class, args, kwargs)
+    bound = _bind_trainer_call(trainer_class.__mro__, mixin, args, kwargs)
     if bound is None:
         return  # the Trainer's own error says what is wrong
     if not isinstance(bound.get("args"), DPTrainingArguments):
@@ -300,10 +300,8 @@ def _refuse_bare_trl(trainer_class: type) -> None:
         )
 
 
-def _bind_trainer_call(trainer_class: type, args: tuple, kwargs: dict) -> dict | None:
-    mro = trainer_class.__mro__
-    start = next(i for i, cls in enumerate(mro) if cls.__name__ == "DPTrainerMixin") + 1
-    for cls in mro[start:]:
+def _bind_trainer_call(mro: tuple[type, ...], mixin: type, args: tuple, kwargs: dict) -> dict | None:
+    for cls in mro[mro.index(mixin) + 1 :]:
         init = cls.__dict__.get("__init__")
         if init is None:
             continue

@@ -173,9 +173,8 @@ def privacy_report(
 
 def privacy_metrics(report: dict[str, Any]) -> dict[str, float | int | str]:
     """The guarantee as training metrics (``train_results.json``, ``all_results.json``)."""
-    names = {"epsilon": "epsilon", "delta": "delta", "noise_multiplier": "noise_multiplier"}
     return {
-        **{name: report[key] for name, key in names.items()},
+        **{key: report[key] for key in ("epsilon", "delta", "noise_multiplier")},
         "privacy_unit": report["unit"],
         "dp_steps": report["steps"],
     }

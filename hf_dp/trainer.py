@@ -46,7 +46,7 @@ class DPTrainerMixin:
             cls.compute_loss = per_example_under_dp(cls.__dict__["compute_loss"])
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        check_trainer_call(type(self), args, kwargs)
+        check_trainer_call(type(self), DPTrainerMixin, args, kwargs)
         self.dp: PrivateRun | None = None  # None: evaluation and prediction need no privacy machinery
         self._micro_batch: MicroBatch | None = None
         self._drawn_examples = 0  # real examples in the logical batch in progress, over all processes

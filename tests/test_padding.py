@@ -8,8 +8,8 @@ import torch
 from transformers import DataCollatorWithFlattening
 
 from hf_dp.privacy_units import micro_batch_units
-from tests import models, oracle
-from tests.trainer_utils import TokenRows, make_trainer, sampled_logical_batches, snapshot
+from tests import models
+from tests.trainer_utils import assert_step_clips_each_example_alone
 
 
 def _padded(examples: list[dict], left: bool, pad_position: str) -> dict[str, torch.Tensor]:
@@ -51,32 +51,7 @@ def test_a_padded_micro_batch_is_one_unit_per_row(left: bool, pad_position: str)
 def test_the_trainer_trains_padded_rows_exactly(tmp_path, left: bool, pad_position: str) -> None:
     """The noise-free step with a padding collator that passes position ids equals lr · Σ_i clip(∇L_i) / B̄ over
     each example run alone, without padding."""
-    torch.manual_seed(0)
-    model = models.gpt2().double()
-    model.config.use_cache = False
-    dataset = TokenRows(24)
-    trainer = make_trainer(
-        tmp_path,
-        dataset=dataset,
-        model=model,
-        noise_multiplier=0.0,
-        max_steps=1,
-        insecure_dp_seed=11,
-        per_sample_max_grad_norm=0.05,
-    )
-    trainer.data_collator = lambda examples: _padded(examples, left, pad_position)
-    before = snapshot(model)
-    drawn = sampled_logical_batches(trainer, 1)[0]
-    alone = [[{"input_ids": torch.tensor(dataset[i]["input_ids"])[None]}] for i in drawn]
-    for parts in alone:
-        parts[0]["labels"] = parts[0]["input_ids"]
-    reference, norms = oracle.per_unit(model, alone, 0.05)
-    assert (norms > 0.05).all()
-    trainer.train()
-    lr, expected_batch = trainer.args.learning_rate, trainer.expected_batch_size
-    for name, p in model.named_parameters():
-        step = (before[name] - p.detach()).double()
-        torch.testing.assert_close(step, lr * reference[name] / expected_batch, rtol=1e-8, atol=1e-12)
+    assert_step_clips_each_example_alone(tmp_path, lambda examples: _padded(examples, left, pad_position))
 
 
 def test_packed_rows_are_records_from_position_ids_or_seq_idx() -> None:

@@ -21,7 +21,12 @@ from hf_dp.losses import per_example_loss, unwrap_model
 from tests import models, oracle
 from tests.test_checkpointing import float64_rms_norm, llama_lora  # noqa: F401 (an autouse fixture)
 from tests.test_engine import assert_close
-from tests.trainer_utils import TokenRows, make_trainer, sampled_logical_batches, snapshot
+from tests.trainer_utils import (
+    TokenRows,
+    assert_step_clips_each_example_alone,
+    make_trainer,
+    snapshot,
+)
 
 UNIT_OF_ROW = torch.tensor([0, 1, 0, 2, 1, 0])  # units of 3, 2 and 1 rows, interleaved
 
@@ -134,33 +139,7 @@ def flatten_collate(examples: list[dict]) -> dict[str, torch.Tensor]:
 def test_trainer_packs_sampled_records_and_clips_each(tmp_path) -> None:
     """DPTrainer with a padding-free collator: Poisson-sampled records packed into one row per micro-batch, each
     clipped on its own; the noise-free SGD step is lr · Σ_u clip(∇L_u) / B̄ over the records run alone."""
-    torch.manual_seed(0)
-    model = models.gpt2().double()
-    model.config.use_cache = False
-    dataset = TokenRows(24)
-    trainer = make_trainer(
-        tmp_path,
-        dataset=dataset,
-        model=model,
-        noise_multiplier=0.0,
-        max_steps=1,
-        insecure_dp_seed=11,
-        per_sample_max_grad_norm=0.05,
-    )
-    trainer.data_collator = flatten_collate
-    before = snapshot(model)
-    drawn = sampled_logical_batches(trainer, 1)[0]
-    assert len(drawn) > 1
-    alone = [[{"input_ids": torch.tensor(dataset[i]["input_ids"])[None]}] for i in drawn]
-    for parts in alone:
-        parts[0]["labels"] = parts[0]["input_ids"]
-    reference, norms = oracle.per_unit(model, alone, 0.05)
-    assert (norms > 0.05).all()
-    trainer.train()
-    lr, expected_batch = trainer.args.learning_rate, trainer.expected_batch_size
-    for name, p in model.named_parameters():
-        step = (before[name] - p.detach()).double()
-        torch.testing.assert_close(step, lr * reference[name] / expected_batch, rtol=1e-8, atol=1e-12)
+    assert len(assert_step_clips_each_example_alone(tmp_path, flatten_collate)) > 1
 
 
 def test_trainer_refuses_records_that_attend_to_each_other(tmp_path) -> None:

@@ -85,3 +85,38 @@ def sampled_logical_batches(trainer: DPTrainer, steps: int, epoch: int = 0) -> l
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_step_clips_each_example_alone(tmp_path, collator) -> list[int]:
+    """One noise-free SGD step of a float64 GPT-2 whose micro-batches ``collator`` forms: it must equal
+    lr · Σ_i clip(∇L_i) / B̄ with each drawn example run alone (one backward each), every example clipped.
+    Returns the drawn example indices."""
+    from tests import oracle
+
+    torch.manual_seed(0)
+    model = models.gpt2().double()
+    model.config.use_cache = False
+    dataset = TokenRows(24)
+    trainer = make_trainer(
+        tmp_path,
+        dataset=dataset,
+        model=model,
+        noise_multiplier=0.0,
+        max_steps=1,
+        insecure_dp_seed=11,
+        per_sample_max_grad_norm=0.05,
+    )
+    trainer.data_collator = collator
+    before = snapshot(model)
+    drawn = sampled_logical_batches(trainer, 1)[0]
+    alone = [[{"input_ids": torch.tensor(dataset[i]["input_ids"])[None]}] for i in drawn]
+    for parts in alone:
+        parts[0]["labels"] = parts[0]["input_ids"]
+    reference, norms = oracle.per_unit(model, alone, 0.05)
+    assert (norms > 0.05).all()
+    trainer.train()
+    lr, expected_batch = trainer.args.learning_rate, trainer.expected_batch_size
+    for name, p in model.named_parameters():
+        step = (before[name] - p.detach()).double()
+        torch.testing.assert_close(step, lr * reference[name] / expected_batch, rtol=1e-8, atol=1e-12)
+    return drawn
