@@ -22,6 +22,14 @@ same batches. The trainer passes the run's secret as ``seed`` (docs/privacy.md):
 batches, which voids amplification by sampling.
 With ``secure_mode=True`` the randomness is read from the OS CSPRNG (``secrets``) for every draw,
 so batches are not reproducible and checkpoints cannot replay them.
+
+Cyclic Poisson sampling (for DP-BandMF; Choquette-Choo et al. 2023, arXiv 2306.08153, Thm 4): pass
+``cycle=CyclicPartition(N, b, key)`` to ``PoissonBatchSampler`` or ``UnitPoissonBatchSampler``. The items
+(rows or units) are split once into ``b`` groups by a secret uniform random partition, and global step
+``t = epoch * steps_per_epoch + i`` Poisson-samples only group ``t mod b``, each of its items with prob.
+``p = sample_rate``; so an item can appear only in steps of one residue mod ``b``. The uniforms are drawn for
+all ``N`` items as without a cycle and then masked by the group, so without a cycle (or with ``b = 1``) the
+batches are exactly those of before.
 """
 
 from __future__ import annotations
@@ -29,13 +37,20 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TypeVar
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["PoissonBatchSampler", "SamplerConfig", "ShuffledBatchSampler", "UnitPoissonBatchSampler"]
+__all__ = [
+    "CyclicPartition",
+    "PoissonBatchSampler",
+    "SamplerConfig",
+    "ShuffledBatchSampler",
+    "UnitPoissonBatchSampler",
+]
 
 _BITS = 53  # resolution of the secure-mode uniforms: u = k / 2**53 with k uniform in [0, 2**53)
 
@@ -71,6 +86,54 @@ def _check_sample_rate(sample_rate: float) -> None:
     if not 0 < sample_rate <= 1:
         raise ValueError(
             f"sample_rate must be in (0, 1] (got {sample_rate}); use expected_batch_size / num_samples."
+        )
+
+
+@dataclass(frozen=True)
+class CyclicPartition:
+    """A secret uniform random partition of items ``0..N-1`` into ``b`` groups for cyclic Poisson sampling
+    (Choquette-Choo et al. 2023, "Amplified matrix factorization", arXiv 2306.08153, Thm 4): step ``t``
+    samples only group ``t mod b``, so with a ``b``-banded strategy a run of ``T`` steps is as private as DP-SGD
+    with ``ceil(T / b)`` steps at the within-group rate ``p``.
+
+    ``pi`` is a uniform permutation of ``range(N)`` drawn from ``PCG64DXSM(key)``; group ``g`` is the ``g``-th
+    of ``b`` contiguous chunks of ``pi`` (sizes differ by at most one, larger first, as ``_split``). The
+    partition is a pure function of ``key`` (a secret, up to 128 bits, that the caller derives from the run's
+    secret), so the samplers' ``state_dict`` / ``load_state_dict`` need not store it: rebuild it from the key.
+    """
+
+    num_items: int
+    num_groups: int
+    key: int
+
+    def __post_init__(self) -> None:
+        if self.num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1 (got {self.num_groups}); use 1 for no cycling.")
+        if self.num_groups > self.num_items:
+            raise ValueError(
+                f"num_groups={self.num_groups} exceeds num_items={self.num_items}; lower num_groups (the band b)."
+            )
+
+    @cached_property
+    def group_of(self) -> np.ndarray:
+        """``group_of[i]`` is item ``i``'s group in ``0..b-1`` (read-only; computed once)."""
+        perm = np.random.Generator(np.random.PCG64DXSM(self.key)).permutation(self.num_items)
+        groups = np.empty(self.num_items, dtype=np.int64)
+        for g, chunk in enumerate(_split(perm, self.num_groups)):
+            groups[chunk] = g
+        groups.setflags(write=False)
+        return groups
+
+    def in_group(self, step: int) -> np.ndarray:
+        """Boolean mask of the items of group ``step mod b``, the only ones step ``step`` may sample."""
+        return self.group_of == step % self.num_groups
+
+
+def _check_cycle(cycle: CyclicPartition | None, num_samples: int, what: str) -> None:
+    if cycle is not None and cycle.num_items != num_samples:
+        raise ValueError(
+            f"cycle.num_items={cycle.num_items} but the sampler has {num_samples} {what}; "
+            f"build the CyclicPartition with num_items={num_samples}."
         )
 
 
@@ -159,16 +222,33 @@ class PoissonBatchSampler(_DPBatchSampler):
 
     Logical batch ``B = {i : U_i < q}`` with ``U_i ~ Uniform[0, 1)`` i.i.d., so ``|B| ~ Binomial(N, q)``;
     indices are yielded in increasing order (not shuffled within the batch).
+
+    With ``cycle`` (a ``CyclicPartition`` of the ``N`` rows into ``b`` groups), global step
+    ``t = epoch * steps_per_epoch + i`` yields ``{i : U_i < p} & group(t mod b)``, ``p = sample_rate`` being
+    the rate within the group (expected batch ``p * N / b``). The state dict is unchanged: the partition is a
+    function of its key.
     """
 
-    def __init__(self, num_samples: int, sample_rate: float, config: SamplerConfig) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        config: SamplerConfig,
+        *,
+        cycle: CyclicPartition | None = None,
+    ) -> None:
         super().__init__(num_samples, config)
         _check_sample_rate(sample_rate)
+        _check_cycle(cycle, num_samples, "rows")
         self.sample_rate = sample_rate
+        self.cycle = cycle
 
     def _logical_batches(self, generator: np.random.Generator | None) -> Iterator[list[int]]:
-        for _ in range(self.steps_per_epoch):
-            yield np.flatnonzero(_poisson_mask(self.num_samples, self.sample_rate, generator)).tolist()
+        for i in range(self.steps_per_epoch):
+            mask = _poisson_mask(self.num_samples, self.sample_rate, generator)
+            if self.cycle is not None:
+                mask = mask & self.cycle.in_group(self.epoch * self.steps_per_epoch + i)
+            yield np.flatnonzero(mask).tolist()
 
 
 class ShuffledBatchSampler(_DPBatchSampler):
@@ -214,10 +294,21 @@ class UnitPoissonBatchSampler(_DPBatchSampler):
     Units are yielded in increasing order, each as its chosen rows in increasing order. The replica and
     micro-batch splits are by units (nearly equal unit counts), so a unit's rows stay adjacent, on one process
     and in one micro-batch. ``num_samples`` is ``N_u``.
+
+    With ``cycle`` (a ``CyclicPartition`` of the ``N_u`` units), global step ``t = epoch * steps_per_epoch + i``
+    samples units ``{u : U_u < p} & group(t mod b)`` (``p = sample_rate``, the rate within the group), so all
+    of a unit's rows appear only in steps of its residue. The state dict is unchanged: the partition is a
+    function of its key.
     """
 
     def __init__(
-        self, unit_of_row: Sequence[int], sample_rate: float, max_rows_per_unit: int, config: SamplerConfig
+        self,
+        unit_of_row: Sequence[int],
+        sample_rate: float,
+        max_rows_per_unit: int,
+        config: SamplerConfig,
+        *,
+        cycle: CyclicPartition | None = None,
     ) -> None:
         units = np.asarray(unit_of_row)
         if units.ndim != 1 or units.size == 0 or not np.issubdtype(units.dtype, np.integer):
@@ -243,7 +334,9 @@ class UnitPoissonBatchSampler(_DPBatchSampler):
             raise ValueError(
                 f"max_rows_per_unit must be an integer >= 1 (got {k!r}); it caps a unit's rows per step."
             )
+        _check_cycle(cycle, len(counts), "units")
         self.sample_rate = sample_rate
+        self.cycle = cycle
         self.max_rows_per_unit = int(max_rows_per_unit)
         self._counts = counts  # n_u
         self._starts = np.cumsum(counts) - counts  # unit u's rows are _by_unit[_starts[u] : _starts[u] + n_u]
@@ -253,8 +346,11 @@ class UnitPoissonBatchSampler(_DPBatchSampler):
         return _os_random_int64(n).numpy() if generator is None else generator.random(n)
 
     def _logical_batches(self, generator: np.random.Generator | None) -> Iterator[list[list[int]]]:
-        for _ in range(self.steps_per_epoch):
-            units = np.flatnonzero(_poisson_mask(self.num_samples, self.sample_rate, generator))
+        for i in range(self.steps_per_epoch):
+            mask = _poisson_mask(self.num_samples, self.sample_rate, generator)
+            if self.cycle is not None:
+                mask = mask & self.cycle.in_group(self.epoch * self.steps_per_epoch + i)
+            units = np.flatnonzero(mask)
             if units.size == 0:
                 yield []
                 continue
