@@ -131,6 +131,28 @@ class DPTrainingArguments(TrainingArguments):
             "step is skipped and no scale decision depends on the data (docs/clipping.md, Low precision)."
         },
     )
+    noise_mechanism: str = field(
+        default="independent",
+        metadata={
+            "help": "'independent': fresh Gaussian noise every step (DP-SGD). 'bandmf': noise correlated across steps "
+            "by a banded Toeplitz strategy, with cyclic Poisson sampling (DP-BandMF, Choquette-Choo et al. 2023; "
+            "docs/correlated-noise.md)."
+        },
+    )
+    num_bands: str = field(
+        default="auto",
+        metadata={
+            "help": "With noise_mechanism='bandmf': the bands b >= 1 of the strategy (b = 1 is DP-SGD), or 'auto' to "
+            "pick b by the expected error at the sigma calibrated for it (needs target_epsilon)."
+        },
+    )
+    bandmf_buffers_on_cpu: bool = field(
+        default=False,
+        metadata={
+            "help": "With noise_mechanism='bandmf': keep the b - 1 noise buffers (b - 1 x trainable parameters x 4 "
+            "bytes) in CPU memory instead of the accelerator's."
+        },
+    )
     max_grad_norm: float = field(
         default=0.0,
         metadata={
@@ -208,9 +230,12 @@ class DPTrainingArguments(TrainingArguments):
             fail(f"clipping_fn={self.clipping_fn!r} is unknown; use one of {CLIPPING_FNS}")
         if self.accountant not in ACCOUNTANTS:
             fail(f"accountant={self.accountant!r} is unknown; use one of {ACCOUNTANTS}")
+        self._validate_noise_mechanism(fail)
         if self.disable_dp:
             if self.target_epsilon is not None or self.noise_multiplier is not None:
                 fail("disable_dp=True trains without privacy; drop target_epsilon and noise_multiplier")
+            if self.noise_mechanism != "independent":
+                fail(f"disable_dp=True adds no noise; drop noise_mechanism={self.noise_mechanism!r}")
             return
         if not (self.per_sample_max_grad_norm > 0 and math.isfinite(self.per_sample_max_grad_norm)):
             fail(f"per_sample_max_grad_norm must be > 0 and finite, got {self.per_sample_max_grad_norm}")
@@ -260,6 +285,30 @@ class DPTrainingArguments(TrainingArguments):
                 "poisson_sampling=False: fixed-size shuffled batches; epsilon is accounted as if batches were "
                 "Poisson-sampled, which they are not",
                 stacklevel=3,
+            )
+
+    def _validate_noise_mechanism(self, fail) -> None:
+        bands = str(self.num_bands).strip()
+        if bands != "auto" and not (bands.isdigit() and int(bands) >= 1):
+            fail(f"num_bands={self.num_bands!r} must be an integer >= 1 or 'auto'")
+        self.num_bands = bands if bands == "auto" else int(bands)
+        if self.noise_mechanism != "bandmf" and self.num_bands not in ("auto", 1):
+            fail(
+                f"num_bands={self.num_bands} sets the bands of noise_mechanism='bandmf'; set it or drop num_bands"
+            )
+        if self.noise_mechanism != "bandmf" and self.bandmf_buffers_on_cpu:
+            fail("bandmf_buffers_on_cpu places noise_mechanism='bandmf''s buffers; set it or drop the flag")
+        if self.noise_mechanism != "bandmf":
+            return
+        if not self.poisson_sampling:
+            fail(
+                "noise_mechanism='bandmf' is accounted for cyclic Poisson sampling, not fixed-size batches; set "
+                "poisson_sampling=True"
+            )
+        if self.num_bands == "auto" and self.noise_multiplier is not None:
+            fail(
+                "num_bands='auto' compares bands at equal epsilon, which needs target_epsilon; give target_epsilon "
+                "or a number of bands"
             )
 
 

@@ -213,6 +213,16 @@ class BandedToeplitz:
     def mean_error(self) -> float:
         return mean_error(np.asarray(self.coefs), self.num_steps)
 
+    @property
+    def marginal_std(self) -> float:
+        """The std of one step's noise x_t in units of σC, as a root mean square over the steps:
+        sqrt(mean_t Σ_{k≤t} d_k²) with d the coefficients of C⁻¹ (1 for b = 1)."""
+        d = inverse_coefs(np.asarray(self.coefs), self.num_steps)
+        return float(np.sqrt(np.mean(np.cumsum(d**2))))
+
+
+INDEPENDENT = BandedToeplitz((1.0,), 1, "closed_form")  # b = 1: DP-SGD's independent noise
+
 
 def banded_strategy(num_steps: int, bands: int) -> BandedToeplitz:
     """The optimised strategy, or the closed form (source="closed_form") if the optimiser fails or does worse;

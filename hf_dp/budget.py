@@ -1,7 +1,9 @@
 """Stop before the privacy budget would be exceeded.
 
 σ and q are fixed within a run, so the number of steps the budget allows is found once, at train start, by
-bisection over the accountant (``PrivacyAccountant.steps_within``), not by asking it after every step.
+bisection over the accountant (``PrivacyAccountant.steps_within``), not by asking it after every step. With b
+bands (cyclic Poisson sampling) only every b-th step spends ε (``PrivacyPlan.ledger_steps``); the steps between
+are free.
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ class PrivacyBudgetCallback(TrainerCallback):
         self.allowed_steps = None
         if not plan.private or args.target_epsilon is None or state.max_steps <= state.global_step:
             return control
-        fit = accountant.steps_within(
-            args.target_epsilon, plan.noise_multiplier, plan.sample_rate, state.max_steps - state.global_step
-        )
-        if fit == 0:
+        remaining = plan.ledger_steps(state.max_steps) - accountant.steps
+        fit = accountant.steps_within(args.target_epsilon, plan.noise_multiplier, plan.sample_rate, remaining)
+        if fit == 0 and remaining > 0 and _spends(plan, state.global_step):
             spent = accountant.epsilon_after(plan.noise_multiplier, plan.sample_rate)
             raise ValueError(
                 f"hf_dp: the privacy budget is spent: after {accountant.steps} steps one more would reach "
@@ -38,7 +39,11 @@ class PrivacyBudgetCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         plan, accountant = self.run.plan, self.run.accountant
-        if self.allowed_steps is not None and accountant.steps >= self.allowed_steps:
+        if (
+            self.allowed_steps is not None
+            and accountant.steps >= self.allowed_steps
+            and _spends(plan, state.global_step)
+        ):
             logger.warning(
                 f"hf_dp: stopping at step {state.global_step}: one more step would spend epsilon "
                 f"{accountant.epsilon_after(plan.noise_multiplier, plan.sample_rate):.4g} > target_epsilon "
@@ -46,3 +51,8 @@ class PrivacyBudgetCallback(TrainerCallback):
             )
             control.should_training_stop = True
         return control
+
+
+def _spends(plan, step: int) -> bool:
+    """Whether the step with index ``step`` (0-based) takes a ledger step."""
+    return step % plan.bands == 0

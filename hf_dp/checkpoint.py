@@ -3,7 +3,8 @@
 Two kinds of files, both private (hf_dp never uploads them, docs/privacy.md):
 - ``hf_dp_privacy_state.json`` (main process): the run's secret, the sampler's epoch, the accountant's
   ledger and the plan it was spent under (N, B̄, q, δ, σ, C, sampling, unit);
-- ``hf_dp_noise_state_process{i}.pt`` (every process): its noise stream.
+- ``hf_dp_noise_state_process{i}.pt`` (every process): its noise stream, and with correlated noise the b − 1
+  previous noise outputs of the parameters it owns (as secret as the key).
 The public copy of the ledger goes into ``trainer_state.json`` under ``LEDGER_KEY``; on resume the two must
 agree with each other and with the Trainer's step count, and the run must draw from the same population with
 the same sampling, or training refuses with one line. A changed δ is honoured: ε is re-reported at the new δ
@@ -19,6 +20,7 @@ and ``save_total_limit`` rotates complete checkpoints only once the new one is c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -41,7 +43,7 @@ PRIVACY_STATE_FILE = "hf_dp_privacy_state.json"
 COMPLETE_FILE = "hf_dp_checkpoint_complete.json"  # written last; no secret: the files the checkpoint holds
 TRAINER_STATE_FILE = "trainer_state.json"
 LEDGER_KEY = "hf_dp_privacy_ledger"
-FORMAT = 1
+FORMAT = 2  # 2: the noise state file holds the whole mechanism state (stream, correlated-noise buffers)
 _TEMPORARY = re.compile(r"^\..+\.tmp$")  # atomic_write's temporary files: ".<name>.<random>.tmp"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR
 
@@ -316,7 +318,15 @@ def load(folder: str, expected_plan: dict[str, Any], global_step: int) -> Privac
             path,
             f"corrupt or truncated privacy state ({type(error).__name__}: {error}); resume from an intact checkpoint",
         ) from None
-    for key in ("num_examples", "expected_batch_size", "sampling", "unit", "accountant"):
+    for key in (
+        "num_examples",
+        "expected_batch_size",
+        "sampling",
+        "unit",
+        "accountant",
+        "noise_mechanism",
+        "strategy_coefs",
+    ):
         if state.plan.get(key) != expected_plan[key]:
             raise _fail(
                 path,
@@ -333,11 +343,12 @@ def load(folder: str, expected_plan: dict[str, Any], global_step: int) -> Privac
             path,
             "the privacy ledger disagrees with trainer_state.json: the privacy state was edited or mixed in from another run",
         )
-    if expected_plan["private"] and dp_steps != global_step:
+    bands = len(expected_plan["strategy_coefs"])
+    if expected_plan["private"] and dp_steps != -(-global_step // bands):
         raise _fail(
             path,
-            f"the privacy ledger has {dp_steps} steps but trainer_state.json has {global_step}: the privacy state was "
-            "edited or mixed in from another run",
+            f"the privacy ledger has {dp_steps} steps but trainer_state.json's {global_step} steps account as "
+            f"{-(-global_step // bands)}: the privacy state was edited or mixed in from another run",
         )
     if not math.isfinite(state.ledger.get("delta", math.nan)):
         raise _fail(path, "corrupt privacy state: delta is not a number")
@@ -413,7 +424,8 @@ class RunPrivacyState:
         state = PrivacyCheckpoint(
             self.secret, self.sampler.epoch if self.sampler else 0, self.accountant.state_dict(), self.record
         )
-        noise = self.mechanism.state_dict()["noise"] if self.mechanism is not None else None
+        private = self.mechanism is not None and self.mechanism.private
+        noise = self.mechanism.state_dict() if private else None
         save(folder, state, noise, process_index, main)
         return noise is not None
 
@@ -453,6 +465,10 @@ class RunPrivacyState:
         self.secret = saved.secret
         if self.sampler is not None:
             self.sampler.load_state_dict({"seed": saved.secret.sampling_key, "epoch": saved.sampler_epoch})
+            if (
+                getattr(self.sampler, "cycle", None) is not None
+            ):  # the groups of cyclic Poisson sampling, from the same secret
+                self.sampler.cycle = dataclasses.replace(self.sampler.cycle, key=saved.secret.partition_key)
         delta = self.accountant.delta
         self.accountant.load_state_dict(saved.ledger)
         if saved.ledger["delta"] != delta:
@@ -466,5 +482,5 @@ class RunPrivacyState:
                 f"hf_dp: the checkpoint trained with sigma={saved.plan['noise_multiplier']:.4g}, this run uses "
                 f"sigma={self.record['noise_multiplier']:.4g}; the accountant composes both"
             )
-        if self.mechanism is not None and self.mechanism.noise is not None:  # the stream continues exactly
-            self.mechanism.load_state_dict({"noise": load_noise_state(folder, process_index)})
+        if self.mechanism is not None and self.mechanism.private:  # the noise continues exactly
+            self.mechanism.load_state_dict(load_noise_state(folder, process_index))

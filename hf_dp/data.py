@@ -19,7 +19,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from hf_dp.sampling import PoissonBatchSampler, SamplerConfig, ShuffledBatchSampler, UnitPoissonBatchSampler
+from hf_dp.sampling import (
+    CyclicPartition,
+    PoissonBatchSampler,
+    SamplerConfig,
+    ShuffledBatchSampler,
+    UnitPoissonBatchSampler,
+)
 
 EXAMPLE_MASK_KEY = "hf_dp_example_mask"
 UNIT_KEY = "hf_dp_unit"
@@ -152,10 +158,12 @@ def dp_dataloader(
     plan,
     sampling_key: int,
     args,
+    partition_key: int | None = None,
     unit_of_row: Sequence[int] | None = None,
     max_rows_per_unit: int | None = None,
 ) -> EpochDataLoader:
-    """The loader of ``plan``'s logical batches, drawn with ``sampling_key`` (the run's secret).
+    """The loader of ``plan``'s logical batches, drawn with ``sampling_key`` (the run's secret). With b > 1 bands
+    the sampling is cyclic Poisson over b groups, a partition drawn with ``partition_key`` (also secret).
 
     With ``unit_of_row`` (each row's unit 0..N_u-1, see ``units_of_column``) it samples units with
     ``q = plan.sample_rate`` and at most ``max_rows_per_unit`` rows of each; its batches carry ``UNIT_KEY``.
@@ -176,9 +184,17 @@ def dp_dataloader(
                 "pass max_rows_per_unit (k >= 1, the most rows of a unit in one step) with unit_of_row."
             )
         dataset = UnitDataset(dataset, unit_of_row)
-        sampler = UnitPoissonBatchSampler(dataset.unit_of_row, plan.sample_rate, max_rows_per_unit, config)
+        sampler = UnitPoissonBatchSampler(
+            dataset.unit_of_row,
+            plan.sample_rate,
+            max_rows_per_unit,
+            config,
+            cycle=_cycle(plan, partition_key),
+        )
     elif args.poisson_sampling:
-        sampler = PoissonBatchSampler(plan.num_examples, plan.sample_rate, config)
+        sampler = PoissonBatchSampler(
+            plan.num_examples, plan.sample_rate, config, cycle=_cycle(plan, partition_key)
+        )
     else:
         sampler = ShuffledBatchSampler(plan.num_examples, plan.expected_batch_size, config)
     return EpochDataLoader(
@@ -189,6 +205,15 @@ def dp_dataloader(
         pin_memory=args.dataloader_pin_memory,
         **_worker_options(args),
     )
+
+
+def _cycle(plan, partition_key: int | None) -> CyclicPartition | None:
+    """Cyclic Poisson sampling's groups for a plan with b > 1 bands (None: plain Poisson sampling)."""
+    if plan.bands == 1:
+        return None
+    if partition_key is None:
+        raise ValueError(f"{plan.bands} bands sample cyclically over a secret partition: pass partition_key")
+    return CyclicPartition(plan.num_examples, plan.bands, partition_key)
 
 
 def _worker_options(args) -> dict[str, Any]:

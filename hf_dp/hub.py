@@ -70,6 +70,10 @@ def privacy_metadata(report: dict[str, Any], dataset: str | list[str] | None = N
             "max_grad_norm": report["max_grad_norm"],
             "sample_rate": report["sample_rate"],
             "sampling": report["sampling"],
+            "noise_mechanism": report["noise_mechanism"],
+            "num_bands": report["num_bands"],
+            "strategy_coefs": report["strategy_coefs"],
+            "accounting": report["accounting"],
             "steps": report["steps"],
             "expected_batch_size": report["expected_batch_size"],
             "num_train_examples": report["num_train_examples"],
@@ -112,11 +116,23 @@ def privacy_section(report: dict[str, Any], dataset: str | list[str] | None = No
             "private.\n"
         )
     rate, batch = f"{report['sample_rate']:.4g}", report["expected_batch_size"]
-    sampling = (
-        f"Poisson sampling (rate q = {rate}, expected batch {batch})"
-        if report["sampling"] == "poisson"
-        else f"{report['sampling']} of {batch} examples, accounted AS IF Poisson-sampled with rate "
-        f"q = {rate}, which they were not"
+    if report["sampling"] == "poisson":
+        sampling = f"Poisson sampling (rate q = {rate}, expected batch {batch})"
+    elif report["num_bands"] > 1:
+        sampling = (
+            f"cyclic Poisson sampling: the {UNITS[report['unit']][1]} split once into {report['num_bands']} secret "
+            f"groups, step t drawing from group t mod {report['num_bands']} at rate p = {rate} (expected batch {batch})"
+        )
+    else:
+        sampling = (
+            f"{report['sampling']} of {batch} examples, accounted AS IF Poisson-sampled with rate "
+            f"q = {rate}, which they were not"
+        )
+    noise = (
+        f"Gaussian noise multiplier σ = {report['noise_multiplier']:.4g}, independent across steps"
+        if report["num_bands"] == 1
+        else f"Gaussian noise multiplier σ = {report['noise_multiplier']:.4g}, correlated across steps by a "
+        f"{report['num_bands']}-banded Toeplitz strategy (DP-BandMF, largest column norm 1)"
     )
     kwargs = f" ({report['optimizer_kwargs']})" if report["optimizer_kwargs"] else ""
     randomness = _RANDOMNESS_WORDS[report["noise_randomness"]]
@@ -135,10 +151,10 @@ def privacy_section(report: dict[str, Any], dataset: str | list[str] | None = No
         f"{report['unit']} level**: adding or removing any one {UNITS[report['unit']][0]} of the "
         f"N = {report['num_train_examples']} {UNITS[report['unit']][1]} of {data} changes the probability of "
         f"any set of released weights by at most a factor e^ε, plus δ.{_unit_note(report)}\n\n"
-        f"- accounting: {accountant} over {report['steps']} steps{target}\n"
+        f"- accounting: {accountant} over {report['steps']} steps{target}; {report['accounting']}\n"
         f"- sampling: {sampling}\n"
         f"- per-example clip norm C = {report['max_grad_norm']:g} ({report['clipping_fn']} clipping, "
-        f"{report['clipping_mode']} mode); Gaussian noise multiplier σ = {report['noise_multiplier']:.4g}\n"
+        f"{report['clipping_mode']} mode); {noise}\n"
         f"- optimizer: {_optimizer_name(report)}{kwargs}\n"
         f"- noise and batches: {randomness}{large_delta}\n\n"
         "The guarantee covers the released weights only for this fine-tuning data: not the data a base model "

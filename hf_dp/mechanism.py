@@ -5,6 +5,11 @@ sum Σ_i c_i g_i in ``.grad`` and B̄ is the EXPECTED logical batch size (the re
 size). A plan that clips in a scaled geometry ‖s ⊙ g_i‖ ≤ C gets noise isotropic in the scaled space, std
 σC/s_j on coordinate j. Each released logical batch is one step of the subsampled Gaussian mechanism
 (σ, q) in the accountant; everything after the release is post-processing. See docs/dp-step.md.
+
+``BandMFMechanism`` correlates the noise across steps (DP-BandMF, Choquette-Choo et al. 2023): the release at step
+t adds x_t = (z_t − Σ_{j=1..b−1} c_j x_{t−j}) / c_0, the streaming form of C⁻¹z for a banded Toeplitz strategy C
+whose largest column norm is 1; with cyclic Poisson sampling over b groups each example's columns are disjoint,
+so the run is accounted as DP-SGD with ⌈n/b⌉ steps at rate p = bB̄/N. See docs/correlated-noise.md.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.backend import Backend
+from hf_dp.bandmf import BandedToeplitz
 from hf_dp.clipping.geometry import owned_scale
 from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.sums import ClippedSums
@@ -54,10 +60,11 @@ class GaussianMechanism:
         self.noise = noise
         self.accountant = accountant
         self.sum_across_processes = sum_across_processes
+        self.step = 0  # the logical batches released: t of the next release
 
     @classmethod
     def for_run(
-        cls, plan, accountant: PrivacyAccountant, secret, backend: Backend, secure_mode: bool
+        cls, plan, accountant: PrivacyAccountant, secret, backend: Backend, args
     ) -> GaussianMechanism:
         """The mechanism of a training run: noise keyed by the run's secret, one key for all processes when
         their gradients are replicated (summed here first), one per process when they are partitioned."""
@@ -67,10 +74,16 @@ class GaussianMechanism:
             noise_multiplier=plan.noise_multiplier,
             expected_batch_size=plan.expected_batch_size,
             sample_rate=plan.sample_rate,
-            noise=GaussianNoise(key, secure_mode=secure_mode) if private else None,
+            noise=GaussianNoise(key, secure_mode=args.secure_mode) if private else None,
             accountant=accountant if private else None,
             sum_across_processes=sum_across_processes if backend.replicated else None,
+            **cls.options(plan, args),
         )
+
+    @classmethod
+    def options(cls, plan, args) -> dict:
+        """The keyword arguments this mechanism takes beyond the Gaussian mechanism's."""
+        return {}
 
     @property
     def private(self) -> bool:
@@ -99,24 +112,135 @@ class GaussianMechanism:
         for p, total in zip(params, totals, strict=True):
             if std > 0:
                 owned = _owned_part(total)  # FSDP: this process's shard; its key is its own
-                noise = self.noise.sample(owned.shape, std, owned.device, owned.dtype)
+                noise = self.noise_for(owned, std)
                 scale = plan.clip_scale.get(p) if plan.clip_scale else None
                 owned.add_(noise if scale is None else noise / owned_scale(scale, total).to(noise))
             total.div_(self.expected_batch_size)
             p.grad = total if total.dtype == p.dtype else total.to(p.dtype)
+
+    def noise_for(self, owned: torch.Tensor, std: float) -> torch.Tensor:
+        """The noise added to one owned clipped sum (in the plan's scaled space): fresh N(0, std²)."""
+        return self.noise.sample(owned.shape, std, owned.device, owned.dtype)
 
     def account(self) -> None:
         """One step of the subsampled Gaussian mechanism (σ, q) in the ledger: once per released logical batch."""
         if self.private:
             self.accountant.step(self.noise_multiplier, self.sample_rate)
 
+    def end_step(self) -> None:
+        """The logical batch's release is complete (all of its parameter groups)."""
+        self.step += 1
+
     def state_dict(self) -> dict:
-        return {"noise": self.noise.state_dict() if self.noise is not None else None}
+        return {"noise": self.noise.state_dict() if self.noise is not None else None, "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        """The noise stream of a checkpoint (the ledger comes back with the accountant)."""
+        """The noise stream and the step of a checkpoint (the ledger comes back with the accountant)."""
         if self.noise is not None and state.get("noise") is not None:
             self.noise.load_state_dict(state["noise"])
+        self.step = int(state["step"])
+
+
+class BandMFMechanism(GaussianMechanism):
+    """DP-BandMF (Choquette-Choo et al. 2023): x_t = (z_t − Σ_{j=1..b−1} c_j x_{t−j}) / c_0, z_t ~ N(0, σ²C²I).
+
+    Keeps, for every owned clipped sum, its b − 1 previous noise outputs (float32, or the parameter's dtype if
+    wider): they are noise, as secret as the key, and live only in the checkpoint's private noise state. The
+    ledger takes one DP-SGD step at rate p every b releases (steps 0, b, 2b, …): the most any example of a cyclic
+    Poisson group can take part in. The owned sums of one release are told apart by their order, which the
+    optimizer's parameter groups fix (ZeRO-3 releases its sub-groups one after the other within a step).
+    """
+
+    def __init__(self, *, strategy: BandedToeplitz, buffers_on_cpu: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.coefs = strategy.coefs
+        self.bands = strategy.bands
+        self.buffers_on_cpu = buffers_on_cpu
+        self._past: list[list[torch.Tensor]] = []  # per owned sum: x_{t−1}, x_{t−2}, … (at most b − 1)
+        self._slot = 0  # the next owned sum of this release
+
+    @classmethod
+    def options(cls, plan, args) -> dict:
+        return {"strategy": plan.strategy, "buffers_on_cpu": args.bandmf_buffers_on_cpu}
+
+    def noise_for(self, owned: torch.Tensor, std: float) -> torch.Tensor:
+        work = torch.promote_types(owned.dtype, torch.float32)
+        x = self.noise.sample(owned.shape, std, owned.device, work)
+        if self.bands == 1:
+            return x.to(owned.dtype)
+        if self._slot == len(self._past):
+            self._past.append([])
+        past = self._past[self._slot]
+        self._slot += 1
+        if past and past[0].shape != owned.shape:
+            raise RuntimeError(
+                f"hf_dp: the correlated noise of a {tuple(past[0].shape)} gradient was kept, a {tuple(owned.shape)} one "
+                "is released in its place: the trainable parameters changed during the run; keep them fixed"
+            )
+        home = torch.device("cpu") if self.buffers_on_cpu else x.device
+        past[:] = [t.to(home) for t in past]  # a no-op but after loading a checkpoint
+        for c, previous in zip(self.coefs[1:], past, strict=False):
+            x.sub_(previous.to(x.device, non_blocking=True), alpha=c)
+        x.div_(self.coefs[0])
+        if len(past) == self.bands - 1:
+            kept = past.pop()
+            kept.copy_(x)
+        else:
+            kept = x.to(home, copy=True)
+        past.insert(0, kept)
+        return x.to(owned.dtype)
+
+    def account(self) -> None:
+        if self.private and self.step % self.bands == 0:
+            self.accountant.step(self.noise_multiplier, self.sample_rate)
+
+    def end_step(self) -> None:
+        super().end_step()
+        self._slot = 0
+
+    def buffer_bytes(self) -> int:
+        """The memory of the kept noise: (b − 1) × owned trainable parameters × 4 bytes in float32."""
+        return sum(t.numel() * t.element_size() for past in self._past for t in past)
+
+    def state_dict(self) -> dict:
+        return {
+            **super().state_dict(),
+            "coefs": list(self.coefs),
+            "past": [[t.detach().cpu() for t in past] for past in self._past],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """The stream, the step and the kept noise of a checkpoint: the run continues the same noise sequence."""
+        super().load_state_dict(state)
+        if "past" not in state or list(state["coefs"]) != list(self.coefs):
+            raise ValueError(
+                "hf_dp: the checkpoint's noise state is not this run's BandMF strategy (another mechanism or other "
+                "coefficients); resume with the checkpoint's noise_mechanism and num_bands"
+            )
+        self._slot = 0
+        self._past = [[t.clone() for t in past] for past in state["past"]]
+
+
+# The registry of noise mechanisms, by the name DPTrainingArguments.noise_mechanism takes (register_noise_mechanism).
+NOISE_MECHANISMS: dict[str, type[GaussianMechanism]] = {}
+
+
+def register_noise_mechanism(name: str, mechanism: type[GaussianMechanism]) -> None:
+    """Make ``noise_mechanism=name`` build ``mechanism`` (``for_run``; its ``options`` reads its arguments)."""
+    if name in NOISE_MECHANISMS:
+        raise ValueError(f"noise mechanism {name!r} is already registered; pick another name")
+    NOISE_MECHANISMS[name] = mechanism
+
+
+register_noise_mechanism("independent", GaussianMechanism)
+register_noise_mechanism("bandmf", BandMFMechanism)
+
+
+def noise_mechanism_of(name: str) -> type[GaussianMechanism]:
+    """The registered mechanism ``name``, or a one-line refusal naming the known ones."""
+    if name not in NOISE_MECHANISMS:
+        raise ValueError(f"noise_mechanism={name!r} is unknown; use one of {list(NOISE_MECHANISMS)}")
+    return NOISE_MECHANISMS[name]
 
 
 def _owned_part(total: torch.Tensor) -> torch.Tensor:

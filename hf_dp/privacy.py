@@ -15,6 +15,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from hf_dp.accounting import calibrate_noise_multiplier
+from hf_dp.bandmf import INDEPENDENT, BandedToeplitz, banded_strategy, choose_bands
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,24 @@ class PrivacyPlan:
     private: bool
     unit: str = "example"  # what one of the N protected units is (UNITS)
     max_examples_per_unit: int | None = None  # user-level: examples of a sampled user per step, at most
+    noise_mechanism: str = "independent"  # hf_dp.mechanism.NOISE_MECHANISMS
+    strategy: BandedToeplitz = INDEPENDENT  # the noise's correlation across steps (b = 1: none)
+
+    @property
+    def bands(self) -> int:
+        """b: the strategy's bands, and the groups of cyclic Poisson sampling (1: plain Poisson sampling)."""
+        return self.strategy.bands
 
     @property
     def mean_noise_std(self) -> float:
-        """σC/B̄: the per-coordinate noise std of the privatised mean gradient ĝ."""
-        return self.noise_multiplier * self.clip_norm / self.expected_batch_size
+        """σC/B̄ · ‖x‖: the per-coordinate noise std of the privatised mean gradient ĝ, where ‖x‖ is the
+        correlated noise's marginal std over the planned steps in units of σC (1 for independent noise)."""
+        return self.noise_multiplier * self.clip_norm * self.strategy.marginal_std / self.expected_batch_size
+
+    def ledger_steps(self, steps: int) -> int:
+        """The DP-SGD steps at rate q that ``steps`` released steps are accounted as: an example of a cyclic
+        Poisson group takes part in at most ⌈t/b⌉ of the first t steps (Choquette-Choo et al. 2023, Thm 4)."""
+        return -(-steps // self.bands)
 
 
 # The privacy units a guarantee can be stated in: (singular, plural) as the model card and the logs say them.
@@ -101,23 +115,29 @@ def plan_privacy(args, dataset, unit: str = "example", num_units: int | None = N
             "guarantee allows publishing an example outright; lower target_delta (default N^-1.1) or set "
             "allow_large_delta=True, which the model card reports"
         )
-    sample_rate = expected_batch_size / num_examples
+    bands = _bands(
+        args, planned_steps, num_examples // expected_batch_size, delta, expected_batch_size / num_examples
+    )
+    sample_rate = expected_batch_size * bands / num_examples
     if args.disable_dp:
         noise_multiplier = 0.0
     elif args.noise_multiplier is not None:
         noise_multiplier = float(args.noise_multiplier)
     else:
         noise_multiplier = calibrate_noise_multiplier(
-            args.target_epsilon, delta, sample_rate, planned_steps, args.accountant
+            args.target_epsilon, delta, sample_rate, -(-planned_steps // bands), args.accountant
         )
     if noise_multiplier > MAX_NOISE_MULTIPLIER:
         raise ValueError(
             f"noise_multiplier σ = {noise_multiplier:.3g} > {MAX_NOISE_MULTIPLIER:g}: the noise would drown every update; "
             "raise target_epsilon, train fewer steps or use a larger batch"
         )
+    strategy = INDEPENDENT if bands == 1 else banded_strategy(planned_steps, bands)
+    mechanism = args.noise_mechanism if not args.disable_dp else "independent"
     logger.info(
-        f"hf_dp: the guarantee is per {unit}: N={num_examples} {UNITS[unit][1]}, expected batch {expected_batch_size}, q={sample_rate:.4g}, {planned_steps} "
-        f"planned steps, sigma={noise_multiplier:.4g}, delta={delta:.3g}"
+        f"hf_dp: the guarantee is per {unit}: N={num_examples} {UNITS[unit][1]}, expected batch {expected_batch_size}, "
+        f"{planned_steps} planned steps, sigma={noise_multiplier:.4g}, delta={delta:.3g}; "
+        f"{describe_mechanism(mechanism, strategy, sample_rate, planned_steps)}"
     )
     return PrivacyPlan(
         num_examples=num_examples,
@@ -132,6 +152,48 @@ def plan_privacy(args, dataset, unit: str = "example", num_units: int | None = N
         private=not args.disable_dp,
         unit=unit,
         max_examples_per_unit=args.max_examples_per_unit if unit == "user" else None,
+        noise_mechanism=mechanism,
+        strategy=strategy,
+    )
+
+
+def _bands(args, planned_steps: int, max_bands: int, delta: float, rate: float) -> int:
+    """b for the run: 1 for independent noise, the user's, or (``"auto"``) the b of least expected error at the σ
+    calibrated for ⌈n/b⌉ steps at rate b·q. Refused in one line when b > n or b > N/B̄ (the rate b·q would pass 1)."""
+    if args.noise_mechanism != "bandmf" or args.disable_dp:
+        return 1
+    if args.num_bands == "auto":
+        return choose_bands(
+            planned_steps,
+            max_bands,
+            lambda b: calibrate_noise_multiplier(
+                args.target_epsilon, delta, b * rate, -(-planned_steps // b), args.accountant
+            ),
+        )
+    bands = int(args.num_bands)
+    if bands > planned_steps:
+        raise ValueError(
+            f"num_bands={bands} exceeds the {planned_steps} planned steps: lower num_bands or train longer"
+        )
+    if bands > max_bands:
+        raise ValueError(
+            f"num_bands={bands} exceeds N/B̄ = {max_bands}: each of the b groups of cyclic Poisson sampling must "
+            "hold an expected batch; lower num_bands or the batch size"
+        )
+    return bands
+
+
+def describe_mechanism(
+    mechanism: str, strategy: BandedToeplitz, sample_rate: float, planned_steps: int
+) -> str:
+    """One line: the noise, the sampling and the accounting, as the logs and the model card state them."""
+    if mechanism == "independent":
+        return f"independent Gaussian noise, Poisson sampling at q={sample_rate:.4g}, accounted as DP-SGD"
+    b = strategy.bands
+    return (
+        f"{mechanism} noise with {b} bands, cyclic Poisson sampling over {b} groups at p={sample_rate:.4g}, "
+        f"accounted as DP-SGD with ceil(n/{b}) = {-(-planned_steps // b)} steps at p (amplified BandMF, "
+        "Choquette-Choo et al. 2023)"
     )
 
 
@@ -155,9 +217,15 @@ def privacy_report(
         "noise_multiplier": plan.noise_multiplier,
         "max_grad_norm": plan.clip_norm,
         "sample_rate": plan.sample_rate,
-        "sampling": sampling_name(args),
+        "sampling": sampling_name(args, plan.bands),
         "unit": plan.unit,
         "max_examples_per_unit": plan.max_examples_per_unit,
+        "noise_mechanism": plan.noise_mechanism,
+        "num_bands": plan.bands,
+        "strategy_coefs": list(plan.strategy.coefs),
+        "accounting": describe_mechanism(
+            plan.noise_mechanism, plan.strategy, plan.sample_rate, plan.planned_steps
+        ),
         "expected_batch_size": plan.expected_batch_size,
         "num_train_examples": plan.num_examples,
         "steps": steps,
@@ -177,11 +245,15 @@ def privacy_metrics(report: dict[str, Any]) -> dict[str, float | int | str]:
         **{key: report[key] for key in ("epsilon", "delta", "noise_multiplier")},
         "privacy_unit": report["unit"],
         "dp_steps": report["steps"],
+        "noise_mechanism": report["noise_mechanism"],
+        "num_bands": report["num_bands"],
     }
 
 
-def sampling_name(args) -> str:
-    return "poisson" if args.poisson_sampling else "shuffled fixed-size batches"
+def sampling_name(args, bands: int = 1) -> str:
+    if not args.poisson_sampling:
+        return "shuffled fixed-size batches"
+    return "poisson" if bands == 1 else f"cyclic poisson over {bands} groups"
 
 
 def plan_record(plan: PrivacyPlan, args) -> dict[str, Any]:
@@ -193,8 +265,10 @@ def plan_record(plan: PrivacyPlan, args) -> dict[str, Any]:
         "noise_multiplier": plan.noise_multiplier,
         "clip_norm": plan.clip_norm,
         "delta": plan.delta,
-        "sampling": sampling_name(args),
+        "sampling": sampling_name(args, plan.bands),
         "unit": plan.unit,
         "accountant": args.accountant,
         "private": plan.private,
+        "noise_mechanism": plan.noise_mechanism,
+        "strategy_coefs": list(plan.strategy.coefs),
     }

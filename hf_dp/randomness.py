@@ -40,6 +40,11 @@ class RunSecret:
     def sampling_key(self) -> int:
         return self.derive("poisson_sampling")
 
+    @property
+    def partition_key(self) -> int:
+        """The key of cyclic Poisson sampling's secret partition of the units into b groups."""
+        return self.derive("cyclic_partition")
+
     def noise_key(self, process_index: int | None) -> int:
         """One key shared by all processes (replicated gradients), or one per process (partitioned ones)."""
         return self.derive("gaussian_noise", 0 if process_index is None else 1 + process_index)

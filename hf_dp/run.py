@@ -35,7 +35,7 @@ from hf_dp.clipping.plan import StepPlanner
 from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.data import EpochDataLoader, dp_dataloader
 from hf_dp.loss_contract import MicroBatch
-from hf_dp.mechanism import GaussianMechanism
+from hf_dp.mechanism import GaussianMechanism, noise_mechanism_of
 from hf_dp.optim.registry import make_dp_optimizer
 from hf_dp.privacy import PrivacyPlan, epsilon_spent, plan_privacy, plan_record, privacy_report
 from hf_dp.privacy_units import DatasetUnits
@@ -84,6 +84,7 @@ class PrivateRun:
                 "the model has no trainable parameters, so there is nothing to fine-tune: unfreeze the weights to "
                 "train (requires_grad=True) or add an adapter (peft)"
             )
+        noise_mechanism_of(args.noise_mechanism)
         plan = plan_privacy(args, dataset, units.name, units.count)
         accountant = PrivacyAccountant(args.accountant, plan.delta)
         state = RunPrivacyState(shared_secret(args.insecure_dp_seed), accountant, plan_record(plan, args))
@@ -150,6 +151,7 @@ class PrivateRun:
             collator,
             plan=self.plan,
             sampling_key=self.secret.sampling_key,
+            partition_key=self.secret.partition_key,
             args=self.args,
             unit_of_row=users,
             max_rows_per_unit=self.args.max_examples_per_unit if users is not None else None,
@@ -170,8 +172,9 @@ class PrivateRun:
             keep_freed_memory()  # two evaluations' buffers are reused, not re-mapped every step (cpu_heap.py)
         self.optimizer, self.update_rule = optimizer, update_rule
         self.planner.bind(optimizer)
-        self.mechanism = self.state.mechanism = GaussianMechanism.for_run(
-            self.plan, self.accountant, self.secret, self.backend, self.args.secure_mode
+        mechanism = noise_mechanism_of(self.plan.noise_mechanism)
+        self.mechanism = self.state.mechanism = mechanism.for_run(
+            self.plan, self.accountant, self.secret, self.backend, self.args
         )
         optimizer.register_step_pre_hook(lambda opt, *_: self.release(opt))
 
@@ -204,11 +207,18 @@ class PrivateRun:
         """The checkpoint's privacy state (``RunPrivacyState.restore``), then a closed step: loading the optimizer
         may step it once (torch's distributed checkpoint fills an empty FSDP optimizer state with a zero-lr
         step), a release that must not leave its batch marked accounted, or the next real step goes unaccounted."""
-        self.state.restore(folder, global_step, process_index)
-        self.end_step()
+        self.state.restore(
+            folder, global_step, process_index
+        )  # the mechanism's state too: that step is undone
+        self._close()
 
     def end_step(self) -> None:
-        """The logical batch is released and applied: close its plan."""
+        """The logical batch is released and applied: close its plan (and the mechanism's step)."""
+        if self._accounted:
+            self.mechanism.end_step()
+        self._close()
+
+    def _close(self) -> None:
         self.planner.end()
         self._accounted = False
 
@@ -235,7 +245,7 @@ class PrivateRun:
 
     def report(self, global_step: int) -> dict[str, Any]:
         """The guarantee as plain values: what the model card, the metrics and the logs state."""
-        steps = self.accountant.steps if self.plan.private else global_step
+        steps = self.mechanism.step if self.mechanism is not None and self.plan.private else global_step
         randomness = "secure_mode" if self.args.secure_mode else self.secret.source
         return privacy_report(self.plan, self.accountant, self.args, steps, randomness, self.update_rule)
 

@@ -13,6 +13,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="hf_dp_tests_hf_home_"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_DP_CACHE", tempfile.mkdtemp(prefix="hf_dp_tests_cache_"))  # BandMF strategies
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

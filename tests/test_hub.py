@@ -95,7 +95,8 @@ def test_a_missing_card_is_created_with_the_guarantee(tmp_path):
         "max_grad_norm": 1.0, "sample_rate": 0.01, "sampling": "poisson", "expected_batch_size": 100,
         "num_train_examples": 10000, "steps": 300, "optimizer": "adam", "optimizer_kwargs": {},
         "clipping_mode": "per_sample", "clipping_fn": "automatic", "disable_dp": False, "unit": "example",
-        "noise_randomness": "os_entropy", "allow_large_delta": False,
+        "noise_randomness": "os_entropy", "allow_large_delta": False, "noise_mechanism": "independent",
+        "num_bands": 1, "strategy_coefs": [1.0], "accounting": "independent Gaussian noise, accounted as DP-SGD",
     }  # fmt: skip
     readme = tmp_path / "README.md"
     add_privacy_to_model_card(str(readme), report, ["e2e_nlg", "dart"])

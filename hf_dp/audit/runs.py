@@ -221,6 +221,12 @@ def audit_step(
     output_dir: str | None = None,
 ) -> StepAudit:
     """White-box audit of one step of the run ``args`` describes over ``train_dataset`` (σ from its plan)."""
+    if args.noise_mechanism != "independent":
+        raise ValueError(
+            f"hf_dp.audit: the step audit replays one step as independent trials, but noise_mechanism="
+            f"{args.noise_mechanism!r} correlates each step's noise with the steps before it, so one step alone is not "
+            "the mechanism the run accounts; audit the whole run with audit_one_run"
+        )
     start = time.perf_counter()
     run_plan = plan_privacy(args, train_dataset)
     with tempfile.TemporaryDirectory() as scratch:
