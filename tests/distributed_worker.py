@@ -150,6 +150,8 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--lora", action="store_true", help="peft LoRA (r 4) on every linear layer")
     parser.add_argument("--bf16", action="store_true", help="bf16 (DeepSpeed's bf16 section, or autocast)")
+    parser.add_argument("--noise_mechanism", default="independent")
+    parser.add_argument("--num_bands", default="auto")
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume_from", default=None)
     parser.add_argument("--record_noise", action="store_true")
@@ -199,6 +201,8 @@ def run(cli: argparse.Namespace) -> None:
         dp_optimizer=cli.optimizer,
         dp_optimizer_kwargs=cli.optimizer_kwargs,
         accountant=cli.accountant,
+        noise_mechanism=cli.noise_mechanism,
+        num_bands=cli.num_bands,
         per_sample_max_grad_norm=cli.clip,
         clipping_mode=cli.clipping_mode,
         max_steps=cli.steps,
@@ -268,6 +272,8 @@ def run(cli: argparse.Namespace) -> None:
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "privacy_unit": trainer.privacy_report()["unit"],
             "steps": trainer.accountant.steps,
+            "released_steps": trainer.dp.mechanism.step,
+            "noise_buffer_bytes": getattr(trainer.dp.mechanism, "buffer_bytes", lambda: 0)(),
             "losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
             "log_keys": sorted({k for log in trainer.state.log_history for k in log}),
         }

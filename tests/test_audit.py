@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hf_dp import DPTrainer
+from hf_dp.accounting import compute_epsilon
 from hf_dp.audit import audit_one_run, audit_step, bounds
 from hf_dp.audit.faults import fault
 from hf_dp.optim.registry import dp_optimizer_names
@@ -227,9 +228,10 @@ def test_clipping_modes_sampling_and_accumulation_stay_below_and_are_caught_with
 # ---- the one-run audit ------------------------------------------------------------------------------------
 
 
-def run_one_run_audit(tmp_path):
+def run_one_run_audit(tmp_path, **overrides):
     args = make_args(
         tmp_path,
+        **overrides,
         noise_multiplier=2.0,  # the run reports ε ≈ 1.8: 300 canaries can show up to ≈ 3.4
         per_sample_max_grad_norm=CLIP,
         per_device_train_batch_size=32,
@@ -251,6 +253,25 @@ def test_one_run_audit_stays_below_a_real_run_and_catches_one_without_noise(tmp_
     monkeypatch.setattr(*fault("no_noise"))
     leaky = run_one_run_audit(tmp_path)
     assert leaky.flagged, str(leaky)
+
+
+def test_the_one_run_audit_spans_a_bandmf_run_and_catches_unnormalised_columns(tmp_path, monkeypatch):
+    """Correlated noise (2 bands, cyclic Poisson): the whole run stays below the amplified BandMF claim (⌈20/2⌉ steps
+    at p = 2B̄/N); a strategy whose columns were not normalised (noise 10× too small) is flagged. The step audit
+    refuses it in one line: one step is not the mechanism."""
+    bandmf = {"noise_mechanism": "bandmf", "num_bands": "2"}
+    real = run_one_run_audit(tmp_path, **bandmf)
+    assert real.steps == 20 and real.sample_rate == pytest.approx(2 * 32 / (64 + real.included.sum()))
+    assert real.bound.claimed_epsilon == pytest.approx(
+        compute_epsilon(2.0, real.sample_rate, 10, DELTA, "prv")
+    )
+    assert not real.flagged, str(real)
+    assert real.scores[real.included].mean() > real.scores[~real.included].mean()
+    monkeypatch.setattr(*fault("bandmf_unnormalised"))
+    broken = run_one_run_audit(tmp_path, **bandmf)
+    assert broken.flagged, str(broken)
+    with pytest.raises(ValueError, match="audit the whole run with audit_one_run"):
+        run_step_audit(tmp_path, **bandmf)
 
 
 # ---- the command line --------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.sums import ClippedSums
 from hf_dp.mechanism import BandMFMechanism, GaussianMechanism
 from hf_dp.noise import GaussianNoise
+from hf_dp.optim.registry import dp_optimizer_names
 from tests.trainer_utils import make_args
 
 D_IN, D_OUT = 64, 128  # 8192 noised coordinates per step
@@ -128,14 +129,16 @@ def test_a_changed_parameter_is_refused():
 class ZeroInputs(Dataset):
     """Rows whose gradient is exactly zero (input 0 into a bias-free linear layer): the update is the noise."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, rows_per_user: int = 1) -> None:
+        self.n, self.rows_per_user = n, rows_per_user
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict:
-        return {"x": torch.zeros(D_IN), "row": i}
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return {"x": torch.zeros(D_IN), "row": i, "user_id": i // self.rows_per_user}
 
 
 class NoiseProbeTrainer(DPTrainer):
@@ -152,22 +155,22 @@ def collate(examples: list[dict]) -> dict[str, torch.Tensor]:
     return {"x": torch.stack([e["x"] for e in examples]), "row": torch.tensor([e["row"] for e in examples])}
 
 
-def _probe_run(tmp_path, steps: int, **overrides):
+def _probe_run(tmp_path, steps: int, dataset=None, **overrides):
     """A run of ``steps`` SGD steps at lr 1 with batches of expected size 4 from N = 64: ΔW_t = −x_t/B̄."""
     torch.manual_seed(0)
     model = nn.Linear(D_IN, D_OUT, bias=False)
-    args = make_args(
-        tmp_path,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        learning_rate=1.0,
-        max_steps=steps,
-        per_sample_max_grad_norm=1.0,
-        insecure_dp_seed=5,
-        remove_unused_columns=False,
-        **overrides,
-    )
-    trainer = NoiseProbeTrainer(model=model, args=args, train_dataset=ZeroInputs(64), data_collator=collate)
+    settings = {
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 1,
+        "learning_rate": 1.0,
+        "max_steps": steps,
+        "per_sample_max_grad_norm": 1.0,
+        "insecure_dp_seed": 5,
+        "remove_unused_columns": False,
+    }
+    args = make_args(tmp_path, **{**settings, **overrides})
+    dataset = ZeroInputs(64) if dataset is None else dataset
+    trainer = NoiseProbeTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate)
     trainer.seen = []
     weights = [model.weight.detach().clone()]
 
@@ -258,3 +261,89 @@ def test_the_default_mechanism_is_unchanged_and_one_band_equals_it(tmp_path):
     assert np.array_equal(default, one_band)
     np.testing.assert_allclose(default.std(axis=1), 1.0, rtol=0.05)
     assert abs(np.corrcoef(default[0], default[1])[0, 1]) < 0.05
+
+
+def test_users_are_sampled_cyclically_as_units(tmp_path):
+    """User-level DP with 4 bands: the 24 users (3 rows each) split into 4 groups; all of a user's rows appear only
+    in steps of its residue; the ledger is DP-SGD's over ⌈12/4⌉ steps at p = 4·4/24."""
+    trainer, _ = _probe_run(
+        tmp_path,
+        12,
+        dataset=ZeroInputs(72, rows_per_user=3),
+        noise_mechanism="bandmf",
+        num_bands="4",
+        noise_multiplier=1.0,
+        privacy_unit_column="user_id",
+        max_examples_per_unit=3,
+        accountant="rdp",
+    )
+    residues: dict[int, set[int]] = {}
+    for step, rows in enumerate(trainer.seen):
+        for row in rows:
+            residues.setdefault(row // 3, set()).add(step % 4)
+    assert len(residues) > 12 and all(len(r) == 1 for r in residues.values())
+    report = trainer.privacy_report()
+    assert report["unit"] == "user" and report["sampling"] == "cyclic poisson over 4 groups"
+    assert trainer.accountant.history == [(1.0, pytest.approx(16 / 24), 3)]
+
+
+def test_the_budget_stop_counts_only_the_steps_that_spend():
+    """With 4 bands only steps 0, 4, 8, … take a ledger step: a budget that holds 3 of them runs 12 steps and stops
+    before step 12, the first that would spend a 4th."""
+    from types import SimpleNamespace
+
+    from hf_dp.accounting import compute_epsilon
+    from hf_dp.budget import PrivacyBudgetCallback
+
+    accountant = PrivacyAccountant("rdp", 1e-5)
+    plan = SimpleNamespace(
+        private=True, noise_multiplier=1.0, sample_rate=0.25, bands=4, ledger_steps=lambda t: -(-t // 4)
+    )
+    run = SimpleNamespace(plan=plan, accountant=accountant, epsilon=accountant.get_epsilon)
+    budget = PrivacyBudgetCallback(run)
+    args = SimpleNamespace(target_epsilon=compute_epsilon(1.0, 0.25, 3, 1e-5, "rdp") * 1.0001)
+    state = SimpleNamespace(global_step=0, max_steps=40)
+    control = SimpleNamespace(should_training_stop=False)
+    budget.on_train_begin(args, state, control)
+    while not control.should_training_stop and state.global_step < state.max_steps:
+        if state.global_step % 4 == 0:
+            accountant.step(1.0, 0.25)
+        state.global_step += 1
+        budget.on_step_end(args, state, control)
+    assert accountant.steps == 3 and state.global_step == 12
+    assert accountant.get_epsilon() <= args.target_epsilon < accountant.epsilon_after(1.0, 0.25)
+
+
+@pytest.mark.parametrize("rule", dp_optimizer_names())
+def test_every_update_rule_takes_the_correlated_release(tmp_path, rule):
+    """Post-processing: every registered rule trains on BandMF's release (2 bands, 4 steps), its parameters move
+    and the ledger holds ⌈4/2⌉ steps."""
+    kwargs = {"dp_optimizer": rule, "learning_rate": 1e-2}
+    trainer, released = _probe_run(
+        tmp_path, 4, noise_mechanism="bandmf", num_bands="2", noise_multiplier=1.0, accountant="rdp", **kwargs
+    )
+    assert np.isfinite(released).all() and np.abs(released).sum(axis=1).min() > 0
+    assert trainer.accountant.steps == 2 and trainer.dp.mechanism.step == 4
+
+
+def test_the_guarantee_names_the_mechanism_wherever_it_is_stated(tmp_path, caplog):
+    """The model card, privacy_report(), the train metrics and the start log line: the mechanism, b, the cyclic
+    Poisson sampling over b groups and the amplified accounting."""
+    from hf_dp.hub import privacy_metadata, privacy_section
+
+    with caplog.at_level("INFO", logger="hf_dp"):
+        trainer, _ = _probe_run(tmp_path, 8, noise_mechanism="bandmf", num_bands="4", noise_multiplier=1.0)
+    report = trainer.privacy_report()
+    assert report["noise_mechanism"] == "bandmf" and report["num_bands"] == 4
+    assert report["sampling"] == "cyclic poisson over 4 groups" and len(report["strategy_coefs"]) == 4
+    assert "ceil(n/4) = 2 steps" in report["accounting"] and report["steps"] == 8
+    section = privacy_section(report)
+    assert "cyclic Poisson sampling" in section and "4-banded Toeplitz strategy (DP-BandMF" in section
+    meta = privacy_metadata(report)
+    assert meta["noise_mechanism"] == "bandmf" and meta["num_bands"] == 4
+    metrics = trainer.privacy_metrics()
+    assert metrics["noise_mechanism"] == "bandmf" and metrics["num_bands"] == 4
+    assert any(
+        "bandmf noise with 4 bands, cyclic Poisson sampling over 4 groups" in r.message
+        for r in caplog.records
+    )

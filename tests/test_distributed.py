@@ -32,6 +32,7 @@ LR, CLIP = 0.5, 0.5  # the worker's learning rate (SGD) and clip norm
 
 
 RESUME = ("--sigma", "1.0", "--steps", "4", "--optimizer", "adamw", "--lr", "0.01")
+BANDMF = (*RESUME, "--noise_mechanism", "bandmf", "--num_bands", "2")  # ε: ⌈4/2⌉ DP-SGD steps at p = 2B̄/N
 # Update rules whose state is per parameter (and, under FSDP2, per shard), on every sharded backend. DP-AdamBC
 # needs σC/B̄ > 0: σ = 1e-9 (noise ~3e-11 per coordinate, far below the 1e-4 parity bar; RDP, since PRV's grid
 # cannot hold that ε).
@@ -116,6 +117,29 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "fsdp2_whole": ("torchrun_fsdp", (*RESUME, "--fsdp", "--save_steps", "2")),
     "fsdp2_resumed": ("torchrun_fsdp", (*RESUME, "--fsdp", "--resume_from", "{fsdp2_whole}/checkpoint-2")),
+    # correlated noise (BandMF) resumed mid-run on every backend: its buffers come back with the checkpoint
+    "ddp_bandmf_whole": ("ddp.yaml", (*BANDMF, "--save_steps", "3")),
+    "ddp_bandmf_resumed": ("ddp.yaml", (*BANDMF, "--resume_from", "{ddp_bandmf_whole}/checkpoint-3")),
+    "zero1_bandmf_whole": ("torchrun", (*BANDMF, "--zero", "1", "--save_steps", "3")),
+    "zero1_bandmf_resumed": (
+        "torchrun",
+        (*BANDMF, "--zero", "1", "--resume_from", "{zero1_bandmf_whole}/checkpoint-3"),
+    ),
+    "zero2_bandmf_whole": ("torchrun", (*BANDMF, "--zero", "2", "--save_steps", "3")),
+    "zero2_bandmf_resumed": (
+        "torchrun",
+        (*BANDMF, "--zero", "2", "--resume_from", "{zero2_bandmf_whole}/checkpoint-3"),
+    ),
+    "zero3_bandmf_whole": ("torchrun", (*BANDMF, "--zero", "3", "--save_steps", "3")),
+    "zero3_bandmf_resumed": (
+        "torchrun",
+        (*BANDMF, "--zero", "3", "--resume_from", "{zero3_bandmf_whole}/checkpoint-3"),
+    ),
+    "fsdp2_bandmf_whole": ("torchrun_fsdp", (*BANDMF, "--fsdp", "--save_steps", "3")),
+    "fsdp2_bandmf_resumed": (
+        "torchrun_fsdp",
+        (*BANDMF, "--fsdp", "--resume_from", "{fsdp2_bandmf_whole}/checkpoint-3"),
+    ),
     # every stateful update rule on every sharded backend
     **{
         f"{backend}_{rule}": ("torchrun_fsdp" if backend == "fsdp2" else "torchrun", (*flags, *rule_args))
@@ -462,6 +486,36 @@ def test_resume_continues_the_uninterrupted_run(runs, name, distributed_type, st
     run = assert_world(resumed, distributed_type, stage)
     assert run["steps"] == 4 and run["epsilon"] == pytest.approx(info(whole)["epsilon"], rel=1e-12)
     assert relative_difference(resumed / "final.pt", whole / "final.pt") < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("name", "distributed_type", "stage"),
+    [
+        ("ddp", "MULTI_CPU", None),
+        ("zero1", "DEEPSPEED", 1),
+        ("zero2", "DEEPSPEED", 2),
+        ("zero3", "DEEPSPEED", 3),
+        ("fsdp2", "FSDP", None),
+    ],
+)
+def test_bandmf_resumes_mid_run_exactly_on_every_backend(runs, name, distributed_type, stage):
+    """noise_mechanism='bandmf', 2 bands, resumed after step 3 of 4 (the buffers then hold x_2): the same weights as
+    the uninterrupted run; the ledger has ⌈4/2⌉ = 2 DP-SGD steps at p = 2B̄/N; each process keeps b − 1 = 1 float32
+    buffer of what it owns (all of the model under DDP, its share under ZeRO and FSDP2)."""
+    whole, resumed = runs(f"{name}_bandmf_whole"), runs(f"{name}_bandmf_resumed")
+    run = assert_world(resumed, distributed_type, stage)
+    assert run["steps"] == 2 and run["released_steps"] == 4
+    assert run["sample_rate"] == 2 * run["expected_batch_size"] / 64
+    assert run["epsilon"] == pytest.approx(
+        compute_epsilon(1.0, run["sample_rate"], 2, 64**-1.1, "prv"), rel=1e-9
+    )
+    assert run["epsilon"] == pytest.approx(info(whole)["epsilon"], rel=1e-12)
+    assert relative_difference(resumed / "final.pt", whole / "final.pt") < 1e-6
+    if f"{name}_whole" in JOBS:  # the same run with independent noise ends elsewhere
+        assert relative_difference(whole / "final.pt", runs(f"{name}_whole") / "final.pt") > 1e-3
+    parameters = sum(t.numel() for t in torch.load(whole / "final.pt").values())
+    share = parameters if name == "ddp" else parameters / 2
+    assert run["noise_buffer_bytes"] == pytest.approx(4 * share, rel=0.05)
 
 
 @pytest.mark.slow

@@ -162,7 +162,7 @@ def test_a_ledger_edited_in_both_files_still_disagrees_with_the_step_count(tmp_p
         folder / "trainer_state.json",
         lambda s: s["stateful_callbacks"]["hf_dp_privacy_ledger"]["attributes"].update(history=[]),
     )
-    with pytest.raises(ValueError, match="has 0 steps but trainer_state.json has 2"):
+    with pytest.raises(ValueError, match="has 0 steps but trainer_state.json.s 2 steps account as 2"):
         _resume(tmp_path, folder)
 
 

@@ -355,12 +355,21 @@ def test_sft_packed_micro_batch_is_one_padding_free_row_of_records(tmp_path) -> 
     assert units.count == records and not units.per_row
 
 
-def test_sft_lora_with_checkpointing_and_bf16_trains_only_adapters(tmp_path) -> None:
-    """TRL's defaults (bf16, activation checkpointing), LoRA via peft_config, ε budget: only the adapters move."""
+@pytest.mark.parametrize(
+    "noise", [{}, {"noise_mechanism": "bandmf", "num_bands": "2"}], ids=["independent", "bandmf"]
+)
+def test_sft_lora_with_checkpointing_and_bf16_trains_only_adapters(tmp_path, noise) -> None:
+    """TRL's defaults (bf16, activation checkpointing), LoRA via peft_config, ε budget: only the adapters move; with
+    correlated noise the buffers hold b − 1 float32 copies of the adapters only."""
     tokenizer = word_tokenizer()
     model = tiny_llama(tokenizer)
     args = DPSFTConfig(
-        output_dir=str(tmp_path), assistant_only_loss=True, target_epsilon=8.0, learning_rate=1e-2, **COMMON
+        output_dir=str(tmp_path),
+        assistant_only_loss=True,
+        target_epsilon=8.0,
+        learning_rate=1e-2,
+        **noise,
+        **COMMON,
     )
     assert args.bf16 and args.activation_checkpointing
     trainer = DPSFTTrainer(
@@ -376,6 +385,10 @@ def test_sft_lora_with_checkpointing_and_bf16_trains_only_adapters(tmp_path) -> 
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)}
     assert moved and all("lora_" in n for n in moved)
     assert trainer.get_epsilon() <= 8.0
+    if noise:
+        adapters = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        assert trainer.dp.mechanism.buffer_bytes() == adapters * 4
+        assert trainer.privacy_report()["num_bands"] == 2 and trainer.accountant.steps == 1
 
 
 # ---- DPO: exact per-pair clipping through DPDPOTrainer.train() ---------------------------------------

@@ -324,14 +324,17 @@ def simulate_ideal_one_run(
     confidence: float = 0.95,
     repeats: int = 20,
     seed: int = 0,
+    sum_noise_std: float | None = None,
 ) -> float:
     """The median one-run bound of an exact DP-SGD run: a canary's score is the number of steps that drew it plus
-    N(0, Tσ²) (scores in units of the clipped canary)."""
+    N(0, Tσ²) (scores in units of the clipped canary). ``steps``: the steps that may draw a canary; correlated noise
+    gives its summed noise's std as ``sum_noise_std`` (σ√T for independent noise)."""
     rng = np.random.default_rng(seed)
+    noise = noise_multiplier * math.sqrt(steps) if sum_noise_std is None else sum_noise_std
     bounds = []
     for _ in range(repeats):
         included = rng.random(canaries) < 0.5
         draws = rng.binomial(steps, sample_rate, canaries) * included
-        scores = draws + noise_multiplier * math.sqrt(steps) * rng.standard_normal(canaries)
+        scores = draws + noise * rng.standard_normal(canaries)
         bounds.append(one_run_audit(scores, included, delta, claimed_epsilon, confidence).epsilon)
     return float(np.median(bounds))

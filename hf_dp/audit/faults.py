@@ -1,7 +1,8 @@
 """The DP bugs the audit must catch, injectable one at a time: its tests and its results table use them.
 
 Each is a single wrong line of the kind DP libraries have shipped: the noise dropped or halved, clipping
-skipped, or a sampler that draws one row in every batch while the accountant is told q < 1.
+skipped, a sampler that draws one row in every batch while the accountant is told q < 1, or a correlated-noise
+strategy whose columns were not normalised.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.mechanism import BandMFMechanism
 from hf_dp.noise import GaussianNoise
 from hf_dp.sampling import PoissonBatchSampler
 
@@ -40,11 +42,24 @@ def _last_row_always_sampled() -> Callable:
     return always
 
 
+def _unnormalised_columns() -> Callable:
+    """BandMF's strategy with columns of norm 10 instead of 1 (its sensitivity): the noise C⁻¹z is 10× too small
+    for the σ the accountant is told."""
+    build = BandMFMechanism.__init__
+
+    def unnormalised(self, **kwargs):
+        build(self, **kwargs)
+        self.coefs = tuple(10 * c for c in self.coefs)
+
+    return unnormalised
+
+
 FAULTS: dict[str, tuple[type, str, Callable[[], Callable]]] = {
     "no_noise": (GaussianNoise, "sample", _no_noise),
     "half_noise": (GaussianNoise, "sample", _half_noise),
     "no_clipping": (ClippingEngine, "clip_factors", _no_clipping),
     "always_sampled": (PoissonBatchSampler, "_logical_batches", _last_row_always_sampled),
+    "bandmf_unnormalised": (BandMFMechanism, "__init__", _unnormalised_columns),
 }
 
 

@@ -33,6 +33,7 @@ from hf_dp.accounting import compute_epsilon
 from hf_dp.arguments import DPTrainingArguments
 from hf_dp.audit import bounds
 from hf_dp.audit.canary import CanaryCollator, WithCanaries, attach_probe, audited_trainer_class, probe_of
+from hf_dp.bandmf import per_step_error
 from hf_dp.privacy import plan_privacy
 from hf_dp.trainer import DPTrainer
 
@@ -366,7 +367,8 @@ def audit_one_run(
         plan.noise_multiplier, plan.sample_rate, trainer.accountant.steps, plan.delta, run_plan.accountant
     )
     bound = bounds.one_run_audit(scores, included, plan.delta, claimed, confidence)
-    ideal = bounds.simulate_ideal_one_run(
+    released = trainer.dp.mechanism.step
+    ideal = bounds.simulate_ideal_one_run(  # correlated noise: the noise of the sum is C⁻¹z's last prefix sum
         plan.noise_multiplier,
         plan.sample_rate,
         trainer.accountant.steps,
@@ -374,12 +376,13 @@ def audit_one_run(
         plan.delta,
         claimed,
         confidence,
+        sum_noise_std=plan.noise_multiplier * math.sqrt(per_step_error(plan.strategy.coefs, released)[-1]),
     )
     return OneRunAudit(
         optimizer=_optimizer_name(trainer),
         noise_multiplier=plan.noise_multiplier,
         sample_rate=plan.sample_rate,
-        steps=trainer.accountant.steps,
+        steps=released,
         bound=bound,
         ideal_epsilon=ideal,
         seconds=time.perf_counter() - start,
