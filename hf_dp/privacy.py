@@ -188,7 +188,7 @@ def describe_mechanism(
 ) -> str:
     """One line: the noise, the sampling and the accounting, as the logs and the model card state them."""
     if mechanism == "independent":
-        return f"independent Gaussian noise, Poisson sampling at q={sample_rate:.4g}, accounted as DP-SGD"
+        return f"independent Gaussian noise, accounted as DP-SGD at q={sample_rate:.4g}"
     b = strategy.bands
     return (
         f"{mechanism} noise with {b} bands, cyclic Poisson sampling over {b} groups at p={sample_rate:.4g}, "

@@ -40,6 +40,20 @@ REFUSED = [
         {"noise_multiplier": 1.0, "dp_optimizer": "adamw", "dp_optimizer_kwargs": {"betaz": 0.9}},
         "betaz",  # a wrong optimizer kwarg is named with the arguments
     ),
+    # the noise mechanism
+    ({"noise_multiplier": 1.0, "num_bands": "0"}, "num_bands='0' must be an integer >= 1 or 'auto'"),
+    ({"noise_multiplier": 1.0, "num_bands": "four"}, "must be an integer >= 1 or 'auto'"),
+    ({"noise_multiplier": 1.0, "num_bands": 4}, "num_bands=4 sets the bands of noise_mechanism='bandmf'"),
+    ({"noise_multiplier": 1.0, "bandmf_buffers_on_cpu": True}, "bandmf_buffers_on_cpu places"),
+    (
+        {"noise_multiplier": 1.0, "noise_mechanism": "bandmf", "num_bands": 2, "poisson_sampling": False},
+        "accounted for cyclic Poisson sampling, not fixed-size batches",
+    ),
+    (
+        {"noise_multiplier": 1.0, "noise_mechanism": "bandmf"},
+        "num_bands='auto' compares bands at equal epsilon",
+    ),
+    ({"disable_dp": True, "noise_mechanism": "bandmf"}, "disable_dp=True adds no noise"),
     # the data order and the seed
     ({"noise_multiplier": 1.0, "ignore_data_skip": True}, "ignore_data_skip=True would replay"),
     ({"noise_multiplier": 1.0, "insecure_dp_seed": 1, "secure_mode": True}, "contradict"),

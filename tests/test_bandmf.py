@@ -77,9 +77,9 @@ def test_released_noise_has_the_strategys_covariance_across_steps():
     d = noise.shape[1]
     tolerance = 5 * np.sqrt((np.outer(np.diag(expected), np.diag(expected)) + expected**2) / d)
     assert (np.abs(measured - expected) <= tolerance).all()
-    dropped = (1.5 * 0.5 / strategy.coefs[0]) ** 2 * np.eye(
-        n
-    )  # the noise of a mechanism that lost its buffers
+    # what noise-aware rules are told: the root mean square of x_t's std over the n steps
+    assert strategy.marginal_std**2 == pytest.approx(np.diag(inverse @ inverse.T).mean(), rel=1e-12)
+    dropped = (1.5 * 0.5 / strategy.coefs[0]) ** 2 * np.eye(n)  # a mechanism that lost its buffers
     assert (np.abs(measured - dropped) > tolerance).sum() > n
 
 
@@ -347,3 +347,56 @@ def test_the_guarantee_names_the_mechanism_wherever_it_is_stated(tmp_path, caplo
         "bandmf noise with 4 bands, cyclic Poisson sampling over 4 groups" in r.message
         for r in caplog.records
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_bands": "32"}, "num_bands=32 exceeds the 16 planned steps"),
+        ({"num_bands": "8", "per_device_train_batch_size": 16}, "num_bands=8 exceeds N/B̄ = 2"),
+        ({"noise_mechanism": "laplace", "num_bands": "auto"}, "noise_mechanism='laplace' is unknown"),
+    ],
+)
+def test_what_bandmf_cannot_account_is_refused_before_training(tmp_path, overrides, message):
+    args = make_args(
+        tmp_path,
+        noise_multiplier=1.0,
+        max_steps=16,
+        **{"noise_mechanism": "bandmf", "num_bands": "4", **overrides},
+    )
+    with pytest.raises(ValueError, match=message) as info:
+        NoiseProbeTrainer(model=nn.Linear(D_IN, D_OUT, bias=False), args=args, train_dataset=ZeroInputs(64))
+    assert "\n" not in str(info.value)
+
+
+def test_a_run_resumed_mid_run_continues_bit_for_bit(tmp_path):
+    """Saved after step 3 of 8 (4 bands: the buffers then hold x_0..x_2), resumed by a new trainer: the same
+    released noise at steps 4..8 and the same final weights, bit for bit; the buffers sit only in the private
+    noise state."""
+    from hf_dp.checkpoint import noise_state_file
+
+    bandmf = {"noise_mechanism": "bandmf", "num_bands": "4", "noise_multiplier": 1.0}
+    whole, released = _probe_run(tmp_path / "whole", 8, save_strategy="steps", save_steps=3, **bandmf)
+    checkpoint = tmp_path / "whole" / "out" / "checkpoint-3"
+    saved = torch.load(checkpoint / noise_state_file(0), weights_only=False)
+    assert len(saved["past"][0]) == 3 and saved["step"] == 3
+    assert not any("noise" in f.name for f in (tmp_path / "whole" / "out").iterdir() if f.is_file())
+    torch.manual_seed(0)
+    model = nn.Linear(D_IN, D_OUT, bias=False)
+    args = make_args(
+        tmp_path / "resumed",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        learning_rate=1.0,
+        max_steps=8,
+        per_sample_max_grad_norm=1.0,
+        insecure_dp_seed=5,
+        remove_unused_columns=False,
+        **bandmf,
+    )
+    resumed = NoiseProbeTrainer(model=model, args=args, train_dataset=ZeroInputs(64), data_collator=collate)
+    resumed.seen = []
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert torch.equal(resumed.model.weight, whole.model.weight)
+    assert resumed.seen == whole.seen[3:]
+    assert resumed.get_epsilon() == whole.get_epsilon() and resumed.accountant.steps == 2

@@ -257,6 +257,13 @@ def test_dptrainer_trains_with_fp16_on_cpu(tmp_path) -> None:
     trainer = _fp16_trainer(tmp_path, noise_multiplier=1.0, max_steps=2, activation_checkpointing=True)
     output = trainer.train()
     assert math.isfinite(output.training_loss) and 0 < output.metrics["epsilon"] < math.inf
+    # correlated noise under fp16: its one buffer (2 bands) in float32
+    trainer = _fp16_trainer(
+        tmp_path, noise_multiplier=1.0, max_steps=2, noise_mechanism="bandmf", num_bands="2"
+    )
+    output = trainer.train()
+    assert math.isfinite(output.training_loss) and output.metrics["num_bands"] == 2
+    assert trainer.dp.mechanism.buffer_bytes() == 4 * sum(p.numel() for p in trainer.model.parameters())
 
 
 def test_fp16_without_dp_still_trains(tmp_path) -> None:
