@@ -188,7 +188,7 @@ def lora_default(name: str, value: Any) -> Any:
 
 
 def privacy_record(trainer: Any, train_output: Any, train_seconds: float) -> dict[str, Any]:
-    """ε, δ, σ, the privacy unit, q, B̄ and N from ``trainer.privacy_report()``, the optimizer steps taken, the
+    """ε, δ, σ, the privacy unit, q, B̄, N and the noise mechanism from ``trainer.privacy_report()``, the optimizer steps taken, the
     training loss and the wall time: what every recipe's results file records of a finished run."""
     report = trainer.privacy_report()
     return {
@@ -199,6 +199,8 @@ def privacy_record(trainer: Any, train_output: Any, train_seconds: float) -> dic
         "sample_rate": report["sample_rate"],
         "expected_batch_size": report["expected_batch_size"],
         "num_train_examples": report["num_train_examples"],
+        "noise_mechanism": report["noise_mechanism"],
+        "num_bands": report["num_bands"],
         "steps": trainer.state.global_step,
         "train_loss": train_output.training_loss,
         "train_seconds": round(train_seconds, 1),

@@ -278,7 +278,7 @@ def loader_args(**overrides) -> SimpleNamespace:
     return SimpleNamespace(**(args | overrides))
 
 
-PLAN = SimpleNamespace(num_examples=4, expected_batch_size=2, sample_rate=0.5, steps_per_epoch=40)
+PLAN = SimpleNamespace(num_examples=4, expected_batch_size=2, sample_rate=0.5, steps_per_epoch=40, bands=1)
 
 
 def test_dp_dataloader_samples_units():
