@@ -28,7 +28,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -91,8 +91,16 @@ def _environment() -> dict[str, Any]:
     }
 
 
+def _single_process() -> None:
+    """Each worker runs one job at a time like a lone process: transformers' seeded collators (recipes/mlm.py's
+    mask_once) refuse any process not named MainProcess unless it is a DataLoader worker."""
+    multiprocessing.current_process().name = "MainProcess"
+
+
 def _pool(jobs: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    return ProcessPoolExecutor(
+        max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_single_process
+    )
 
 
 # ---- MLM --------------------------------------------------------------------------------------------
@@ -273,10 +281,15 @@ def run_mlm(args: argparse.Namespace) -> dict[str, Any]:
     settings = replace((opt.QUICK if args.quick else opt.FULL)["mlm"], epsilon=args.epsilon)
     hyper, source = load_tuned(args.quick, settings)
     probe = None
-    if args.mlm_steps == "auto" and not args.quick:
+    if args.mlm_steps == "auto" and not args.quick and args.mlm_probe:  # a probe run earlier
+        probe = json.loads(args.mlm_probe.read_text())
+        steps = LONG_STEPS if probe["error"] is None and probe["seconds"] <= PROBE_LIMIT_S else settings.steps
+    elif args.mlm_steps == "auto" and not args.quick:
         print(f"MLM probe: adam/bandmf, seed {args.seeds[0]}, {settings.steps} steps", flush=True)
         probe = mlm_run(settings, hyper, "adam", "bandmf", args.seeds[0], args.accountant)
         steps = LONG_STEPS if probe["error"] is None and probe["seconds"] <= PROBE_LIMIT_S else settings.steps
+        (args.out_dir / "correlated_noise_mlm_probe.json").write_text(json.dumps(probe, indent=2) + "\n")
+    if probe is not None:
         probe["decision"] = (
             f"probe took {probe['seconds']:.0f} s at {settings.steps} steps "
             f"({'≤' if steps == LONG_STEPS else '>'} {PROBE_LIMIT_S:g} s): every MLM run trains {steps} steps"
@@ -292,7 +305,16 @@ def run_mlm(args: argparse.Namespace) -> dict[str, Any]:
     if args.jobs > 1:
         with _pool(args.jobs) as pool:
             futures = [pool.submit(mlm_run, settings, hyper, *job, args.accountant) for job in jobs]
-            runs = [f.result() for f in futures]
+            runs = []
+            for future in as_completed(
+                futures
+            ):  # a partial file after every run, in case the job is cut short
+                runs.append(future.result())
+                partial = {"partial": True, "settings": asdict(settings), "runs": runs}
+                (args.out_dir / "correlated_noise_mlm.partial.json").write_text(
+                    json.dumps(partial, indent=2) + "\n"
+                )
+            runs.sort(key=lambda r: jobs.index((r["optimizer"], r["mechanism"], r["seed"])))
     else:
         runs = [mlm_run(settings, hyper, *job, args.accountant) for job in jobs]
     result = {
@@ -574,13 +596,17 @@ def conclusion_sst2(r: dict[str, Any]) -> str:
     if c["mean"] is None:
         return "no paired result."
     order = "higher (better)" if c["mean"] > 0 else ("equal" if c["mean"] == 0 else "lower (worse)")
+    rows = r["runs"][0].get("eval_rows") or 872
+    acc = statistics.fmean(a["mean"] for a in arms.values())
+    se = math.sqrt(acc * (1 - acc) / rows)  # the dev set's own sampling error of one accuracy
     spread = (
         f"± {c['std']:.4f} over {len(c['per_seed'])} seeds"
         if c["std"] is not None
-        else "one seed per arm, so there is no seed spread to judge it by; "
-        f"at {r['runs'][0].get('eval_rows', 872)} dev rows one example is "
-        f"{1 / r['runs'][0].get('eval_rows', 872):.4f}"
+        else f"one seed per arm, so there is no seed spread; the binomial standard error of one accuracy on "
+        f"{rows} dev rows is {se:.4f}, {se * math.sqrt(2):.4f} for the difference of two independent runs"
     )
+    within = abs(c["mean"]) <= 2 * se * math.sqrt(2)
+    judgement = " The gap is within that error: no ordering can be claimed from this run." if within else ""
     short = (
         f" at {r['max_steps']} of the recipe's {r['recipe_default_max_steps']} steps"
         if r["shortened"]
@@ -589,6 +615,7 @@ def conclusion_sst2(r: dict[str, Any]) -> str:
     return (
         f"BandMF's dev accuracy ({opt._fmt(arms['bandmf']['mean'], '.4f')}) is {order} than independent "
         f"noise's ({opt._fmt(arms['independent']['mean'], '.4f')}) by {abs(c['mean']):.4f}{short} ({spread})."
+        + judgement
     )
 
 
@@ -616,11 +643,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the record of an earlier probe run, instead of running one",
     )
+    parser.add_argument(
+        "--mlm_probe",
+        type=Path,
+        default=None,
+        help="the record of an earlier MLM probe run, instead of running one",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own 1-thread process")
     parser.add_argument(
         "--accountant", choices=["prv", "rdp"], default=None, help="default: prv (quick: rdp)"
     )
     parser.add_argument("--quick", action="store_true", help="toy sizes, for the smoke test")
+    parser.add_argument(
+        "--render_only", action="store_true", help="rewrite correlated_noise.md from the JSONs"
+    )
     parser.add_argument("--out_dir", type=Path, default=opt.DEFAULT_OUT)
     return parser.parse_args(argv)
 
@@ -630,7 +666,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     args.accountant = args.accountant or ("rdp" if args.quick else "prv")  # rdp calibrates in well under 1 s
     _quiet()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    tasks = ["mlm", "sst2"] if args.task == "both" else [args.task]
+    tasks = [] if args.render_only else ["mlm", "sst2"] if args.task == "both" else [args.task]
     results: dict[str, dict[str, Any]] = {}
     for task in tasks:
         results[task] = (run_mlm if task == "mlm" else run_sst2)(args)
