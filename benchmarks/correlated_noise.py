@@ -302,21 +302,31 @@ def run_mlm(args: argparse.Namespace) -> dict[str, Any]:
     task = _mlm_task(settings)
     print(f"== mlm: {task.data_note}; {task.trainable} trainable parameters; {source}", flush=True)
     jobs = [(row, mech, seed) for seed in args.seeds for row in MLM_ROWS for mech in MECHANISMS]
-    if args.jobs > 1:
+    done: list[dict[str, Any]] = []
+    if args.resume:  # runs recorded by an earlier invocation (its partial file) are kept, not rerun
+        done = [r for r in json.loads(args.resume.read_text())["runs"] if r["error"] is None]
+        kept = {(r["optimizer"], r["mechanism"], r["seed"]) for r in done}
+        todo = [job for job in jobs if job not in kept]
+        done = [r for r in done if (r["optimizer"], r["mechanism"], r["seed"]) in set(jobs)]
+        jobs = [] if args.no_new_runs else todo
+        print(f"resuming: {len(done)} runs kept from {args.resume}, {len(jobs)} to run", flush=True)
+    if args.jobs > 1 and jobs:
         with _pool(args.jobs) as pool:
             futures = [pool.submit(mlm_run, settings, hyper, *job, args.accountant) for job in jobs]
-            runs = []
-            for future in as_completed(
-                futures
-            ):  # a partial file after every run, in case the job is cut short
+            runs = list(done)
+            # a partial file after every run, in case the job is cut short (--resume reads it)
+            for future in as_completed(futures):
                 runs.append(future.result())
                 partial = {"partial": True, "settings": asdict(settings), "runs": runs}
                 (args.out_dir / "correlated_noise_mlm.partial.json").write_text(
                     json.dumps(partial, indent=2) + "\n"
                 )
-            runs.sort(key=lambda r: jobs.index((r["optimizer"], r["mechanism"], r["seed"])))
+        (args.out_dir / "correlated_noise_mlm.partial.json").unlink(missing_ok=True)
     else:
-        runs = [mlm_run(settings, hyper, *job, args.accountant) for job in jobs]
+        runs = done + [mlm_run(settings, hyper, *job, args.accountant) for job in jobs]
+    order = [(row, mech, seed) for seed in args.seeds for row in MLM_ROWS for mech in MECHANISMS]
+    runs.sort(key=lambda r: order.index((r["optimizer"], r["mechanism"], r["seed"])))
+    missing = [job for job in order if job not in {(r["optimizer"], r["mechanism"], r["seed"]) for r in runs}]
     result = {
         "benchmark": "correlated_noise",
         "task": "mlm",
@@ -336,6 +346,8 @@ def run_mlm(args: argparse.Namespace) -> dict[str, Any]:
         "untrained": task.score(task.build(args.seeds[0]), task.held_out["report"]),
         "seeds": list(args.seeds),
         "runs": runs,
+        "not_run": [{"optimizer": o, "mechanism": m, "seed": k} for o, m, k in missing],
+        "resumed_from": str(args.resume) if args.resume else None,
         "summary": summarise_mlm(runs, task.metric),
         "wall_seconds": time.perf_counter() - started,
         "environment": {**_environment(), "jobs": args.jobs},
@@ -506,17 +518,20 @@ def markdown_mlm(r: dict[str, Any]) -> list[str]:
         f"loss (lower is better), mean ± sample std over seeds {r['seeds']}, paired by seed "
         f"(insecure_dp_seed); untrained {opt._fmt(r['untrained'], '.4f')}.",
         "",
-        "| optimizer | noise | b | σ | ε spent | held-out MLM loss | per seed | s/run |",
-        "|---|---|---|---|---|---|---|---|",
+        "| optimizer | noise | b | σ | ε spent | held-out MLM loss | n | per seed | s/run |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in r["summary"]["arms"].values():
         errors = f" errors: {arm['errors'][0]}" if arm["errors"] else ""
         lines.append(
             f"| {arm['optimizer']} | {arm['mechanism']} | {_values(arm['num_bands'], 'd')} | "
             f"{_values(arm['noise_multiplier'], '.4f')} | {_values(arm['epsilon'], '.3f')} | "
-            f"{_pm(arm['mean'], arm['std'])} | {_values(list(arm['per_seed'].values()), '.4f')} | "
+            f"{_pm(arm['mean'], arm['std'])} | {arm['n']} | {_values(list(arm['per_seed'].values()), '.4f')} | "
             f"{opt._fmt(arm['seconds_per_run'], '.0f')}{errors} |"
         )
+    if r.get("not_run"):
+        missing = ", ".join(f"{j['optimizer']}/{j['mechanism']} seed {j['seed']}" for j in r["not_run"])
+        lines += ["", f"**Not run (out of time on the shared machine): {missing}.**"]
     lines += [
         "",
         "| optimizer | BandMF − independent (paired, per seed) | mean ± std | BandMF better on | verdict |",
@@ -648,6 +663,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="the record of an earlier MLM probe run, instead of running one",
+    )
+    parser.add_argument("--resume", type=Path, default=None, help="keep the runs of this (partial) MLM JSON")
+    parser.add_argument(
+        "--no_new_runs",
+        action="store_true",
+        help="with --resume: only summarise the kept runs (the rest: not_run)",
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own 1-thread process")
     parser.add_argument(
