@@ -348,6 +348,9 @@ def run_mlm(args: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         "not_run": [{"optimizer": o, "mechanism": m, "seed": k} for o, m, k in missing],
         "resumed_from": str(args.resume) if args.resume else None,
+        "wall_seconds_note": "this invocation only: the kept runs' own times are their 'seconds'"
+        if args.resume
+        else "the whole invocation",
         "summary": summarise_mlm(runs, task.metric),
         "wall_seconds": time.perf_counter() - started,
         "environment": {**_environment(), "jobs": args.jobs},
