@@ -1,0 +1,64 @@
+"""Smoke test of benchmarks/correlated_noise.py at toy sizes (``--quick``): DP-Adam and STP with independent and
+BandMF noise on the real arXiv abstracts through DPTrainer, and the JSON has both mechanisms and finite numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    # By file path: Opacus installs a top-level package named ``benchmarks`` into site-packages.
+    spec = importlib.util.spec_from_file_location(f"hf_dp_benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads() -> Iterator[None]:
+    """The script sets torch's thread count for the whole process; give the other tests theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_correlated_noise_quick(tmp_path: Path, shared_data: Path) -> None:
+    bench = _load("correlated_noise")
+    returned = bench.main(["--quick", "--task", "mlm", "--seeds", "0", "--out_dir", str(tmp_path)])
+    assert set(returned) == {"mlm"}
+    result = json.loads((tmp_path / "correlated_noise_mlm.json").read_text())
+    assert result["quick"] and result["metric"] == "mlm_loss"
+    runs = result["runs"]
+    assert sorted((r["optimizer"], r["mechanism"]) for r in runs) == sorted(
+        (row, mech) for row in ("adam", "stp") for mech in ("independent", "bandmf")
+    )
+    for run in runs:
+        assert run["error"] is None, run
+        assert run["noise_mechanism"] == run["mechanism"], run
+        assert (run["num_bands"] == 1) == (run["mechanism"] == "independent"), run
+        assert _finite(run["mlm_loss"]) and _finite(run["noise_multiplier"]) and run["noise_multiplier"] > 0
+        assert _finite(run["epsilon"]) and run["epsilon"] <= 8.0 + 1e-6, run
+    for arm in result["summary"]["arms"].values():
+        assert arm["n"] == 1 and _finite(arm["mean"]) and arm["errors"] == [], arm
+    for comparison in result["summary"]["comparisons"]:
+        assert _finite(comparison["mean"]) and comparison["verdict"], comparison
+    table = (tmp_path / "correlated_noise.md").read_text()
+    assert "| adam | bandmf |" in table and "| stp | independent |" in table and "**Conclusion.**" in table
