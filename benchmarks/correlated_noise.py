@@ -601,7 +601,7 @@ def conclusion_mlm(r: dict[str, Any]) -> str:
         parts.append(
             f"with {c['optimizer']}, BandMF's held-out loss is {order} than independent noise's by "
             f"{abs(c['mean']):.4f} on average (paired difference {c['mean']:+.4f} ± {opt._fmt(c['std'], '.4f')} "
-            f"over {len(c['per_seed'])} seeds, BandMF better on {c['bandmf_better_on_seeds']}: {c['verdict']}; "
+            f"over {len(c['per_seed'])} seed{'s' if len(c['per_seed']) != 1 else ''}, BandMF better on {c['bandmf_better_on_seeds']}: {c['verdict']}; "
             f"the arms' own seed std: {opt._fmt(arms[c['optimizer'] + '/independent']['std'], '.4f')} "
             f"independent, {opt._fmt(arms[c['optimizer'] + '/bandmf']['std'], '.4f')} BandMF)"
         )
