@@ -273,7 +273,10 @@ def verdict(diffs: list[float], higher_is_better: bool) -> str:
     if len(diffs) < 2:
         return order + " (one seed: no spread)"
     se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return order + (" (within seed noise: |mean| ≤ 2 SE)" if abs(mean) <= 2 * se else " (beyond 2 SE)")
+    detail = f"|mean| {abs(mean):.4f} vs 2 SE {2 * se:.4f}"
+    return order + (
+        f" (within seed noise: {detail})" if abs(mean) <= 2 * se else f" (just beyond 2 SE: {detail})"
+    )
 
 
 def run_mlm(args: argparse.Namespace) -> dict[str, Any]:
