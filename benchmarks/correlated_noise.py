@@ -273,7 +273,10 @@ def verdict(diffs: list[float], higher_is_better: bool) -> str:
     if len(diffs) < 2:
         return order + " (one seed: no spread)"
     se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return order + (" (within seed noise: |mean| ≤ 2 SE)" if abs(mean) <= 2 * se else " (beyond 2 SE)")
+    detail = f"|mean| {abs(mean):.4f} vs 2 SE {2 * se:.4f}"
+    return order + (
+        f" (within seed noise: {detail})" if abs(mean) <= 2 * se else f" (just beyond 2 SE: {detail})"
+    )
 
 
 def run_mlm(args: argparse.Namespace) -> dict[str, Any]:
@@ -601,7 +604,7 @@ def conclusion_mlm(r: dict[str, Any]) -> str:
         parts.append(
             f"with {c['optimizer']}, BandMF's held-out loss is {order} than independent noise's by "
             f"{abs(c['mean']):.4f} on average (paired difference {c['mean']:+.4f} ± {opt._fmt(c['std'], '.4f')} "
-            f"over {len(c['per_seed'])} seeds, BandMF better on {c['bandmf_better_on_seeds']}: {c['verdict']}; "
+            f"over {len(c['per_seed'])} seed{'s' if len(c['per_seed']) != 1 else ''}, BandMF better on {c['bandmf_better_on_seeds']}: {c['verdict']}; "
             f"the arms' own seed std: {opt._fmt(arms[c['optimizer'] + '/independent']['std'], '.4f')} "
             f"independent, {opt._fmt(arms[c['optimizer'] + '/bandmf']['std'], '.4f')} BandMF)"
         )
