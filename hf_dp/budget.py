@@ -43,6 +43,7 @@ class PrivacyBudgetCallback(TrainerCallback):
             self.allowed_steps is not None
             and accountant.steps >= self.allowed_steps
             and _spends(plan, state.global_step)
+            and state.global_step < state.max_steps  # the planned end is no stop
         ):
             logger.warning(
                 f"hf_dp: stopping at step {state.global_step}: one more step would spend epsilon "

@@ -312,6 +312,10 @@ def test_the_budget_stop_counts_only_the_steps_that_spend():
         budget.on_step_end(args, state, control)
     assert accountant.steps == 3 and state.global_step == 12
     assert accountant.get_epsilon() <= args.target_epsilon < accountant.epsilon_after(1.0, 0.25)
+    ended = SimpleNamespace(global_step=12, max_steps=12)  # the planned end: no early-stop warning
+    control.should_training_stop = False
+    budget.on_step_end(args, ended, control)
+    assert not control.should_training_stop
 
 
 @pytest.mark.parametrize("rule", dp_optimizer_names())
