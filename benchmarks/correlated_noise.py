@@ -47,8 +47,6 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from hf_dp import DPTrainingArguments  # noqa: E402
-
 MECHANISMS = ("independent", "bandmf")
 MLM_ROWS = ("adam", "stp")
 TUNED_FROM = opt.DEFAULT_OUT / "optimizers_mlm.json"
@@ -127,79 +125,18 @@ def mlm_run(
     trainer for ``target_epsilon`` (``num_bands="auto"`` needs it) instead of passed in."""
     _quiet()
     task = _mlm_task(settings)
-    s, row = task.settings, opt.ROWS[row_name]
-    lr, clip, kwargs = opt.run_settings(task, row, hyper)
-    record: dict[str, Any] = {
-        "optimizer": row_name,
-        "mechanism": mechanism,
-        "seed": seed,
-        "steps_planned": s.steps,
-        "lr": lr,
-        "clip": clip,
-        "dp_optimizer_kwargs": kwargs,
-        task.metric: None,
-        "error": None,
-    }
     bands = {"noise_mechanism": "bandmf", "num_bands": "auto"} if mechanism == "bandmf" else {}
-    started = time.perf_counter()
-    try:
-        with tempfile.TemporaryDirectory(prefix="hf_dp_correlated_noise_") as tmp:
-            args = DPTrainingArguments(
-                output_dir=tmp,
-                target_epsilon=s.epsilon,
-                target_delta=task.delta,
-                accountant=accountant,
-                per_sample_max_grad_norm=clip,
-                # paired by seed: the seed fixes the partition, batches, noise and init (never publish these)
-                insecure_dp_seed=seed,
-                **bands,
-                per_device_train_batch_size=s.micro_batch,
-                gradient_accumulation_steps=s.batch // s.micro_batch,
-                max_steps=s.steps,
-                learning_rate=lr,
-                lr_scheduler_type="constant",
-                warmup_steps=0,
-                weight_decay=0.0,
-                dp_optimizer=row.dp_optimizer,
-                dp_optimizer_kwargs=kwargs,
-                seed=seed,
-                logging_strategy="no",
-                save_strategy="no",
-                report_to="none",
-                use_cpu=True,
-                disable_tqdm=True,
-                remove_unused_columns=False,
-            )
-            model = task.build(seed)
-            trainer = task.make_trainer(model, args)
-            output = trainer.train()
-            value = task.score(model, task.held_out["report"])
-            report = trainer.privacy_report()
-            record.update(
-                {
-                    task.metric: value,
-                    "noise_mechanism": report["noise_mechanism"],
-                    "num_bands": report["num_bands"],
-                    "noise_multiplier": report["noise_multiplier"],
-                    "sample_rate": report["sample_rate"],
-                    "epsilon": report["epsilon"],
-                    "delta": report["delta"],
-                    "accounting": report["accounting"],
-                    "steps": trainer.state.global_step,
-                    "train_loss": output.training_loss,
-                }
-            )
-            if not math.isfinite(value):
-                record["error"] = f"non-finite {task.metric}"
-    except Exception as exc:  # recorded in the JSON; the other runs continue
-        record["error"] = f"{type(exc).__name__}: {exc}"
-        record["traceback"] = traceback.format_exc()
-        traceback.print_exc()
-    record["seconds"] = time.perf_counter() - started
+    privacy = {
+        "noise_multiplier": None,
+        "target_epsilon": task.settings.epsilon,
+        "accountant": accountant,
+        **bands,
+    }
+    record = opt.train_and_score(task, opt.ROWS[row_name], hyper, seed, "report", privacy_changes=privacy)
+    record.update({"mechanism": mechanism, "steps_planned": task.settings.steps})
     print(
-        f"  mlm {row_name:<5} {mechanism:<11} seed {seed}  {s.steps} steps  b {record.get('num_bands', '-')}  "
-        f"σ {opt._fmt(record.get('noise_multiplier'), '.4f')}  ε {opt._fmt(record.get('epsilon'), '.3f')}  "
-        f"loss {opt._fmt(record[task.metric], '.4f')}  {record['seconds']:.0f}s  {record['error'] or ''}",
+        f"  mlm {row_name:<5} {mechanism:<11} seed {seed}  b {record.get('num_bands', '-')}  "
+        f"σ {opt._fmt(record.get('noise_multiplier'), '.4f')}  ε {opt._fmt(record.get('epsilon'), '.3f')}",
         flush=True,
     )
     return record

@@ -195,6 +195,18 @@ QUICK = {
 }
 
 
+# what every run records of its guarantee (trainer.privacy_report())
+REPORTED = (
+    "epsilon",
+    "delta",
+    "noise_multiplier",
+    "sample_rate",
+    "noise_mechanism",
+    "num_bands",
+    "accounting",
+)
+
+
 @dataclass
 class Hyper:
     """The tuned values a run uses (lr per family, STP's C, DP²'s α2)."""
@@ -340,19 +352,21 @@ def load_mlm(s: TaskSettings) -> Task:
     """recipes/mlm.py's pipeline (its tokenizer, tokenization, masking collator, from-scratch BERT and held-out
     loss): abstracts in file order, the first ``train_rows`` train, the next two blocks of ``eval_rows`` are the
     tuning and reporting splits, each masked ONCE with the recipe's fixed seed."""
-    model_args = mlm.ModelArguments(  # the recipe's default tokenizer: MiniLM's uncased WordPiece (30,522 ids)
-        from_scratch=True,
-        model_config=json.dumps(
-            {
-                "hidden_size": s.width,
-                "num_hidden_layers": s.layers,
-                "num_attention_heads": 2,
-                "intermediate_size": 4 * s.width,
-                "max_position_embeddings": max(s.max_length, 64),
-                "hidden_dropout_prob": 0.0,
-                "attention_probs_dropout_prob": 0.0,
-            }
-        ),
+    model_args = (
+        mlm.ModelArguments(  # the recipe's default tokenizer: MiniLM's uncased WordPiece (30,522 ids)
+            from_scratch=True,
+            model_config=json.dumps(
+                {
+                    "hidden_size": s.width,
+                    "num_hidden_layers": s.layers,
+                    "num_attention_heads": 2,
+                    "intermediate_size": 4 * s.width,
+                    "max_position_embeddings": max(s.max_length, 64),
+                    "hidden_dropout_prob": 0.0,
+                    "attention_probs_dropout_prob": 0.0,
+                }
+            ),
+        )
     )
     tokenizer = mlm.load_tokenizer(model_args)
     texts = mlm.read_texts(DATA / "arxiv" / "arxiv_metadata_first2000.csv", "abstract")
@@ -425,9 +439,17 @@ def run_settings(task: Task, row: Row, hyper: Hyper) -> tuple[float, float, dict
 
 
 def train_and_score(
-    task: Task, row: Row, hyper: Hyper, seed: int, split: str, private: bool = True
+    task: Task,
+    row: Row,
+    hyper: Hyper,
+    seed: int,
+    split: str,
+    private: bool = True,
+    privacy_changes: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train ``row`` with ``seed`` through DPTrainer and score it on ``split``; errors are recorded."""
+    """Train ``row`` with ``seed`` through DPTrainer and score it on ``split``; errors are recorded.
+    ``privacy_changes``: DPTrainingArguments that replace the task's privacy settings (e.g. a target ε and a noise
+    mechanism instead of the task's σ)."""
     s = task.settings
     lr, clip, kwargs = run_settings(task, row, hyper)
     record: dict[str, Any] = {
@@ -450,7 +472,7 @@ def train_and_score(
         }
         if private
         else {"disable_dp": True}
-    )
+    ) | (privacy_changes or {})
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="hf_dp_optimizers_") as tmp:
@@ -478,10 +500,11 @@ def train_and_score(
             trainer = task.make_trainer(model, args)
             output = trainer.train()
             value = task.score(model, task.held_out[split])
+            report = trainer.privacy_report()
             record.update(
                 {
                     task.metric: value,
-                    "epsilon": trainer.get_epsilon(),
+                    **{key: report[key] for key in REPORTED},
                     "steps": trainer.state.global_step,
                     "train_loss": output.training_loss,
                 }

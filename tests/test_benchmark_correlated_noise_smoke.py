@@ -3,41 +3,14 @@ BandMF noise on the real arXiv abstracts through DPTrainer, and the JSON has bot
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import math
-import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-import torch
+
+from tests.test_benchmark_optimizers_smoke import _finite, _keep_threads, _load  # noqa: F401 (an autouse fixture)
 
 pytestmark = pytest.mark.slow
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    # By file path: Opacus installs a top-level package named ``benchmarks`` into site-packages.
-    spec = importlib.util.spec_from_file_location(f"hf_dp_benchmark_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _finite(x: object) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x)
-
-
-@pytest.fixture(autouse=True)
-def _keep_threads() -> Iterator[None]:
-    """The script sets torch's thread count for the whole process; give the other tests theirs back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_correlated_noise_quick(tmp_path: Path, shared_data: Path) -> None:
