@@ -7,6 +7,7 @@ import json
 import math
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import get_args
 
 import torch
@@ -16,7 +17,7 @@ from hf_dp import compat
 from hf_dp.accounting import AccountantName
 from hf_dp.clipping.geometry import CLIPPING_FNS, CLIPPING_MODES, ClippingFn, ClippingMode
 from hf_dp.clipping.loss_scale import DEFAULT_FP16_LOSS_SCALE, check_loss_scale
-from hf_dp.distributed import check_launched_world
+from hf_dp.distributed import check_launched_world, join_process_group
 from hf_dp.optim.registry import dp_optimizer_names, make_dp_optimizer
 
 ACCOUNTANTS = get_args(AccountantName)
@@ -179,6 +180,11 @@ class DPTrainingArguments(TrainingArguments):
         super().__post_init__()
         compat.check_fields(self)
         self._resolve_optimizer()
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        join_process_group(self)  # on CPU, with ddp_timeout
+        return TrainingArguments._setup_devices.func(self)
 
     @property
     def has_privacy_budget(self) -> bool:

@@ -206,7 +206,7 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "ddp_broadcast_buffers": _honoured(),
     "ddp_static_graph": _honoured(),
     "ddp_backend": _honoured(),
-    "ddp_timeout": _honoured(),
+    "ddp_timeout": _honoured("on CPU too (gloo): how long a process that stops answering is waited for"),
     "fsdp": _honoured("FSDP2 only (fsdp_config version 2); checked before training (docs/distributed.md)"),
     "fsdp_config": _honoured("version 2 required; FSDP1's flat parameters are refused"),
     "deepspeed": _honoured("ZeRO-1/2/3; checked before training (docs/distributed.md)"),

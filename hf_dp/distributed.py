@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -32,6 +33,51 @@ def sum_across_processes(tensors: list[torch.Tensor]) -> None:
         for t in group:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def join_process_group(args) -> None:
+    """Create the CPU (gloo) process group with ``ddp_timeout``, which transformers passes only to accelerator
+    process groups: without it a process that stops answering is waited for gloo's default 30 minutes."""
+    launched = all(key in os.environ for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
+    cpu = args.use_cpu or os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
+    mpi = args.ddp_backend in (None, "mpi") and dist.is_mpi_available()  # accelerate's choice on CPU
+    if not launched or int(os.environ["WORLD_SIZE"]) < 2 or not cpu or mpi or dist.is_initialized():
+        return
+    if args.ddp_backend not in (None, "gloo"):
+        return
+    dist.init_process_group(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
+
+
+class ProcessLostError(RuntimeError):
+    """A process of a multi-process run died or stopped answering: the others stop, and the run resumes from its
+    newest complete checkpoint."""
+
+
+def lost_process(
+    error: BaseException, args, global_step: int, newest_checkpoint: str | None
+) -> ProcessLostError | None:
+    """The one-line error for a collective that failed because another process died or hung, else None."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    text = str(error)
+    communication = isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and ("gloo" in text or "NCCL" in text)
+    )
+    if not communication:
+        return None
+    cause = next(
+        (line.split("] ", 1)[-1] for line in text.splitlines() if line.strip()), type(error).__name__
+    )
+    resume = (
+        f"continue from {newest_checkpoint}"
+        if newest_checkpoint
+        else "start again (no complete checkpoint yet)"
+    )
+    return ProcessLostError(
+        f"DPTrainer: process {dist.get_rank()} of {dist.get_world_size()} lost the others during step "
+        f"{global_step + 1} ({cause.split('. ')[0]}): a process died or did not answer within "
+        f"ddp_timeout={args.ddp_timeout} s; relaunch every process with resume_from_checkpoint=True to {resume}"
+    )
 
 
 def zero_stage(config: dict[str, Any]) -> int:

@@ -20,7 +20,7 @@ from hf_dp import checkpoint
 from hf_dp.arguments import DPTrainingArguments, check_trainer_call
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.data import count_drawn_examples, split_dp_keys
-from hf_dp.distributed import backend_of, shard_on_cpu, uses_checkpointing
+from hf_dp.distributed import backend_of, lost_process, shard_on_cpu, uses_checkpointing
 from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
 from hf_dp.losses import per_example_loss, unwrap_model
@@ -92,10 +92,17 @@ class DPTrainerMixin:
     # ---- training ---------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """The Trainer's ``train``, once per DPTrainer, from a complete checkpoint; its metrics carry the guarantee."""
+        """The Trainer's ``train``, once per DPTrainer, from a complete checkpoint; its metrics carry the guarantee. A
+        process of a multi-process run that dies or hangs stops the others with ``ProcessLostError``."""
         resume = self._private_run("train").start_training(resume_from_checkpoint)
         try:
             output = super().train(resume, *args, **kwargs)
+        except Exception as error:
+            newest = checkpoint.newest_complete(self.args.output_dir)
+            lost = lost_process(error, self.args, self.state.global_step, newest)
+            if lost is None:
+                raise
+            raise lost from error
         finally:
             self.dp.close()
         output.metrics.update(self.privacy_metrics())

@@ -540,10 +540,15 @@ def test_sigkill_at_random_moments_then_resume_ends_like_the_uninterrupted_run(t
         zygote.close()
 
 
-# ---- the same with 2 processes (DDP on CPU, gloo), each start a torchrun launch ----------------------------
+# ---- the same on 2 nodes of one process each (DDP on CPU, gloo), each start two torchrun launches --------------
+#
+# Each node has its own launcher (torchrun --nnodes 2, static rendezvous on one host), as on two machines: when
+# a process dies or hangs, nothing kills the other node's process, which must stop by itself, with one line
+# (``ProcessLostError``), within ddp_timeout (ISSUE 31, item 2).
 
 DDP_STEPS = 7  # B̄ = 2 processes × 4 × 2 accumulation = 16 of 32: 2 steps per epoch, 7 ends inside one
-DDP_KILLS = 3
+DDP_TIMEOUT_S = 20  # how long a process that stops answering is waited for
+STOPPED_WITHIN_S = {"dies": 30.0, "hangs": DDP_TIMEOUT_S + 30.0}  # the survivor's own error, from the kill
 
 
 def _worker(job: dict) -> None:
@@ -555,74 +560,92 @@ def _worker(job: dict) -> None:
         raise
 
 
-def _torchrun(
-    directory: Path, resume: bool | None, port: int, log: Path, kill_at=None, deadline: float = 300.0
+def _two_nodes(
+    directory: Path, resume: bool | None, port: int, log: Path, kill=None, deadline: float = 300.0
 ):
-    """One start of the 2-process run; ``kill_at``: (event, delay) after which the launcher and both processes
-    are SIGKILLed at once (a machine that dies). Returns (exit code, events, kill time, result line)."""
-    job = {"dir": str(directory), "resume": resume, "steps": DDP_STEPS}
+    """One start of the run; ``kill``: (how, event, delay). "machine": every launcher and process is SIGKILLed
+    at once; "dies": node 1's process is SIGKILLed; "hangs": it is SIGSTOPped (and SIGKILLed once node 0 has
+    stopped). Returns (node 0's exit code, events, kill time, node 0's result line, seconds from the kill to
+    node 0's last line)."""
+    job = {
+        "dir": str(directory),
+        "resume": resume,
+        "steps": DDP_STEPS,
+        "args": {"ddp_timeout": DDP_TIMEOUT_S},
+    }
     launcher = str(Path(sys.executable).parent / "torchrun")
-    command = [
-        launcher,
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(port),
-        __file__,
-        "--worker",
-        json.dumps(job),
+    nodes = [
+        _Lines(
+            [
+                launcher,
+                *("--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1"),
+                *("--master_addr", "127.0.0.1", "--master_port", str(port)),
+                *(__file__, "--worker", json.dumps(job)),
+            ],
+            log,
+        )
+        for rank in (0, 1)
     ]
-    launch = _Lines(command, log)
     end = time.monotonic() + deadline
-    pids, events, result, killed_at = {launch.process.pid}, [], None, None
+    pids = {node.process.pid for node in nodes}
+    node1 = int(nodes[1].line(end)[0].split()[2])  # its process's "pid 1 <pid>"
+    pids.add(node1)
+    events, result, killed_at, last_line = [], None, None, None
     try:
         while True:
             try:
-                text, stamp = launch.line(end)
+                text, stamp = nodes[0].line(end)
             except EOFError:
                 break
+            last_line = time.monotonic()
             if text.startswith("pid "):
                 pids.add(int(text.split()[2]))
             elif text.startswith(("done ", "crash ")):
                 result = text
             else:
                 events.append((text.removeprefix("event "), stamp))
-                if kill_at is not None and text == f"event {kill_at[0]}":
-                    assert len(pids) == 3, pids  # the launcher and both processes
-                    time.sleep(max(0.0, stamp + kill_at[1] - time.monotonic()))
-                    for pid in pids:
-                        os.kill(pid, signal.SIGKILL)
-                    killed_at, kill_at = time.monotonic(), None
+                if kill is not None and text == f"event {kill[1]}":
+                    time.sleep(max(0.0, stamp + kill[2] - time.monotonic()))
+                    if kill[0] == "machine":
+                        for pid in pids:
+                            os.kill(pid, signal.SIGKILL)
+                    else:
+                        os.kill(node1, signal.SIGKILL if kill[0] == "dies" else signal.SIGSTOP)
+                    killed_at, kill = time.monotonic(), None
     finally:
-        if launch.process.poll() is None and time.monotonic() > end:
+        if killed_at is not None or time.monotonic() > end:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-    return launch.process.wait(timeout=60), events, killed_at, result
+    codes = [node.process.wait(timeout=60) for node in nodes]
+    stopped = None if killed_at is None else last_line - killed_at
+    return codes[0], events, killed_at, result, stopped
 
 
 @pytest.mark.slow
-def test_two_processes_killed_at_random_moments_resume_like_the_uninterrupted_run(tmp_path):
+def test_two_nodes_killed_or_hung_at_random_moments_resume_like_the_uninterrupted_run(tmp_path):
     rng, port, log = random.Random(KILL_SEED + 2), 29400 + os.getpid() % 300, tmp_path / "torchrun.log"
-    code, events, _, result = _torchrun(tmp_path / "reference", None, port, log)
+    code, events, _, result, _ = _two_nodes(tmp_path / "reference", None, port, log)
     assert code == 0 and result and result.startswith("done "), (result, log.read_text()[-3000:])
     reference = json.loads(result.removeprefix("done "))
     assert reference["world_size"] == 2 and reference["backend"] == "gloo"
     stamps = {name: stamp for name, stamp in events}
     save_time = {t: stamps[f"save-end {t}"] - stamps[f"save-begin {t}"] for t in range(1, DDP_STEPS + 1)}
     directory, out, landed, step = tmp_path / "killed", tmp_path / "killed" / "out", [], 0
-    plan = [rng.choice(["save", "private"]) for _ in range(DDP_KILLS - 1)] + ["final"]
+    plan = ["dies", "hangs", rng.choice(["save", "private"]), "final"]
     for kind in plan + [None]:
         target = min(step + rng.randint(1, 3), DDP_STEPS)
-        kill_at = {
+        kill = {
             None: None,
-            "final": (f"save-end {DDP_STEPS}", 0.0),
-            "save": (f"save-begin {target}", rng.uniform(0, save_time[target])),
-            "private": (f"private-begin {target}", rng.uniform(0, SLOW_DISK_S + 0.01)),
+            "dies": ("dies", f"step-begin {target}", rng.uniform(0, 0.05)),
+            "hangs": ("hangs", f"save-begin {target}", rng.uniform(0, save_time[target])),
+            "final": ("machine", f"save-end {DDP_STEPS}", 0.0),
+            "save": ("machine", f"save-begin {target}", rng.uniform(0, save_time[target])),
+            "private": ("machine", f"private-begin {target}", rng.uniform(0, SLOW_DISK_S + 0.01)),
         }[kind]
         resume = True if newest_complete(str(out)) else None
         port += 1
-        code, events, killed_at, result = _torchrun(directory, resume, port, log, kill_at)
+        code, events, killed_at, result, stopped = _two_nodes(directory, resume, port, log, kill)
         if killed_at is None or code == 0:
             assert code == 0 and result and result.startswith("done "), (
                 kind,
@@ -630,17 +653,28 @@ def test_two_processes_killed_at_random_moments_resume_like_the_uninterrupted_ru
                 log.read_text()[-3000:],
             )
             break
-        assert result is None or not result.startswith("crash "), result
-        saved = out / f"checkpoint-{kill_at[0].split()[1]}"
-        state = "absent" if not saved.exists() else (missing_part(str(saved)) or "complete")
-        landed.append(
-            f"{kill_at[0]} +{kill_at[1] * 1000:.0f} ms -> {_where(events, killed_at, DDP_STEPS)}; {saved.name}: {state}"
-        )
         newest = newest_complete(str(out))
+        if kill[0] == "machine":
+            assert result is None or not result.startswith("crash "), result
+        else:  # node 0's process stopped by itself, in one line naming where to resume from, in bounded time
+            assert result and result.startswith('crash "ProcessLostError: '), (
+                kind,
+                result,
+                log.read_text()[-3000:],
+            )
+            assert "resume_from_checkpoint=True" in result and (newest is None or newest in result), result
+            assert stopped < STOPPED_WITHIN_S[kill[0]], (kind, stopped)
+        saved = out / f"checkpoint-{kill[1].split()[1]}"
+        state = "absent" if not saved.exists() else (missing_part(str(saved)) or "complete")
+        after = "" if kill[0] == "machine" else f"; node 0 stopped {stopped:.1f} s later"
+        landed.append(
+            f"{kill[0]}: {kill[1]} +{kill[2] * 1000:.0f} ms -> {_where(events, killed_at, DDP_STEPS)}; "
+            f"{saved.name}: {state}{after}"
+        )
         step = int(newest.rsplit("-", 1)[1]) if newest else 0
-    print("\nkills (2 processes):\n  " + "\n  ".join(landed))
+    print("\nkills (2 nodes):\n  " + "\n  ".join(landed))
     final = json.loads(result.removeprefix("done "))
-    assert len(landed) >= DDP_KILLS - 1 and final["world_size"] == 2 and final["backend"] == "gloo"
+    assert len(landed) >= len(plan) - 1 and final["world_size"] == 2 and final["backend"] == "gloo"
     assert final["global_step"] == DDP_STEPS and final["ledger"] == reference["ledger"]
     assert final["epsilon"] == reference["epsilon"]
     last = f"checkpoint-{DDP_STEPS}"
