@@ -28,6 +28,10 @@ and the table are rewritten after every case and setting, so a run cut short kee
    ``stock`` and ``dp``, checkpointing on and off. Skipped with its reason if bitsandbytes does not import or
    has no working backend on the device; Opacus cannot clip through 4-bit layers and is not run.
 
+4. ``profile``: one step of ``stock`` and ``dp`` at the performance shape (full fine-tuning, checkpointing on
+   and off) under ``torch.profiler``, after the warm-up: the device time of hf_dp's phases (its norm passes,
+   sum passes and the noise, labelled with ``record_function``) and of the ops that take most of it.
+
 ``--smoke`` (automatic without CUDA) runs the same code at tiny shapes on the CPU, one thread, in about a minute
 (memory is then not measured: ``peak_mb`` is null). Ratios: paired median over rounds of the per-round time
 ratio, min / min, and peak / peak, of dp and opacus against the stock Trainer of the same setting.
@@ -100,7 +104,8 @@ CKPT_ARG = (
     if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
     else "gradient_checkpointing"
 )
-SECTIONS = ("environment", "exactness", "performance", "qlora")
+SECTIONS = ("environment", "exactness", "performance", "qlora", "profile")
+PROFILE_TOP_OPS = 15
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,7 @@ class Record:
             "exactness": {"error": None, "skipped": None, "cases": {}},
             "performance": {"error": None, "skipped": None, "settings": {}},
             "qlora": {"error": None, "skipped": None, "settings": {}},
+            "profile": {"error": None, "skipped": None, "settings": {}},
             "errors": [],
             "finished": False,
             "elapsed_s": 0.0,
@@ -883,6 +889,102 @@ def run_qlora(config: Config, record: Record) -> None:
             timed_setting(s, lambda s=s: build_qlora(s, folder, config.device), config, record, section)
 
 
+# ---- 4. where the time goes ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def labelled_dp_phases():
+    """Every norm pass, sum pass and the noise release under a ``record_function`` range named after it."""
+    from hf_dp import mechanism
+    from hf_dp.clipping import norm_passes, sum_passes
+
+    targets = [
+        (cls, "__call__", f"hf_dp.{cls.__name__}")
+        for module in (norm_passes, sum_passes)
+        for cls in vars(module).values()
+        if isinstance(cls, type) and cls.__module__ == module.__name__ and "__call__" in vars(cls)
+    ] + [(mechanism.GaussianMechanism, "release", "hf_dp.noise")]
+    originals = [(cls, name, vars(cls)[name]) for cls, name, _ in targets]
+
+    def labelled(function: Callable, label: str) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(label):
+                return function(*args, **kwargs)
+
+        return run
+
+    for (cls, name, label), (_, _, function) in zip(targets, originals, strict=True):
+        setattr(cls, name, labelled(function, label))
+    try:
+        yield
+    finally:
+        for cls, name, function in originals:
+            setattr(cls, name, function)
+
+
+def profiled_step(cell: Cell, device: str) -> dict[str, Any]:
+    """One step under the profiler: its wall time, hf_dp's labelled phases and the top ops by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        cell.step()
+        sync(device)
+    wall = time.perf_counter() - start
+
+    def device_ms(event: Any, own: bool) -> float:
+        if device != "cuda":
+            return (event.self_cpu_time_total if own else event.cpu_time_total) / 1e3
+        return (event.self_device_time_total if own else event.device_time_total) / 1e3
+
+    events = prof.key_averages()
+    phases = {
+        e.key: {"device_ms": device_ms(e, own=False), "cpu_ms": e.cpu_time_total / 1e3, "count": e.count}
+        for e in events
+        if e.key.startswith("hf_dp.")
+    }
+    ops = sorted((e for e in events if not e.key.startswith("hf_dp.")), key=lambda e: -device_ms(e, own=True))
+    top = [
+        {"op": e.key, "self_device_ms": device_ms(e, own=True), "count": e.count}
+        for e in ops[:PROFILE_TOP_OPS]
+    ]
+    total = sum(device_ms(e, own=True) for e in ops)
+    return {"wall_s": wall, "device_total_ms": total, "phases": phases, "top_ops": top}
+
+
+def run_profile(config: Config, record: Record) -> None:
+    section = record.data["profile"]
+    for ckpt in (True,) if config.smoke else (True, False):
+        s = Setting("full", ckpt, config.perf_shape, config.perf_batch, config.perf_seq)
+        if reason := over_budget(record, config):
+            section["settings"][s.name] = {"skipped": reason}
+            record.save()
+            continue
+        rows = token_rows(DATASET_BATCHES * s.batch, s.seq, s.shape.vocab)
+        result: dict[str, Any] = {}
+        for name in ("stock", "dp"):
+            free_memory(config.device)
+            try:
+                with labelled_dp_phases():
+                    cell = BUILDERS[name](
+                        s, build_llama(s.shape, s.seq, config.device, "full"), rows, config.device
+                    )
+                    for _ in range(config.warmup):
+                        cell.step()
+                    result[name] = profiled_step(cell, config.device)
+                cell.keep.clear()
+                cell.step = cell.report = None
+            except Exception as exc:
+                traceback.print_exc()
+                result[name] = {"error": error_text(exc)}
+            free_memory(config.device)
+        section["settings"][s.name] = result
+        print(profile_lines(s.name, result), flush=True)
+        record.save()
+
+
 # ---- the table --------------------------------------------------------------------------------------------------
 
 
@@ -914,6 +1016,22 @@ def setting_lines(name: str, result: dict[str, Any]) -> str:
             f"  {key}: peak {_f(r['peak'], '.2f')}, time {_f(r['time_paired_median'], '.2f')} (paired median), "
             f"{_f(r['time_min'], '.2f')} (min/min)"
         )
+    return "\n".join(lines)
+
+
+def profile_lines(name: str, result: dict[str, Any]) -> str:
+    lines = [f"profile {name}:"]
+    for variant, r in result.items():
+        if r.get("error"):
+            lines.append(f"  {variant}: ERROR {r['error']}")
+            continue
+        phases = ", ".join(f"{k.removeprefix('hf_dp.')} {v['device_ms']:.1f}" for k, v in r["phases"].items())
+        lines.append(
+            f"  {variant}: wall {r['wall_s'] * 1e3:.1f} ms, device {r['device_total_ms']:.1f} ms; {phases}"
+        )
+        lines += [
+            f"    {op['self_device_ms']:8.2f} ms  x{op['count']:<4d} {op['op']}" for op in r["top_ops"][:8]
+        ]
     return "\n".join(lines)
 
 
@@ -966,6 +1084,27 @@ def table(data: dict[str, Any]) -> str:
                 lines.append(f"| {name} | {v} | - | - | - | - | - | - | skipped: {why} |")
         if section.get("error"):
             lines.append(f"| - | - | - | - | - | - | - | - | section error: {section['error']} |")
+    profiled = data["profile"]["settings"]
+    if profiled:
+        lines += [
+            "",
+            "## profile: one step's device time (ms) by hf_dp phase, and the top ops",
+            "",
+            "| setting | variant | wall ms | device ms | phases (device ms, inclusive) | top ops (self device ms) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, result in profiled.items():
+            for variant, r in result.items():
+                if not isinstance(r, dict) or r.get("error") or "wall_s" not in r:
+                    lines.append(f"| {name} | {variant} | - | - | - | {r} |")
+                    continue
+                phases = "; ".join(
+                    f"{k.removeprefix('hf_dp.')} {v['device_ms']:.1f}" for k, v in r["phases"].items()
+                )
+                ops = "; ".join(f"{op['op']} {op['self_device_ms']:.1f}" for op in r["top_ops"][:6])
+                lines.append(
+                    f"| {name} | {variant} | {r['wall_s'] * 1e3:.1f} | {r['device_total_ms']:.1f} | {phases} | {ops} |"
+                )
     if data["errors"]:
         lines += ["", "Section errors: " + "; ".join(f"{e['section']}: {e['error']}" for e in data["errors"])]
     return "\n".join(lines) + "\n"
@@ -1022,7 +1161,12 @@ def _run(args: argparse.Namespace, config: Config, device: str) -> dict[str, Any
     except Exception as exc:
         record.fail("environment", exc)
     record.save()
-    runners = {"exactness": run_exactness, "performance": run_performance, "qlora": run_qlora}
+    runners = {
+        "exactness": run_exactness,
+        "performance": run_performance,
+        "qlora": run_qlora,
+        "profile": run_profile,
+    }
     for name in set(runners) - set(args.sections):
         record.data[name]["skipped"] = "not in --sections"
     for name in args.sections:

@@ -36,6 +36,7 @@ the issue's bars as met / not met). Run it on an otherwise idle machine:
     .venv/bin/python benchmarks/llm_memory.py                       # the full grid (hours on 2 CPU cores)
     .venv/bin/python benchmarks/llm_memory.py --settings 'full-*-T512' --rounds 3
     .venv/bin/python benchmarks/llm_memory.py --device cuda --batch 4
+    .venv/bin/python benchmarks/llm_memory.py --hidden 256 --intermediate 704 --vocab 16000 --seq-lens 1024 --batch 4
     .venv/bin/python benchmarks/llm_memory.py --quick --out /tmp/llm_memory_quick.json   # smoke test
 """
 
@@ -727,6 +728,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="names or shell patterns, e.g. full-fp32-ckpt-T512 'lora-*'",
     )
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    default = Shape()
+    for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(default, name))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
@@ -746,7 +750,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def select(args: argparse.Namespace) -> list[Setting]:
-    shape, seq_lens = (QUICK_SHAPE, [QUICK_SEQ]) if args.quick else (Shape(), args.seq_lens)
+    chosen = Shape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
+    shape, seq_lens = (QUICK_SHAPE, [QUICK_SEQ]) if args.quick else (chosen, args.seq_lens)
     settings = grid(seq_lens, args.batch, shape)
     if args.settings:
         settings = [s for s in settings if any(fnmatch.fnmatchcase(s.name, pat) for pat in args.settings)]
@@ -782,7 +787,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     result = {
         "benchmark": "llm_memory",
         "config": {
-            "shape": asdict(QUICK_SHAPE if args.quick else Shape()),
+            "shape": asdict(settings[0].shape),
             "seq_lens": sorted({s.seq for s in settings}),
             "batch": args.batch,
             "rounds": rounds,

@@ -117,7 +117,9 @@ def test_the_optimizer_registry_is_a_leaf():
 def test_architecture_doc_names_every_module():
     text = (ROOT / "docs" / "architecture.md").read_text()
     named = set(re.findall(r"`(hf_dp/[\w/]+\.py)`", text))
-    missing = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if str(p.relative_to(ROOT)) not in named)
+    missing = sorted(
+        str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if str(p.relative_to(ROOT)) not in named
+    )
     assert not missing, f"docs/architecture.md does not name {missing}"
     stale = sorted(name for name in named if not (ROOT / name).exists())
     assert not stale, f"docs/architecture.md names modules that do not exist: {stale}"

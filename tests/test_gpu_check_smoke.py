@@ -42,7 +42,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     assert out.with_suffix(".md").read_text().startswith("# gpu_check (smoke)")
 
     assert result["mode"] == "smoke" and result["finished"] is True
-    for section in ("environment", "exactness", "performance", "qlora"):
+    for section in ("environment", "exactness", "performance", "qlora", "profile"):
         assert result[section]["error"] is None, (section, result[section]["error"])
     assert result["errors"] == []
     env = result["environment"]
@@ -107,3 +107,13 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         for name, setting in qlora["settings"].items():
             for variant in ("stock", "dp"):
                 assert setting["variants"][variant]["error"] is None, (name, variant)
+
+    # profile: one step of each under the profiler; DP's time is split into its labelled phases
+    profiled = result["profile"]["settings"]
+    assert list(profiled) == ["full-bf16-ckpt-B2-T16"]
+    for variant, step in profiled["full-bf16-ckpt-B2-T16"].items():
+        assert "error" not in step, (variant, step)
+        assert _finite_positive(step["wall_s"]) and step["top_ops"], (variant, step)
+    phases = profiled["full-bf16-ckpt-B2-T16"]["dp"]["phases"]
+    assert any(k.endswith("Norms") for k in phases) and any(k.endswith("Sum") for k in phases), phases
+    assert "hf_dp.noise" in phases and not profiled["full-bf16-ckpt-B2-T16"]["stock"]["phases"]
