@@ -67,7 +67,6 @@ from hf_dp.checkpoint import checkpoint_folders, missing_part  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "long_run.json"
 PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20
-IGNORE_INDEX = -100
 EPSILON_TOLERANCE = 0.01  # relative; what tests/test_accounting.py allows hf_dp against dp_accounting
 # Counters that must not change once the run is warm. Not among them: log_history (the Trainer's record, one entry
 # per log line and evaluation), gc_objects (which counts those entries), the ε memo (an LRU cache, bounded) and
@@ -128,6 +127,7 @@ class RandomTokens(Dataset):
 
 
 def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack equal-length rows; every token is attended to and predicted."""
     ids = torch.stack([row["input_ids"] for row in rows])
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
@@ -153,6 +153,7 @@ def tiny_gpt2(config: LongRunConfig) -> GPT2LMHeadModel:
 
 
 def build_trainer(config: LongRunConfig, output_dir: str) -> DPTrainer:
+    """The ``DPTrainer`` of the module docstring: Poisson sampling, DP-AdamW at σ, saves, evaluations, logs."""
     args = DPTrainingArguments(
         output_dir=output_dir,
         report_to="none",
@@ -424,8 +425,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"| log_history (grows by design: one entry per log line and evaluation) | "
         f"{result['samples'][0]['log_history']} → {after['log_history']} | — |",
         "",
-        f"After `train()`: {after['module_hooks']} module hooks, {after['optimizer_hooks']} optimizer hooks, "
-        f"{after['complete_checkpoints']} complete checkpoints on disk.",
+        f"After `train()`: module hooks {after['module_hooks']}, optimizer hooks {after['optimizer_hooks']}, "
+        f"complete checkpoints on disk {after['complete_checkpoints']}.",
         "",
         "| ε at δ = {:.3g} after {} steps | value |".format(eps["delta"], eps["steps"]),
         "|---|---|",

@@ -68,9 +68,10 @@ def _fft_length(size: int) -> int:
     """The smallest length ≥ ``size`` among 2^k·{16, 18, 20, 24, 30} (k ≥ 0): even, 5-smooth (the FFT of a length
     with a large prime factor is ~5x slower) and at most 5/4 of ``size`` (for ``size`` ≥ 16). Every log line asks
     ε on a grid of a new size; scipy keeps the FFT plans of the last 16 lengths, so padding to the nearest fast
-    length (a new one almost every call) refilled that cache and grew the process by ~175 MB over the first ~1500
-    steps of a run. The ladder has 5 lengths per octave: a run's calls share them (~50 MB, then flat;
-    benchmarks/long_run.py), for ~10% more FFT work per call."""
+    length (a new one almost every call) kept refilling that cache: benchmarks/long_run.py's RSS levelled off
+    192 MB above its first step, after ~1400 steps (results/archive/long_run_before_fft_ladder.json). The ladder
+    has 5 lengths per octave, which a run's calls share: 67 MB, level after ~1000 steps (results/long_run.json),
+    for ~10% more FFT work per call."""
     power = 1
     while True:
         for factor in (16, 18, 20, 24, 30):

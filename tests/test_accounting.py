@@ -305,7 +305,7 @@ def test_invalid_input_raises_one_line_value_error(call, match):
 
 def test_prv_grid_lengths_come_from_a_short_ladder():
     # Each log line asks ε on a grid of a new size; scipy caches the FFT plans of 16 lengths, so a run's grids must
-    # share lengths (a new length per call grew the process by ~175 MB, benchmarks/long_run.py).
+    # share lengths (a new length per call grew the RSS of benchmarks/long_run.py by 192 MB instead of 67).
     sizes = range(2**17, 2**20 + 1, 2**6)  # three octaves: a long run's grids span about one
     assert len({_fft_length(n) for n in sizes}) <= 16
     for n in [16, 18, 30, 34, 1000, 145800, 972000, 2**20]:
