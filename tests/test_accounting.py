@@ -11,7 +11,13 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 from opacus.accountants import PRVAccountant
 
-from hf_dp.accounting import PrivacyAccountant, _PRVAccountant, calibrate_noise_multiplier, compute_epsilon
+from hf_dp.accounting import (
+    PrivacyAccountant,
+    _fft_length,
+    _PRVAccountant,
+    calibrate_noise_multiplier,
+    compute_epsilon,
+)
 
 ACCOUNTANTS = ["rdp", "prv"]
 
@@ -295,3 +301,25 @@ def test_invalid_input_raises_one_line_value_error(call, match):
     with pytest.raises(ValueError, match=match) as info:
         call()
     assert "\n" not in str(info.value)
+
+
+def test_prv_grid_lengths_come_from_a_short_ladder():
+    # Each log line asks ε on a grid of a new size; scipy caches the FFT plans of 16 lengths, so a run's grids must
+    # share lengths (a new length per call grew the RSS of benchmarks/long_run.py by 192 MB instead of 67).
+    sizes = range(2**17, 2**20 + 1, 2**6)  # three octaves: a long run's grids span about one
+    assert len({_fft_length(n) for n in sizes}) <= 16
+    for n in [16, 18, 30, 34, 1000, 145800, 972000, 2**20]:
+        length = _fft_length(n)
+        odd_part = length // (length & -length)
+        assert n <= length <= 1.25 * n and length % 2 == 0, (n, length)
+        assert all(p in (3, 5) for p in _prime_factors(odd_part)), (n, length)  # 5-smooth: a fast FFT
+
+
+def _prime_factors(n: int) -> list[int]:
+    factors, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    return factors
