@@ -102,11 +102,23 @@ def _files(folder: str) -> list[str]:
     return sorted(found)
 
 
+# The model's weights as the Trainer writes them: whole or sharded, a peft adapter, FSDP's or DeepSpeed's folder.
+_WEIGHTS = re.compile(
+    r"^((model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?"
+    r"|pytorch_model_fsdp_\d+|global_step\d+)$"
+)
+
+
 def mark_complete(folder: str, processes: int | None) -> None:
     """The main process, once every process has written its part: fsync every file, then write the marker.
     ``processes``: the number of noise states the folder must hold (None: not checked, e.g. when each node
-    saves its own processes' files)."""
+    saves its own processes' files). A folder without the model's weights is never marked."""
     files = _files(folder)
+    if not any(_WEIGHTS.match(part) for name in files for part in name.split(os.sep)[:1]):
+        raise RuntimeError(
+            f"hf_dp: {folder} holds no model weights after the Trainer's save, so it is left incomplete (resume "
+            "skips it); a custom _save must write the model as save_pretrained does"
+        )
     if processes is not None:
         absent = [noise_state_file(i) for i in range(processes) if noise_state_file(i) not in files]
         if absent:
@@ -175,31 +187,60 @@ def newest_complete(output_dir: str) -> str | None:
     return next((f for f in reversed(checkpoint_folders(output_dir)) if missing_part(f) is None), None)
 
 
+def _every_process(value: Any) -> list[Any]:
+    """``value`` from every process, in rank order (just ``[value]`` in a one-process run)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [value]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def _step(folder: str) -> int:
+    return int(_CHECKPOINT.match(os.path.basename(folder)).group(1))
+
+
+def resume_argument(value: str | bool | None) -> str | bool | None:
+    """``TrainingArguments.resume_from_checkpoint`` as ``train()`` takes it: "true" is True, "false" or "" None."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", ""):
+        return True if value.strip().lower() == "true" else None
+    return value
+
+
 def resume_point(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
-    """What ``Trainer.train`` resumes from: ``True`` is the newest COMPLETE checkpoint in ``output_dir`` (one
-    log line names the torn ones skipped); an explicit torn checkpoint is refused in one line, naming the part
-    it misses and the complete checkpoint to use instead."""
+    """What ``Trainer.train`` resumes from: ``True`` is the newest checkpoint COMPLETE in every process's
+    ``output_dir`` (one folder shared by all, or one per node with ``save_on_each_node``); one log line names the
+    torn ones skipped. An explicit checkpoint torn for any process is refused in one line, naming the part it
+    misses and the complete checkpoint to use instead. Every process gets the same answer."""
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
     if resume_from_checkpoint is True:
-        torn = []
-        for folder in reversed(checkpoint_folders(output_dir)):
-            problem = missing_part(folder)
-            if problem is None:
-                if torn:
-                    logger.warning(
-                        f"hf_dp: resuming from {folder}, the newest complete checkpoint; skipped the torn "
-                        f"{', '.join(torn)} (their save was interrupted)"
-                    )
-                return folder
-            torn.append(f"{os.path.basename(folder)} ({problem})")
+        problems = {_step(f): missing_part(f) for f in checkpoint_folders(output_dir)}
+        complete = _every_process({step for step, problem in problems.items() if problem is None})
+        common = set.intersection(*complete)
+        if common:
+            newest = max(common)
+            skipped = [
+                f"checkpoint-{step} ({problem or 'torn for another process'})"
+                for step, problem in problems.items()
+                if step > newest
+            ]
+            if skipped:
+                logger.warning(
+                    f"hf_dp: resuming from checkpoint-{newest}, the newest complete checkpoint; skipped the torn "
+                    f"{', '.join(skipped)} (their save was interrupted)"
+                )
+            return os.path.join(output_dir, f"checkpoint-{newest}")
+        torn = [f"checkpoint-{step} ({problem})" for step, problem in problems.items() if problem]
         found = f": only torn ones, {', '.join(torn)}" if torn else ""
+        if any(complete):
+            found = f": none is complete for every process (complete, by process: {[sorted(c) for c in complete]})"
         raise ValueError(
             f"hf_dp: no complete checkpoint in {output_dir} to resume from{found}; train without "
             "resume_from_checkpoint to start over"
         )
     folder = os.fspath(resume_from_checkpoint)
-    problem = missing_part(folder)
+    problem = next((p for p in _every_process(missing_part(folder)) if p is not None), None)
     if problem is None:
         return folder
     instead = newest_complete(os.path.dirname(os.path.abspath(folder)))

@@ -183,7 +183,8 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     ),
     "restore_callback_states_from_checkpoint": _honoured(),
     "resume_from_checkpoint": _honoured(
-        "restores and checks the privacy state (ledger, secret, sampler epoch)"
+        "by train() itself when not passed to it ('true': the newest complete checkpoint); restores and checks "
+        "the privacy state (ledger, secret, sampler epoch, noise state)"
     ),
     # randomness
     "full_determinism": _honoured("model init and dropout; the noise and batches come from the run's secret"),

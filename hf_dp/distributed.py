@@ -8,8 +8,9 @@ to the partition it owns; FSDP2 likewise, to the shard of each parameter it owns
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -207,6 +208,44 @@ def shard_on_cpu(trainer) -> None:
     trainer.is_fsdp_enabled = True
 
 
+def several_nodes(args) -> bool:
+    """Whether the run's processes span more than one machine (the launcher's LOCAL_WORLD_SIZE < world size)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size)) < args.world_size
+
+
+def check_save_on_each_node(args, fsdp: bool, deepspeed_config: dict[str, Any] | None) -> None:
+    """``save_on_each_node`` over several machines: FSDP2's checkpoint is one set of shards that every process
+    needs on resume, so one folder per machine cannot hold it (refused); DeepSpeed writes its model states on
+    each machine (``checkpoint.use_node_local_storage``)."""
+    if not (args.save_on_each_node and several_nodes(args)):
+        return
+    if fsdp:
+        raise ValueError(
+            "save_on_each_node with FSDP2 on several machines: every process writes its own shard of the model "
+            "and optimizer, and resuming needs all of them; use one output_dir shared by every machine"
+        )
+    if deepspeed_config is not None:
+        deepspeed_config.setdefault("checkpoint", {})["use_node_local_storage"] = True
+
+
+@contextlib.contextmanager
+def weights_on_each_node(model: torch.nn.Module, args) -> Iterator[None]:
+    """transformers' ``save_pretrained`` writes only on global rank 0 once a process group exists, which would
+    leave every other machine's checkpoint (``save_on_each_node``) without weights: there each machine's main
+    process writes them too."""
+    if not (args.save_on_each_node and args.should_save and args.process_index != 0):
+        yield
+        return
+    models = [m for m in model.modules() if hasattr(m, "should_save_on_this_rank")]
+    for m in models:
+        m.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        for m in models:
+            del m.should_save_on_this_rank
+
+
 def backend_of(trainer) -> Backend:
     """The run's ``Backend`` from the Trainer's accelerator, refusing what DeepSpeed, FSDP and fp16 cannot run
     exactly under DP (before training)."""
@@ -214,6 +253,10 @@ def backend_of(trainer) -> Backend:
     zero = None
     if trainer.is_deepspeed_enabled:
         zero = check_deepspeed(trainer.accelerator.state.deepspeed_plugin.deepspeed_config, args)
+    deepspeed = (
+        trainer.accelerator.state.deepspeed_plugin.deepspeed_config if trainer.is_deepspeed_enabled else None
+    )
+    check_save_on_each_node(args, trainer.is_fsdp_enabled, deepspeed)
     if trainer.is_fsdp_enabled:
         kwargs = args.activation_checkpointing_kwargs or {}
         reentrant = bool(args.activation_checkpointing) and bool(kwargs.get("use_reentrant", False))

@@ -20,7 +20,7 @@ from hf_dp import checkpoint
 from hf_dp.arguments import DPTrainingArguments, check_trainer_call
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.data import count_drawn_examples, split_dp_keys
-from hf_dp.distributed import backend_of, lost_process, shard_on_cpu, uses_checkpointing
+from hf_dp.distributed import backend_of, lost_process, shard_on_cpu, uses_checkpointing, weights_on_each_node
 from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
 from hf_dp.losses import per_example_loss, unwrap_model
@@ -93,7 +93,10 @@ class DPTrainerMixin:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """The Trainer's ``train``, once per DPTrainer, from a complete checkpoint; its metrics carry the guarantee. A
-        process of a multi-process run that dies or hangs stops the others with ``ProcessLostError``."""
+        process of a multi-process run that dies or hangs stops the others with ``ProcessLostError``. Without
+        ``resume_from_checkpoint`` the argument of the same name is used (the Trainer leaves it to scripts)."""
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = checkpoint.resume_argument(self.args.resume_from_checkpoint)
         resume = self._private_run("train").start_training(resume_from_checkpoint)
         try:
             output = super().train(resume, *args, **kwargs)
@@ -239,6 +242,11 @@ class DPTrainerMixin:
         folder = f"{self._get_output_dir(trial=trial)}/{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         with self.dp.state.saving(folder, self.args, self.state):
             super()._save_checkpoint(model, trial)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's model files; with ``save_on_each_node``, on every machine."""
+        with weights_on_each_node(self.model, self.args):
+            super()._save(output_dir, state_dict)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """The Trainer uploads whole checkpoint folders (hub_strategy checkpoint / all_checkpoints): hand it a

@@ -30,6 +30,7 @@ from transformers import TrainerCallback  # noqa: E402
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+from hf_dp.checkpoint import COMPLETE_FILE, resume_point  # noqa: E402
 from hf_dp.clipping.geometry import dense_scale, unsharded  # noqa: E402
 from hf_dp.noise import GaussianNoise  # noqa: E402
 from tests import models  # noqa: E402
@@ -153,7 +154,20 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--noise_mechanism", default="independent")
     parser.add_argument("--num_bands", default="auto")
     parser.add_argument("--save_steps", type=int, default=0)
-    parser.add_argument("--resume_from", default=None)
+    parser.add_argument(
+        "--resume_from", default=None, help="a checkpoint folder, or 'true' (the newest complete)"
+    )
+    parser.add_argument("--output_dir", default=None, help="the Trainer's output_dir (default: --out)")
+    parser.add_argument(
+        "--per_node_dir",
+        action="store_true",
+        help="one output_dir per node (OUTPUT_DIR/node<GROUP_RANK>) with save_on_each_node, as on local disks",
+    )
+    parser.add_argument(
+        "--tear",
+        default=None,
+        help="before training, remove this checkpoint's completion marker (one node's)",
+    )
     parser.add_argument("--record_noise", action="store_true")
     parser.add_argument(
         "--record_release",
@@ -186,8 +200,13 @@ def run(cli: argparse.Namespace) -> None:
     privacy = (
         {"target_epsilon": cli.target_epsilon} if cli.target_epsilon else {"noise_multiplier": cli.sigma}
     )
+    os.makedirs(cli.out, exist_ok=True)
+    output_dir = cli.output_dir or cli.out
+    if cli.per_node_dir:
+        output_dir = os.path.join(output_dir, f"node{os.environ.get('GROUP_RANK', '0')}")
     args = DPTrainingArguments(
-        output_dir=cli.out,
+        output_dir=output_dir,
+        save_on_each_node=cli.per_node_dir,
         report_to="none",
         use_cpu=True,
         disable_tqdm=True,
@@ -245,8 +264,13 @@ def run(cli: argparse.Namespace) -> None:
         trainer.add_callback(_Snapshot(trainer, cli.snapshot_step, cli.out))
     if cli.record_release:
         trainer.add_callback(_RecordRelease(trainer, cli.out))
+    if cli.tear and args.process_index == 0:
+        os.remove(os.path.join(cli.output_dir or cli.out, cli.tear, COMPLETE_FILE))
+    trainer.accelerator.wait_for_everyone()
+    resume = True if cli.resume_from == "true" else cli.resume_from
+    resumed_from = resume_point(resume, output_dir)  # what train() resumes from: the same on every process
     try:
-        trainer.train(resume_from_checkpoint=cli.resume_from)
+        trainer.train(resume_from_checkpoint=resume)
     finally:
         GaussianNoise.sample = sample
     params = full_parameters(trainer)
@@ -256,6 +280,8 @@ def run(cli: argparse.Namespace) -> None:
         torch.save(params, os.path.join(cli.out, "final.pt"))
         info = {
             "world_size": args.world_size,
+            "nodes": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+            "resumed_from": resumed_from and os.path.relpath(resumed_from, cli.output_dir or cli.out),
             "distributed_type": str(trainer.accelerator.distributed_type),
             "deepspeed": trainer.is_deepspeed_enabled,
             "zero_stage": trainer.dp.backend.zero_stage,

@@ -128,7 +128,23 @@ def _torn_at_3(tmp_path) -> Path:
     return out
 
 
-def test_resume_true_continues_from_the_newest_complete_checkpoint(tmp_path, caplog):
+@pytest.mark.parametrize("weights", ["model.safetensors", "adapter_model.safetensors", "global_step3/x.pt"])
+def test_a_folder_without_model_weights_is_never_marked_complete(tmp_path, weights):
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text("{}")
+    (folder / PRIVACY_STATE_FILE).write_text("{}")
+    with pytest.raises(RuntimeError, match="holds no model weights"):
+        checkpoint.mark_complete(str(folder), None)
+    assert missing_part(str(folder)) is not None
+    (folder / weights).parent.mkdir(exist_ok=True)
+    (folder / weights).write_bytes(b"weights")
+    checkpoint.mark_complete(str(folder), None)
+    assert missing_part(str(folder)) is None
+
+
+@pytest.mark.parametrize("how", ["train(resume_from_checkpoint=True)", "the argument, 'true'"])
+def test_resume_true_continues_from_the_newest_complete_checkpoint(tmp_path, caplog, how):
     reference = _trainer(tmp_path / "reference", max_steps=4)
     reference.train()
     out = _torn_at_3(tmp_path)
@@ -136,8 +152,12 @@ def test_resume_true_continues_from_the_newest_complete_checkpoint(tmp_path, cap
         assert resume_point(True, str(out)) == str(out / "checkpoint-2")
     (line,) = [r.getMessage() for r in caplog.records]
     assert "checkpoint-3 (trainer_state.json is missing)" in line and "checkpoint-2" in line
-    resumed = _trainer(tmp_path, max_steps=4)
-    resumed.train(resume_from_checkpoint=True)
+    if how.startswith("train"):
+        resumed = _trainer(tmp_path, max_steps=4)
+        resumed.train(resume_from_checkpoint=True)
+    else:  # what a script's --resume_from_checkpoint true gives, with train() called bare
+        resumed = _trainer(tmp_path, max_steps=4, resume_from_checkpoint="true")
+        resumed.train()
     assert resumed.state.global_step == 4 and resumed.accountant.steps == 4
     assert resumed.accountant.state_dict() == reference.accountant.state_dict()
     assert resumed.get_epsilon() == reference.get_epsilon()

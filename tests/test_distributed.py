@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hf_dp import calibrate_noise_multiplier, compute_epsilon
+from hf_dp.checkpoint import COMPLETE_FILE, noise_state_file
 from hf_dp.distributed import check_deepspeed, check_deepspeed_config, check_fsdp, check_launched_world
 from hf_dp.optim.registry import dp_optimizer_names, scaled_geometry, shifted_evaluations
 from tests import models
@@ -43,6 +44,30 @@ STATEFUL = {
     "doppler": ("--optimizer", "doppler", "--lr", "0.01"),
 }
 SHARDED = {"fsdp2": ("--fsdp",), "zero2": ("--zero", "2"), "zero3": ("--zero", "3")}
+NODE_BACKENDS = {"ddp": (), "zero2": ("--zero", "2"), "fsdp2": ("--fsdp",)}
+
+
+def node_jobs(backend: str) -> dict[str, tuple[str, ...]]:
+    """The 2-node runs of one backend, by name suffix: σ = 0; σ = 1 saved and resumed from one shared
+    output_dir; the same with one output_dir per node, checkpoint-4 torn on node 1 only."""
+    return {
+        "": ("--per_device", "2"),
+        "_whole": (*RESUME, "--per_device", "2", "--save_steps", "2"),
+        "_resumed": (
+            *RESUME,
+            "--per_device",
+            "2",
+            "--resume_from",
+            f"{{nodes_{backend}_whole}}/checkpoint-2",
+        ),
+        "_each_whole": (*RESUME, "--per_device", "2", "--save_steps", "2", "--per_node_dir"),
+        "_each_resumed": (
+            *(*RESUME, "--per_device", "2", "--per_node_dir", "--resume_from", "true"),
+            *("--output_dir", f"{{nodes_{backend}_each_whole}}", "--tear", "node1/checkpoint-4"),
+        ),
+    }
+
+
 # Update rules that clip in a geometry ‖s ⊙ g_i‖ built from their per-parameter state, on FSDP2 (DeepSpeed refuses
 # them): STP with the dense and the factored (rank-1) scale, DP² through its SGD step into two adaptive steps.
 SCALED = {
@@ -140,6 +165,21 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
         "torchrun_fsdp",
         (*BANDMF, "--fsdp", "--resume_from", "{fsdp2_bandmf_whole}/checkpoint-3"),
     ),
+    # 2 nodes × 2 processes (a launcher per node, static rendezvous on one host: accelerate launch with
+    # recipes/configs/multi_node.yaml, torchrun for FSDP2): σ = 0 against one process;
+    # checkpoint and resume with one shared output_dir, and with one per node (save_on_each_node), where the
+    # newest checkpoint is torn on node 1 only and every process must resume from the one before it
+    **{
+        f"nodes_{backend}{suffix}": ("two_nodes_fsdp" if backend == "fsdp2" else "two_nodes", (*flags, *job))
+        for backend, flags in NODE_BACKENDS.items()
+        for suffix, job in node_jobs(backend).items()
+        if backend != "fsdp2" or "each" not in suffix
+    },
+    # FSDP2's shards cannot be split over one folder per machine: refused before training
+    "nodes_fsdp2_each_refused": (
+        "two_nodes_fsdp",
+        ("--fsdp", *RESUME, "--per_device", "2", "--save_steps", "2", "--per_node_dir"),
+    ),
     # every stateful update rule on every sharded backend
     **{
         f"{backend}_{rule}": ("torchrun_fsdp" if backend == "fsdp2" else "torchrun", (*flags, *rule_args))
@@ -197,24 +237,43 @@ class Runs:
             command = [sys.executable]
         elif launcher.startswith("torchrun"):
             command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(self.port)]
+        elif launcher == "two_nodes":  # one launcher per node, as on two machines
+            command = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "multi_node.yaml")]
+            command += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(self.port)]
+        elif launcher == "two_nodes_fsdp":
+            command = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "2"]
+            command += ["--master_addr", "127.0.0.1", "--master_port", str(self.port)]
         else:  # an accelerate config file from recipes/configs
             command = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / launcher)]
             command += ["--main_process_port", str(self.port)]
-        result = subprocess.run(
-            [*command, WORKER, "--jobs", json.dumps(jobs)],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        (self.root / f"{launcher}.log").write_text(result.stdout + result.stderr)
+        rank = "--machine_rank" if launcher == "two_nodes" else "--node_rank"
+        nodes = [[rank, "0"], [rank, "1"]] if launcher.startswith("two_nodes") else [[]]
+        logs = [(self.root / f"{launcher}{i}.log").open("w") for i in range(len(nodes))]
+        processes = [
+            subprocess.Popen(
+                [*command, *node, WORKER, "--jobs", json.dumps(jobs)],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for node, log in zip(nodes, logs, strict=True)
+        ]
+        try:
+            codes = [process.wait(timeout=900) for process in processes]
+        finally:
+            for process, log in zip(processes, logs, strict=True):
+                if process.poll() is None:
+                    process.kill()
+                log.close()
         missing = [job[1] for job in jobs if not Path(job[1]).exists()]
         if missing:  # the launch itself died: every test of its runs says why
+            tail = (self.root / f"{launcher}0.log").read_text()[-6000:]
             for folder in missing:
                 Path(folder).mkdir(parents=True)
                 (Path(folder) / "error_process0.txt").write_text(
-                    f"the {launcher} launch exited with {result.returncode}:\n{result.stderr[-6000:]}"
+                    f"the {launcher} launch exited with {codes}:\n{tail}"
                 )
 
 
@@ -606,3 +665,47 @@ def test_every_update_rule_runs_or_is_refused_in_one_line_on_every_sharded_backe
     else:
         with pytest.raises(ValueError, match=rf"dp_optimizer='{rule}' .* not supported under DeepSpeed"):
             check_deepspeed({}, SimpleNamespace(dp_optimizer=rule))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "distributed_type", "stage"),
+    [("ddp", "MULTI_CPU", None), ("zero2", "DEEPSPEED", 2), ("fsdp2", "FSDP", None)],
+)
+def test_two_nodes_of_two_processes_match_one_process_and_resume_from_shared_or_per_node_checkpoints(
+    runs, backend, distributed_type, stage
+):
+    """2 nodes × 2 processes (a launcher per node): σ = 0 equals one process; σ = 1 saved after step 2 of 4 and
+    resumed equals the uninterrupted run, from one shared output_dir (an explicit checkpoint) and, for DDP and
+    ZeRO-2, from one output_dir per node (save_on_each_node; resume_from_checkpoint=True with checkpoint-4 torn
+    on node 1 only: every process resumes from checkpoint-2), each node's checkpoint holding the model and its
+    own processes' noise. FSDP2 refuses one folder per node."""
+    reference, out = runs("reference"), runs(f"nodes_{backend}")
+    run = info(out)
+    assert (run["world_size"], run["nodes"], run["backend"]) == (4, 2, "gloo"), run
+    assert run["distributed_type"] == f"DistributedType.{distributed_type}" and run["zero_stage"] == stage
+    assert run["expected_batch_size"] == info(reference)["expected_batch_size"] == 16
+    assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-6
+    assert run["losses"] == pytest.approx(info(reference)["losses"], rel=1e-5)
+
+    whole = runs(f"nodes_{backend}_whole")
+    shared = set(os.listdir(whole / "checkpoint-2"))
+    assert {noise_state_file(i) for i in range(4)} <= shared
+    resumed = ["resumed"] if backend == "fsdp2" else ["resumed", "each_whole", "each_resumed"]
+    for name in resumed:
+        other = runs(f"nodes_{backend}_{name}")
+        result = info(other)
+        assert (result["world_size"], result["nodes"], result["steps"]) == (4, 2, 4), (name, result)
+        assert result["epsilon"] == pytest.approx(info(whole)["epsilon"], rel=1e-12), name
+        assert relative_difference(other / "final.pt", whole / "final.pt") < 1e-6, name
+    assert info(runs(f"nodes_{backend}_resumed"))["resumed_from"] == f"../nodes_{backend}_whole/checkpoint-2"
+    if backend == "fsdp2":
+        refusal = runs("nodes_fsdp2_each_refused", fails=True)
+        assert "save_on_each_node with FSDP2 on several machines" in refusal, refusal[-2000:]
+        return
+    assert info(runs(f"nodes_{backend}_each_resumed"))["resumed_from"] == "node0/checkpoint-2"
+    each = runs(f"nodes_{backend}_each_whole")
+    for node, own in ((0, {0, 1}), (1, {2, 3})):
+        files = set(os.listdir(each / f"node{node}" / "checkpoint-2"))
+        assert {noise_state_file(i) for i in range(4)} & files == {noise_state_file(i) for i in own}, files
+        assert {COMPLETE_FILE, "model.safetensors", "trainer_state.json"} <= files, files
