@@ -59,7 +59,7 @@ class ClippingEngine:
         allow_functorch_fallback: bool = True,
     ) -> None:
         self.model = model
-        check_quantized_base(model)
+        self.low_precision_base = check_quantized_base(model)  # a quantised layer computes in bf16/fp16
         self.materialise = mode == "per_sample"
         self.layers = Layers(model, assign_parameters(model, allow_functorch_fallback))
         self.sums = SumWriter(clipping_fn)
@@ -173,6 +173,7 @@ class ClippingEngine:
             )
         scales = scales_by_id(clip_scale, self.parameters)
         collector = NormCollector(self.layers, batch_size, units, scales, self.materialise, options)
+        collector.low_precision = self.low_precision_base
         self._hooks.receiver = collector
         try:
             with frozen(self.parameters if freeze else []):
