@@ -21,6 +21,7 @@ from hf_dp.clipping.bookkeeping import EvaluationGradients, Recording, combined_
 from hf_dp.clipping.geometry import ClippingFn, ClippingMode, ClipScales, scales_by_id
 from hf_dp.clipping.hooks import ForwardHooks, Layers, UnsupportedModuleError, assign_parameters
 from hf_dp.clipping.per_example import PerExampleGradient
+from hf_dp.clipping.quantized import check_quantized_base
 from hf_dp.clipping.sums import ClippedSums, SumWriter, Terms
 from hf_dp.clipping.taps import NormCollector, TapOptions
 from hf_dp.clipping.units import PrivacyUnits
@@ -58,6 +59,7 @@ class ClippingEngine:
         allow_functorch_fallback: bool = True,
     ) -> None:
         self.model = model
+        self.low_precision_base = check_quantized_base(model)  # a quantised layer computes in bf16/fp16
         self.materialise = mode == "per_sample"
         self.layers = Layers(model, assign_parameters(model, allow_functorch_fallback))
         self.sums = SumWriter(clipping_fn)
@@ -171,6 +173,7 @@ class ClippingEngine:
             )
         scales = scales_by_id(clip_scale, self.parameters)
         collector = NormCollector(self.layers, batch_size, units, scales, self.materialise, options)
+        collector.low_precision = self.low_precision_base
         self._hooks.receiver = collector
         try:
             with frozen(self.parameters if freeze else []):
