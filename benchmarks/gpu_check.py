@@ -23,11 +23,14 @@ and the table are rewritten after every case and setting, so a run cut short kee
    Peak memory of a variant = what it holds at rest (``memory_allocated`` after its warm-up minus before its
    build) + the most a step allocates above that (``max_memory_allocated`` - ``memory_allocated`` at the
    step's start, peak stats reset before each step), so the other variants' resident memory is not counted.
-3. ``qlora``: the same Llama saved in bf16 and reloaded with bitsandbytes nf4 (``BitsAndBytesConfig``,
+3. ``qlora``: first its exactness on the device: the exactness shape's Llama loaded as float32, nf4 and fp4
+   (double quantisation, float32 compute), LLM.int8 at threshold 0 and nf4 computing in bf16, prepared as for
+   QLoRA, against one backward per example on the same model (a quantised base must be within 2× the float32
+   base's error), and LLM.int8 at threshold 6: one example's effect on another's logits, and the refusal. Then
+   the same Llama saved in bf16 and reloaded with bitsandbytes nf4 (``BitsAndBytesConfig``,
    bf16 compute, double quantisation), ``peft.prepare_model_for_kbit_training``, LoRA on all linear layers;
    ``stock`` and ``dp``, checkpointing on and off. Skipped with its reason if bitsandbytes does not import or
    has no working backend on the device; Opacus cannot clip through 4-bit layers and is not run.
-
 4. ``profile``: one step of ``stock`` and ``dp`` at the performance shape (full fine-tuning, checkpointing on
    and off) under ``torch.profiler``, after the warm-up: the device time of hf_dp's phases (its norm passes,
    sum passes and the noise, labelled with ``record_function``) and of the ops that take most of it.
@@ -868,6 +871,206 @@ def build_qlora(s: Setting, folder: str, device: str) -> nn.Module:
     return get_peft_model(model, lora_config()).train()
 
 
+# The exactness check's bases: the unquantised float32 model (the error level to meet), 4-bit nf4 / fp4 with double
+# quantisation computing in float32, LLM.int8 without outlier columns, and nf4 computing in bf16 (bf16's error).
+QLORA_BASES = ("fp32", "nf4", "fp4", "int8", "nf4-bf16")
+
+
+def quantization_config(kind: str):
+    from transformers import BitsAndBytesConfig
+
+    if kind.startswith(("nf4", "fp4")):
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=kind[:3],
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16 if kind.endswith("-bf16") else torch.float32,
+        )
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0 if kind == "int8-outliers" else 0.0)
+
+
+def small_qlora(kind: str, folder: str, device: str) -> nn.Module:
+    """The exactness shape's Llama loaded as ``kind``, prepared as for QLoRA (frozen base, non-reentrant
+    checkpointing), LoRA r 4 on every linear layer with random lora_B (so lora_A has gradients too)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    place = {"": 0 if device == "cuda" else "cpu"}
+    if kind == "fp32":
+        model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map=place)
+        model.requires_grad_(False)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    else:
+        model = LlamaForCausalLM.from_pretrained(
+            folder, quantization_config=quantization_config(kind), dtype=torch.float32, device_map=place
+        )
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+    torch.manual_seed(SEED + 1)
+    model = get_peft_model(model, lora_config(4))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    return model.train()
+
+
+@contextlib.contextmanager
+def checkpointing_off(model: nn.Module):
+    """The brute force's forward without checkpointing (the same numbers; autograd.grad sees every gradient)."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
+
+
+def same_model_brute_force(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[list[torch.Tensor], list[float]]:
+    """Each example alone through THE SAME (quantised) model: its gradient (float64) and its norm."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads, norms = [], []
+    with checkpointing_off(model):
+        for i in range(batch["input_ids"].shape[0]):
+            logits = model(
+                input_ids=batch["input_ids"][i : i + 1], attention_mask=batch["attention_mask"][i : i + 1]
+            ).logits
+            loss = per_example_loss(logits, batch["labels"][i : i + 1])[0]
+            g = torch.autograd.grad(loss, params, allow_unused=True)
+            flat = torch.cat(
+                [
+                    (torch.zeros_like(p) if x is None else x).double().flatten()
+                    for x, p in zip(g, params, strict=True)
+                ]
+            )
+            grads.append(flat)
+            norms.append(float(flat.norm()))
+    return grads, norms
+
+
+def released_step(
+    model: nn.Module, batch: dict[str, torch.Tensor], max_norm: float, config: Config, folder: str
+) -> torch.Tensor:
+    """One DPTrainer step at σ = 0, SGD at learning rate 0: the released gradient × B̄ (float64, flattened)."""
+    rows = token_rows(DATASET_BATCHES * config.exact_batch, config.exact_seq, config.exact_shape.vocab)
+    args = training_args(
+        DPTrainingArguments, config.device, folder, per_device_train_batch_size=config.exact_batch,
+        dp_optimizer="sgd", learning_rate=0.0, lr_scheduler_type="constant", noise_multiplier=0.0,
+        per_sample_max_grad_norm=max_norm, insecure_dp_seed=SEED,
+    )  # fmt: skip
+    trainer = DPTrainer(model=model, args=args, train_dataset=rows)
+    trainer.create_optimizer()
+    prepare_like_train(trainer)
+    order = [p for p in model.parameters() if p.requires_grad]
+    released: list[torch.Tensor] = []
+
+    def capture(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        released.append(torch.cat([p.grad.detach().double().flatten() for p in order]))
+
+    trainer.optimizer.register_step_pre_hook(capture)
+    trainer.train_one_step([batch])
+    sync(config.device)
+    trainer.dp.close()
+    return released[-1] * trainer.expected_batch_size
+
+
+def qlora_exactness(config: Config, section: dict[str, Any]) -> None:
+    """The released clipped sum of each base against the brute force on the same model, clipping inactive
+    (C = 10 × the largest norm) and active (C = half the smallest): a quantised base must be within 2× the
+    float32 base's error. LLM.int8 with an outlier threshold: how much one example changes another's logits,
+    and DPTrainer's refusal."""
+    cases = section.setdefault("exactness", {})
+    device = config.device
+    with tempfile.TemporaryDirectory(prefix="gpu_check_qlora_exact_") as folder:
+        torch.manual_seed(SEED)
+        LlamaForCausalLM(llama_config(config.exact_shape, config.exact_seq)).save_pretrained(folder)
+        batch = {
+            k: v.to(device)
+            for k, v in ragged_batch(config.exact_batch, config.exact_seq, config.exact_shape.vocab).items()
+        }
+        for kind in QLORA_BASES:
+            try:
+                model = small_qlora(kind, folder, device)
+                grads, norms = same_model_brute_force(model, batch)
+                case: dict[str, Any] = {"per_example_norms": norms}
+                for clipping, max_norm in (("inactive", 10 * max(norms)), ("active", 0.5 * min(norms))):
+                    expected = sum(
+                        min(1.0, max_norm / (n + 1e-6)) * g for g, n in zip(grads, norms, strict=True)
+                    )
+                    with tempfile.TemporaryDirectory(prefix="gpu_check_") as out:
+                        ours = released_step(model, batch, max_norm, config, out)
+                    case[clipping] = float((ours - expected).norm() / expected.norm())
+                del model
+            except Exception as exc:
+                traceback.print_exc()
+                case = {"error": error_text(exc)}
+            free_memory(device)
+            cases[kind] = case
+        reference = cases.get("fp32", {})
+        for kind, case in cases.items():
+            if kind in ("fp32", "nf4-bf16") or "error" in case or "error" in reference:
+                continue
+            case["ratio_to_fp32"] = max(case[c] / reference[c] for c in ("inactive", "active"))
+            case["within_2x_fp32"] = case["ratio_to_fp32"] <= 2.0
+        section["int8_outliers"] = int8_outlier_check(folder, batch, config) if "int8" in cases else None
+    print(qlora_exactness_line(section), flush=True)
+
+
+def int8_outlier_check(folder: str, batch: dict[str, torch.Tensor], config: Config) -> dict[str, Any]:
+    """Example 1 carries an outlier token (one embedding feature √d after the norm > the 6.0 threshold) or an
+    ordinary one; the relative change of example 0's logits, at threshold 6 and 0; then DPTrainer on the
+    thresholded base."""
+    result: dict[str, Any] = {}
+    ids, other = batch["input_ids"].clone(), batch["input_ids"].clone()
+    ids[0][ids[0] == 7] = 9
+    ids[1, 2], other[1, 2] = 7, 8
+    other[0] = ids[0]
+    for kind in ("int8-outliers", "int8"):
+        try:
+            model = small_qlora(kind, folder, config.device).eval()
+            with torch.no_grad():
+                embedding = model.get_input_embeddings().weight
+                embedding[7].zero_()
+                embedding[7, 3] = 1.0
+                a = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits[0]
+                b = model(input_ids=other, attention_mask=batch["attention_mask"]).logits[0]
+            result[f"{kind}_change"] = float((a - b).abs().max() / b.abs().max())
+            if kind == "int8-outliers":
+                model.train()
+                with tempfile.TemporaryDirectory(prefix="gpu_check_") as out:
+                    try:
+                        released_step(model, batch, 1.0, config, out)
+                        result["refused"] = None
+                    except Exception as exc:
+                        result["refused"] = error_text(exc)
+            del model
+        except Exception as exc:
+            traceback.print_exc()
+            result[f"{kind}_error"] = error_text(exc)
+        free_memory(config.device)
+    return result
+
+
+def qlora_exactness_line(section: dict[str, Any]) -> str:
+    parts = []
+    for kind, case in section.get("exactness", {}).items():
+        if "error" in case:
+            parts.append(f"{kind} ERROR {case['error']}")
+        else:
+            ratio = f", {case['ratio_to_fp32']:.2f}x fp32" if "ratio_to_fp32" in case else ""
+            parts.append(f"{kind} {case['inactive']:.2e}/{case['active']:.2e}{ratio}")
+    return (
+        "qlora exactness (unclipped/clipped): "
+        + "; ".join(parts)
+        + f"; int8 outliers: {section.get('int8_outliers')}"
+    )
+
+
 def run_qlora(config: Config, record: Record) -> None:
     section = record.data["qlora"]
     if reason := bitsandbytes_problem(config.device):
@@ -875,6 +1078,16 @@ def run_qlora(config: Config, record: Record) -> None:
         record.save()
         print(f"qlora: {reason}", flush=True)
         return
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 in the exactness check
+    try:
+        qlora_exactness(config, section)
+    except Exception as exc:
+        traceback.print_exc()
+        section["exactness_error"] = error_text(exc)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    record.save()
     with tempfile.TemporaryDirectory(prefix="gpu_check_qlora_") as folder:
         base = build_llama(config.perf_shape, config.perf_seq, config.device, "full")
         base.to(torch.bfloat16).save_pretrained(folder)
@@ -1084,6 +1297,30 @@ def table(data: dict[str, Any]) -> str:
                 lines.append(f"| {name} | {v} | - | - | - | - | - | - | skipped: {why} |")
         if section.get("error"):
             lines.append(f"| - | - | - | - | - | - | - | - | section error: {section['error']} |")
+    qlora_exact = data["qlora"].get("exactness") or {}
+    if qlora_exact:
+        lines += [
+            "",
+            "## qlora exactness: released clipped sum vs brute force on the same model (relative error)",
+            "",
+            "| base | clipping inactive | every example clipped | ratio to fp32 | within 2x |",
+            "|---|---|---|---|---|",
+        ]
+        for kind, c in qlora_exact.items():
+            if "error" in c:
+                lines.append(f"| {kind} | - | - | - | error: {c['error']} |")
+                continue
+            lines.append(
+                f"| {kind} | {c['inactive']:.2e} | {c['active']:.2e} | {_f(c.get('ratio_to_fp32'), '.2f')} | "
+                f"{c.get('within_2x_fp32', '-')} |"
+            )
+        outliers = data["qlora"].get("int8_outliers") or {}
+        if outliers:
+            lines.append(
+                f"\nLLM.int8: example 0's logits change by {_f(outliers.get('int8-outliers_change'), '.2e')} when "
+                f"example 1 carries an outlier token (threshold 6), {_f(outliers.get('int8_change'), '.2e')} at "
+                f"threshold 0; DPTrainer on the thresholded base: {outliers.get('refused') or 'NOT refused'}"
+            )
     profiled = data["profile"]["settings"]
     if profiled:
         lines += [

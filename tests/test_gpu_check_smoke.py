@@ -103,6 +103,12 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     if qlora["skipped"] is not None:
         assert "bitsandbytes" in qlora["skipped"] and qlora["settings"] == {}
     else:
+        exact = qlora["exactness"]  # on the same model: a quantised base within 2x the float32 base's error
+        assert list(exact) == list(gpu_check.QLORA_BASES) and exact["fp32"]["active"] < 1e-5, exact
+        assert all(exact[kind]["within_2x_fp32"] is True for kind in ("nf4", "fp4", "int8")), exact
+        outliers = qlora["int8_outliers"]  # LLM.int8's outlier columns mix examples: refused
+        assert outliers["int8-outliers_change"] > 1e-3 and outliers["int8_change"] == 0.0, outliers
+        assert outliers["refused"].startswith("QuantizedBaseError"), outliers
         assert len(qlora["settings"]) == 2
         for name, setting in qlora["settings"].items():
             for variant in ("stock", "dp"):
