@@ -70,7 +70,7 @@ def lost_process(
         (line.split("] ", 1)[-1] for line in text.splitlines() if line.strip()), type(error).__name__
     )
     resume = (
-        f"continue from {newest_checkpoint}"
+        f"continue from the newest checkpoint complete for every process (here: {newest_checkpoint})"
         if newest_checkpoint
         else "start again (no complete checkpoint yet)"
     )
@@ -244,6 +244,22 @@ def weights_on_each_node(model: torch.nn.Module, args) -> Iterator[None]:
     finally:
         for m in models:
             del m.should_save_on_this_rank
+
+
+def deepspeed_tag_on_each_node(folder: str, args) -> None:
+    """DeepSpeed finds the checkpoint to load through a ``latest`` file that only global rank 0 writes: with
+    ``save_on_each_node`` every other machine's main process writes its own (the one ``global_step*`` folder)."""
+    if not (args.save_on_each_node and args.should_save and args.process_index != 0):
+        return
+    tags = [
+        n
+        for n in os.listdir(folder)
+        if n.startswith("global_step") and os.path.isdir(os.path.join(folder, n))
+    ]
+    latest = os.path.join(folder, "latest")
+    if len(tags) == 1 and not os.path.exists(latest):
+        with open(latest, "w") as f:
+            f.write(tags[0])
 
 
 def backend_of(trainer) -> Backend:

@@ -20,7 +20,14 @@ from hf_dp import checkpoint
 from hf_dp.arguments import DPTrainingArguments, check_trainer_call
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.data import count_drawn_examples, split_dp_keys
-from hf_dp.distributed import backend_of, lost_process, shard_on_cpu, uses_checkpointing, weights_on_each_node
+from hf_dp.distributed import (
+    backend_of,
+    deepspeed_tag_on_each_node,
+    lost_process,
+    shard_on_cpu,
+    uses_checkpointing,
+    weights_on_each_node,
+)
 from hf_dp.hub import add_privacy_to_model_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
 from hf_dp.losses import per_example_loss, unwrap_model
@@ -242,6 +249,7 @@ class DPTrainerMixin:
         folder = f"{self._get_output_dir(trial=trial)}/{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         with self.dp.state.saving(folder, self.args, self.state):
             super()._save_checkpoint(model, trial)
+            deepspeed_tag_on_each_node(folder, self.args)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """The Trainer's model files; with ``save_on_each_node``, on every machine."""

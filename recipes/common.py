@@ -169,6 +169,60 @@ class LoraArguments:
         default="all-linear", metadata={"help": "Comma-separated module names for LoRA, or 'all-linear'."}
     )
 
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "help": "QLoRA: load the pretrained base (--model_name_or_path) in bitsandbytes 4-bit with double "
+            "quantisation, frozen, and train LoRA adapters on it (needs --use_lora and the qlora extra)."
+        },
+    )
+    bnb_4bit_quant_type: str = field(
+        default="nf4", metadata={"help": "The 4-bit type of --load_in_4bit: nf4 or fp4."}
+    )
+
+    def quantized_loading(
+        self, training_args: Any, pretrained: bool, keep: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
+        """``from_pretrained``'s keyword arguments for ``--load_in_4bit`` (none without it): nf4/fp4 with double
+        quantisation, computing in bf16 under ``--bf16`` and in float32 otherwise, on this process's device;
+        ``keep``: modules left unquantised (a trained head). Refused in one line where it cannot apply."""
+        if not self.load_in_4bit:
+            return {}
+        if not self.use_lora:
+            raise ValueError(
+                "--load_in_4bit freezes the base in 4-bit, which cannot be trained: add --use_lora (QLoRA)"
+            )
+        if not pretrained:
+            raise ValueError("--load_in_4bit quantises a pretrained base: pass --model_name_or_path")
+        if self.bnb_4bit_quant_type not in ("nf4", "fp4"):
+            raise ValueError(f"--bnb_4bit_quant_type {self.bnb_4bit_quant_type!r}: use nf4 or fp4")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("--load_in_4bit needs bitsandbytes: pip install 'hf-dp[qlora]'")
+        import torch
+        from transformers import BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=self.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16 if training_args.bf16 else torch.float32,
+            llm_int8_skip_modules=list(keep) or None,
+        )
+        return {
+            "quantization_config": quantization,
+            "dtype": torch.float32,
+            "device_map": {"": str(training_args.device)},
+        }
+
+    def prepared_base(self, model: Any) -> Any:
+        """A 4-bit base made ready for adapters (``peft.prepare_model_for_kbit_training``: frozen, norms in float32,
+        inputs that carry gradients); activation checkpointing stays the Trainer's argument."""
+        if not self.load_in_4bit:
+            return model
+        from peft import prepare_model_for_kbit_training
+
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
     def lora_config(self, **options: Any) -> LoraConfig:
         """peft's ``LoraConfig`` for these flags; ``options``: its other fields (task_type, modules_to_save, …)."""
         from peft import LoraConfig

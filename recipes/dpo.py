@@ -117,7 +117,7 @@ def run(argv: list[str] | None = None) -> tuple[DPDPOTrainer, dict[str, Any]]:
     dev_pairs = preference_pairs(read_e2e_rows(folder / "devset.csv"), data_args.max_eval_samples)
     tokenizer = load_chat_tokenizer(model_args)
     set_seed(args.seed)
-    model = build_model(model_args, tokenizer)
+    model = build_model(model_args, tokenizer, args)
     separate_reference = not model_args.use_lora and not args.precompute_ref_log_probs
     ref_model = copy.deepcopy(model).eval() if separate_reference else None
     trainer = DPDPOTrainer(

@@ -391,9 +391,13 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     train, evaluation, split = load_splits(data_args, task)
 
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        model_args.model_name_or_path, num_labels=len(task.labels)
+    quantized = model_args.quantized_loading(
+        training_args, pretrained=True, keep=("classifier", "score", "pooler")
     )
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_args.model_name_or_path, num_labels=len(task.labels), **quantized
+    )
+    model = model_args.prepared_base(model)
     if resolve_pooling(model_args) == "mean":
         use_mean_pooling(model)
     elif model_args.pooling not in ("cls", "auto"):

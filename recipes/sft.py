@@ -188,10 +188,13 @@ def model_config_overrides(spec: str | None) -> dict[str, Any]:
     return {**TINY_LLAMA, **json.loads(text)}
 
 
-def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
-    """A pretrained causal LM, or a tiny Llama from scratch sized to the tokenizer."""
+def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, args: Any) -> torch.nn.Module:
+    """A pretrained causal LM (in 4-bit with ``--load_in_4bit``, made ready for adapters), or a tiny Llama from
+    scratch sized to the tokenizer."""
+    quantized = model_args.quantized_loading(args, pretrained=bool(model_args.model_name_or_path))
     if model_args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **quantized)
+        return model_args.prepared_base(model)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
@@ -248,7 +251,7 @@ def run(argv: list[str] | None = None) -> tuple[DPSFTTrainer, dict[str, Any]]:
     dev_rows = read_e2e_rows(folder / "devset.csv", data_args.max_eval_samples)
     tokenizer = load_chat_tokenizer(model_args)
     set_seed(args.seed)  # the same seed gives the same initial weights
-    model = build_model(model_args, tokenizer)
+    model = build_model(model_args, tokenizer, args)
     trainer = DPSFTTrainer(
         model=model,
         args=args,

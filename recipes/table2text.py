@@ -288,10 +288,14 @@ def model_config_overrides(spec: str | None) -> dict[str, Any]:
     return {**TINY_GPT2, **json.loads(text)}
 
 
-def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> torch.nn.Module:
-    """A pretrained causal LM, or a GPT-2-shaped one from scratch; wrapped in LoRA on request."""
+def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, args: Any) -> torch.nn.Module:
+    """A pretrained causal LM (in 4-bit with ``--load_in_4bit``), or a GPT-2-shaped one from scratch; wrapped in
+    LoRA on request."""
+    quantized = model_args.quantized_loading(args, pretrained=bool(model_args.model_name_or_path))
     if model_args.model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+        model = model_args.prepared_base(
+            AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **quantized)
+        )
     else:
         special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         config = GPT2Config(
@@ -441,7 +445,7 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     train_groups, eval_groups, split = load_data(data_args)
     tokenizer = load_tokenizer(model_args)
     set_seed(training_args.seed)  # the same seed gives the same initial weights (new heads included)
-    model = build_model(model_args, tokenizer)
+    model = build_model(model_args, tokenizer, training_args)
     model.train()
     pairs = training_pairs(train_groups, data_args.max_train_samples)
     train = Dataset.from_dict({"table": [p[0] for p in pairs], "text": [p[1] for p in pairs]}).map(

@@ -14,6 +14,10 @@ that was loaded.
   changes another's forward and the per-example sensitivity no longer holds: refused. With threshold 0 every
   token row is quantised on its own scale (per-example safe) and is allowed.
 
+TRL casts the trainable parameters of a quantised model (the adapters) to bf16, its QLoRA convention: under DP
+they are kept in float32, where the clipped step is as exact as on a float32 base (``bf16=True`` still runs the
+forward under bf16 autocast).
+
 A 4-bit layer that computes in bf16 (``bnb_4bit_compute_dtype``) back-propagates in bf16 though it returns
 float32: the first-step checks then compare at the bf16 tolerance (checks.py), as under bf16 autocast.
 """
@@ -34,14 +38,16 @@ class QuantizedBaseError(UnsupportedModuleError):
 
 def check_quantized_base(model: nn.Module) -> bool:
     """Refuse LLM.int8 with a positive outlier threshold and 4-bit layers already repacked for CPU inference;
-    pin every other 4-bit layer to the kernel it was loaded for. Returns whether a quantised layer computes in
+    pin every other 4-bit layer to the kernel it was loaded for; the trainable parameters of a quantised model
+    in float32. Returns whether a quantised layer computes in
     bf16/fp16 (a 4-bit ``compute_dtype``; LLM.int8 quantises its input from fp16): its backward rounds there
     too, though its output is cast back to float32. False without bitsandbytes layers."""
     bnb = sys.modules.get("bitsandbytes")  # a model with bitsandbytes layers has imported it
     if bnb is None:
         return False
-    low_precision = False
+    low_precision = quantized = False
     for name, module in model.named_modules():
+        quantized |= isinstance(module, bnb.nn.Linear8bitLt | bnb.nn.Linear4bit)
         if isinstance(module, bnb.nn.Linear8bitLt):
             threshold = float(getattr(module.state, "threshold", 0.0) or 0.0)
             if threshold > 0.0:
@@ -62,4 +68,8 @@ def check_quantized_base(model: nn.Module) -> bool:
                 )
             module.support_avx512bf16_for_cpu = False  # no in-place repacking during or after the run
             low_precision |= getattr(module, "compute_dtype", None) in (torch.bfloat16, torch.float16)
+    if quantized:
+        for param in model.parameters():
+            if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
+                param.data = param.data.float()
     return low_precision
