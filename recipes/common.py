@@ -192,10 +192,10 @@ class LoraArguments:
             raise ValueError(
                 "--load_in_4bit freezes the base in 4-bit, which cannot be trained: add --use_lora (QLoRA)"
             )
-        if not pretrained:
-            raise ValueError("--load_in_4bit quantises a pretrained base: pass --model_name_or_path")
         if self.bnb_4bit_quant_type not in ("nf4", "fp4"):
             raise ValueError(f"--bnb_4bit_quant_type {self.bnb_4bit_quant_type!r}: use nf4 or fp4")
+        if not pretrained:
+            raise ValueError("--load_in_4bit quantises a pretrained base: pass --model_name_or_path")
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("--load_in_4bit needs bitsandbytes: pip install 'hf-dp[qlora]'")
         import torch
