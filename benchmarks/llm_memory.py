@@ -777,7 +777,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     rounds = 1 if args.quick else args.rounds
     tight = not args.malloc_default
     load_before = list(os.getloadavg())
-    results = [run_setting(s, args.variants, rounds, args.device, tight) for s in settings]
+    results: list[dict[str, Any]] = []
+    for (
+        setting
+    ) in settings:  # the JSON and the table are rewritten after every setting: a run cut short keeps them
+        results.append(run_setting(setting, args.variants, rounds, args.device, tight))
+        result = report(args, settings, results, rounds, tight, load_before)
+    print("\n" + markdown(result))
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    return result
+
+
+def report(
+    args: argparse.Namespace,
+    settings: list[Setting],
+    results: list[dict[str, Any]],
+    rounds: int,
+    tight: bool,
+    load_before: list[float],
+) -> dict[str, Any]:
+    """The run's record so far, written to ``--out`` and its ``.md``."""
     peak_definition = (
         "torch.cuda.max_memory_allocated over 2 steps after a warm-up step, one process per variant"
         if args.device == "cuda"
@@ -817,11 +836,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             "Bars compare dp with the stock Trainer of the same setting; time bars use the paired median.",
         ],
     }
+    result["finished"] = len(results) == len(settings)
     _timing.write_result(args.out, result)
-    text = markdown(result)
-    args.out.with_suffix(".md").write_text(text)
-    print("\n" + text)
-    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    args.out.with_suffix(".md").write_text(markdown(result))
     return result
 
 
