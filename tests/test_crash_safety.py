@@ -567,7 +567,7 @@ def test_sigkill_at_random_moments_then_resume_ends_like_the_uninterrupted_run(t
 # (``ProcessLostError``), within ddp_timeout (ISSUE 31, item 2).
 
 DDP_STEPS = 7  # B̄ = 2 processes × 4 × 2 accumulation = 16 of 32: 2 steps per epoch, 7 ends inside one
-DDP_TIMEOUT_S = 20  # how long a process that stops answering is waited for
+DDP_TIMEOUT_S = 15  # how long a process that stops answering is waited for
 STOPPED_WITHIN_S = {"dies": 30.0, "hangs": DDP_TIMEOUT_S + 30.0}  # the survivor's own error, from the kill
 
 
@@ -652,7 +652,7 @@ def test_two_nodes_killed_or_hung_at_random_moments_resume_like_the_uninterrupte
     stamps = {name: stamp for name, stamp in events}
     save_time = {t: stamps[f"save-end {t}"] - stamps[f"save-begin {t}"] for t in range(1, DDP_STEPS + 1)}
     directory, out, landed, step = tmp_path / "killed", tmp_path / "killed" / "out", [], 0
-    plan = ["dies", "hangs", rng.choice(["save", "private"]), "final"]
+    plan = ["dies", "hangs", "final"]  # random kills of every process: the one-process test above
     for kind in plan + [None]:
         target = min(step + rng.randint(1, 3), DDP_STEPS)
         kill = {
@@ -660,8 +660,6 @@ def test_two_nodes_killed_or_hung_at_random_moments_resume_like_the_uninterrupte
             "dies": ("dies", f"step-begin {target}", rng.uniform(0, 0.05)),
             "hangs": ("hangs", f"save-begin {target}", rng.uniform(0, save_time[target])),
             "final": ("machine", f"save-end {DDP_STEPS}", 0.0),
-            "save": ("machine", f"save-begin {target}", rng.uniform(0, save_time[target])),
-            "private": ("machine", f"private-begin {target}", rng.uniform(0, SLOW_DISK_S + 0.01)),
         }[kind]
         resume = True if newest_complete(str(out)) else None
         port += 1
