@@ -1,4 +1,5 @@
-"""What DP needs from multi-process training: a cross-process sum, and DeepSpeed / FSDP settings that keep DP exact.
+"""What DP needs from multi-process training: a cross-process sum, DeepSpeed / FSDP settings that keep DP exact, a
+bounded wait for a process that dies or hangs (``ProcessLostError``), and checkpoints on every machine.
 
 Under DDP every process holds its share's clipped sum in ``.grad``; they are summed once per logical
 batch and every process adds the same noise (replicated gradients). Under DeepSpeed ZeRO the gradient
