@@ -12,12 +12,4 @@ export PYTHONUNBUFFERED=1 HF_DP_CACHE=${HF_DP_CACHE:-/tmp/hf_dp_cache}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/nvidia_smi.txt" 2>&1
 timeout 280 python3 -u benchmarks/gpu_check.py --out "$out/gpu_check.json" --budget-s 200 > "$out/gpu_check.log" 2>&1
 echo "gpu_check: exit $?"
-memory() {  # NAME SECONDS, then llm_memory.py's arguments (a setting takes about a minute on the device)
-  local name=$1 seconds=$2
-  shift 2
-  timeout "$seconds" python3 -u benchmarks/llm_memory.py --device cuda --variants stock dp --rounds 3 \
-    --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
-  echo "$name: exit $?"
-}
-memory llm_memory_cuda_8x256 220 --hidden 256 --intermediate 704 --vocab 16000 --seq-lens 1024 --batch 4 \
-  --settings '*-fp32-ckpt-T1024'
+bash benchmarks/gpu_memory_grid.sh "$out" issue

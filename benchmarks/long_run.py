@@ -46,7 +46,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:  # measure this checkout's hf_dp, whatever is installed
     sys.path.insert(0, str(_REPO_ROOT))
 
-from benchmarks._timing import environment, write_result  # noqa: E402  (sets the offline environment first)
+from benchmarks._timing import environment, tied_gpt2, write_result  # noqa: E402  (sets the offline environment first)
 
 # isort: split
 
@@ -58,7 +58,7 @@ from torch import nn  # noqa: E402
 from torch.nn.modules import module as torch_module  # noqa: E402
 from torch.optim import optimizer as torch_optimizer  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
@@ -132,26 +132,6 @@ def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def tiny_gpt2(config: LongRunConfig) -> GPT2LMHeadModel:
-    """A tied GPT-2 without dropout, token 0 for every special token."""
-    torch.manual_seed(config.seed)
-    return GPT2LMHeadModel(
-        GPT2Config(
-            n_layer=config.layers,
-            n_embd=config.width,
-            n_head=config.heads,
-            vocab_size=config.vocab,
-            n_positions=config.seq,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
-    )
-
-
 def build_trainer(config: LongRunConfig, output_dir: str) -> DPTrainer:
     """The ``DPTrainer`` of the module docstring: Poisson sampling, DP-AdamW at σ, saves, evaluations, logs."""
     args = DPTrainingArguments(
@@ -179,7 +159,7 @@ def build_trainer(config: LongRunConfig, output_dir: str) -> DPTrainer:
         insecure_dp_seed=config.seed,
     )
     return DPTrainer(
-        model=tiny_gpt2(config),
+        model=tied_gpt2(config.layers, config.width, config.heads, config.vocab, config.seq, config.seed),
         args=args,
         train_dataset=RandomTokens(config.examples, config.seq, config.vocab, config.seed),
         eval_dataset=RandomTokens(config.eval_examples, config.seq, config.vocab, config.seed + 1),

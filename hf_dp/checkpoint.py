@@ -200,6 +200,22 @@ def _step(folder: str) -> int:
     return int(_CHECKPOINT.match(os.path.basename(folder)).group(1))
 
 
+def deepspeed_tag_on_each_node(folder: str, args) -> None:
+    """DeepSpeed finds the checkpoint to load through a ``latest`` file that only global rank 0 writes: with
+    ``save_on_each_node`` every other machine's main process writes its own (the one ``global_step*`` folder)."""
+    if not (args.save_on_each_node and args.should_save and args.process_index != 0):
+        return
+    tags = [
+        n
+        for n in os.listdir(folder)
+        if n.startswith("global_step") and os.path.isdir(os.path.join(folder, n))
+    ]
+    latest = os.path.join(folder, "latest")
+    if len(tags) == 1 and not os.path.exists(latest):
+        with open(latest, "w") as f:
+            f.write(tags[0])
+
+
 def resume_argument(value: str | bool | None) -> str | bool | None:
     """``TrainingArguments.resume_from_checkpoint`` as ``train()`` takes it: "true" is True, "false" or "" None."""
     if isinstance(value, str) and value.strip().lower() in ("true", "false", ""):
@@ -481,6 +497,7 @@ class RunPrivacyState:
         limit, args.save_total_limit = args.save_total_limit, None
         try:
             yield
+            deepspeed_tag_on_each_node(folder, args)
             noise = self.save(folder, args.process_index, main)
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.barrier()  # every process's noise state is on the disk

@@ -247,22 +247,6 @@ def weights_on_each_node(model: torch.nn.Module, args) -> Iterator[None]:
             del m.should_save_on_this_rank
 
 
-def deepspeed_tag_on_each_node(folder: str, args) -> None:
-    """DeepSpeed finds the checkpoint to load through a ``latest`` file that only global rank 0 writes: with
-    ``save_on_each_node`` every other machine's main process writes its own (the one ``global_step*`` folder)."""
-    if not (args.save_on_each_node and args.should_save and args.process_index != 0):
-        return
-    tags = [
-        n
-        for n in os.listdir(folder)
-        if n.startswith("global_step") and os.path.isdir(os.path.join(folder, n))
-    ]
-    latest = os.path.join(folder, "latest")
-    if len(tags) == 1 and not os.path.exists(latest):
-        with open(latest, "w") as f:
-            f.write(tags[0])
-
-
 def backend_of(trainer) -> Backend:
     """The run's ``Backend`` from the Trainer's accelerator, refusing what DeepSpeed, FSDP and fp16 cannot run
     exactly under DP (before training)."""

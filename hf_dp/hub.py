@@ -223,3 +223,12 @@ def add_privacy_to_model_card(
     card.text = _replace_section(text, privacy_section(report, dataset))
     card.save(readme_path)
     return card
+
+
+def add_privacy_to_trainer_card(
+    output_dir: str, report: dict[str, Any], card_kwargs: dict[str, Any]
+) -> ModelCard:
+    """``add_privacy_to_model_card`` on the card ``Trainer.create_model_card`` wrote in ``output_dir``, naming the
+    dataset it was given (``dataset``, ``dataset_tags`` or ``dataset_args``)."""
+    dataset = card_kwargs.get("dataset") or card_kwargs.get("dataset_tags") or card_kwargs.get("dataset_args")
+    return add_privacy_to_model_card(os.path.join(output_dir, "README.md"), report, dataset)

@@ -15,9 +15,11 @@ public fields below.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,13 +29,14 @@ from transformers import TrainerCallback
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.backend import Backend
 from hf_dp.budget import PrivacyBudgetCallback
-from hf_dp.checkpoint import RunPrivacyState, public_ledger, resume_point
+from hf_dp.checkpoint import RunPrivacyState, newest_complete, public_ledger, resume_argument, resume_point
 from hf_dp.clipping.checks import check_records_apart
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.pipeline import clipped_step, several_evaluations_refused
 from hf_dp.clipping.plan import StepPlanner
 from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.data import EpochDataLoader, dp_dataloader
+from hf_dp.distributed import lost_process
 from hf_dp.loss_contract import MicroBatch
 from hf_dp.mechanism import GaussianMechanism, noise_mechanism_of
 from hf_dp.optim.registry import make_dp_optimizer
@@ -121,7 +124,10 @@ class PrivateRun:
 
     def start_training(self, resume_from_checkpoint: str | bool | None = None) -> str | None:
         """Once per run: a second ``train()`` would redraw the same batches from the same secret. Returns the
-        checkpoint to resume from: only a complete one (``checkpoint.resume_point``)."""
+        checkpoint to resume from: only a complete one (``checkpoint.resume_point``). Without one, the argument
+        ``resume_from_checkpoint`` (the Trainer leaves it to scripts; "true": the newest complete checkpoint)."""
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = resume_argument(self.args.resume_from_checkpoint)
         resume = resume_point(resume_from_checkpoint, self.args.output_dir)
         if self._trained:
             raise RuntimeError(
@@ -134,6 +140,28 @@ class PrivateRun:
             "is NOT private (the released model and ε are)"
         )
         return resume
+
+    def check_driven_by_hand(self) -> None:
+        """``DPTrainer.train_one_step`` steps the optimizer itself, which DeepSpeed's engine owns: refused there."""
+        if self.backend.deepspeed:
+            raise ValueError(
+                "train_one_step drives the optimizer itself, which DeepSpeed's engine owns; use train()"
+            )
+
+    @contextlib.contextmanager
+    def training(self, trainer_state) -> Iterator[None]:
+        """Around ``Trainer.train``: a collective that fails because another process died or hung becomes one
+        ``ProcessLostError`` line (distributed.lost_process); the clipping hooks come off at the end."""
+        try:
+            yield
+        except Exception as error:
+            newest = newest_complete(self.args.output_dir)
+            lost = lost_process(error, self.args, trainer_state.global_step, newest)
+            if lost is None:
+                raise
+            raise lost from error
+        finally:
+            self.close()
 
     def finished(self, state, control) -> bool:
         """Resumed from the run's last checkpoint: the Trainer's epoch loop checks ``max_steps`` only after a

@@ -7,7 +7,6 @@ Trainer hooks only: each forwards to ``self.dp``, the run's ``PrivateRun`` (run.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -20,15 +19,8 @@ from hf_dp import checkpoint
 from hf_dp.arguments import DPTrainingArguments, check_trainer_call
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.data import count_drawn_examples, split_dp_keys
-from hf_dp.distributed import (
-    backend_of,
-    deepspeed_tag_on_each_node,
-    lost_process,
-    shard_on_cpu,
-    uses_checkpointing,
-    weights_on_each_node,
-)
-from hf_dp.hub import add_privacy_to_model_card
+from hf_dp.distributed import backend_of, shard_on_cpu, uses_checkpointing, weights_on_each_node
+from hf_dp.hub import add_privacy_to_trainer_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
 from hf_dp.losses import per_example_loss, unwrap_model
 from hf_dp.optim.registry import decay_groups
@@ -99,22 +91,11 @@ class DPTrainerMixin:
     # ---- training ---------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """The Trainer's ``train``, once per DPTrainer, from a complete checkpoint; its metrics carry the guarantee. A
-        process of a multi-process run that dies or hangs stops the others with ``ProcessLostError``. Without
-        ``resume_from_checkpoint`` the argument of the same name is used (the Trainer leaves it to scripts)."""
-        if resume_from_checkpoint is None:
-            resume_from_checkpoint = checkpoint.resume_argument(self.args.resume_from_checkpoint)
+        """The Trainer's ``train``, once per DPTrainer, from a complete checkpoint (``PrivateRun.start_training``);
+        its metrics carry the guarantee; a process that dies or hangs stops the others (``PrivateRun.training``)."""
         resume = self._private_run("train").start_training(resume_from_checkpoint)
-        try:
+        with self.dp.training(self.state):
             output = super().train(resume, *args, **kwargs)
-        except Exception as error:
-            newest = checkpoint.newest_complete(self.args.output_dir)
-            lost = lost_process(error, self.args, self.state.global_step, newest)
-            if lost is None:
-                raise
-            raise lost from error
-        finally:
-            self.dp.close()
         output.metrics.update(self.privacy_metrics())
         return output
 
@@ -188,10 +169,7 @@ class DPTrainerMixin:
     def train_one_step(self, micro_batches: list[dict[str, Any]]) -> float:
         """One logical batch outside ``Trainer.train`` (benchmarks, audits): every micro-batch's clipped step, the
         release (noised AND accounted), the update. Returns the logged loss. Not under DeepSpeed."""
-        if self.is_deepspeed_enabled:
-            raise ValueError(
-                "train_one_step drives the optimizer itself, which DeepSpeed's engine owns; use train()"
-            )
+        self._private_run("train_one_step").check_driven_by_hand()
         if self.optimizer is None:
             self.create_optimizer()
         self._drawn_examples = count_drawn_examples(micro_batches, self.args.device, self.accelerator.reduce)
@@ -237,9 +215,7 @@ class DPTrainerMixin:
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         super().create_model_card(*args, **kwargs)
         if self.is_world_process_zero() and self.dp is not None:
-            dataset = kwargs.get("dataset") or kwargs.get("dataset_tags") or kwargs.get("dataset_args")
-            card = os.path.join(self.args.output_dir, "README.md")
-            add_privacy_to_model_card(card, self.privacy_report(), dataset)
+            add_privacy_to_trainer_card(self.args.output_dir, self.privacy_report(), kwargs)
 
     # ---- checkpoints: the privacy state, private ------------------------------------------------------
 
@@ -249,7 +225,6 @@ class DPTrainerMixin:
         folder = f"{self._get_output_dir(trial=trial)}/{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         with self.dp.state.saving(folder, self.args, self.state):
             super()._save_checkpoint(model, trial)
-            deepspeed_tag_on_each_node(folder, self.args)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """The Trainer's model files; with ``save_on_each_node``, on every machine."""
