@@ -8,6 +8,12 @@ threads and each of 2 processes runs 1 thread, so this measures the parallel eff
 multi-process paths (extra communication, DeepSpeed's two passes), not a speed-up from more hardware.
 
     python benchmarks/distributed_scaling.py [--rounds 3] [--out benchmarks/results/distributed_scaling.json]
+
+``--checkpointing`` measures the 2-process backends with activation checkpointing (non-reentrant) instead, with a
+third configuration per backend: DP with the weighted pass forced to run whole (no tail skip, no layer replay;
+docs/clipping.md), which isolates what those save.
+
+    python benchmarks/distributed_scaling.py --checkpointing --seq 512 --out benchmarks/results/distributed_checkpointing.json
 """
 
 from __future__ import annotations
@@ -35,6 +41,18 @@ CONFIGS = {
     "2 processes FSDP2, DP": ("torchrun", ("--fsdp",), False),
 }
 BACKENDS = ["1 process", "2 processes DDP", "2 processes ZeRO-2", "2 processes ZeRO-3", "2 processes FSDP2"]
+CHECKPOINTED_BACKENDS = {
+    "2 processes DDP": (),
+    "2 processes ZeRO-2": ("--zero", "2"),
+    "2 processes ZeRO-3": ("--zero", "3"),
+    "2 processes FSDP2": ("--fsdp",),
+}
+WHOLE = "DP, whole weighted pass"
+CHECKPOINTED = {
+    f"{backend}, {variant}": ("torchrun", (*flags, "--checkpointing", *extra), variant == "non-private")
+    for backend, flags in CHECKPOINTED_BACKENDS.items()
+    for variant, extra in (("non-private", ()), ("DP", ()), (WHOLE, ("--whole_weighted_pass",)))
+}
 
 
 def worker(cli: argparse.Namespace) -> None:
@@ -68,6 +86,16 @@ def worker(cli: argparse.Namespace) -> None:
             ids = torch.randint(2, 8192, (cli.seq,), generator=g)
             return {"input_ids": ids, "labels": ids}
 
+    class WholeWeightedPass(TrainerCallback):
+        """After each step (the first is not timed) the clipped step forgets what its first step found, so every
+        later weighted pass runs whole: the tail and the checkpointed layers' forward."""
+
+        def __init__(self, clipping) -> None:
+            self.clipping = clipping
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.clipping.skips_tail = self.clipping.replays = False
+
     class Clock(TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
@@ -99,6 +127,8 @@ def worker(cli: argparse.Namespace) -> None:
         dp_optimizer="adamw",
         per_sample_max_grad_norm=1.0,
         max_steps=cli.steps + 1,
+        activation_checkpointing=cli.checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False},
         seed=0,
         disable_dp=cli.non_private,
         deepspeed=deepspeed,
@@ -110,6 +140,8 @@ def worker(cli: argparse.Namespace) -> None:
     clock = Clock()
     trainer = DPTrainer(model=model, args=args, train_dataset=Rows())
     trainer.add_callback(clock)
+    if cli.whole_weighted_pass:
+        trainer.add_callback(WholeWeightedPass(trainer.dp.clipping))
     trainer.train()
     import resource
 
@@ -169,17 +201,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="logical batch (2 micro-batches)")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing (see the docstring)"
+    )
+    parser.add_argument("--whole_weighted_pass", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distributed_scaling.json"))
     cli = parser.parse_args()
     if cli.worker:
         return worker(cli)
+    configs = CHECKPOINTED if cli.checkpointing else CONFIGS
     load_at_start = os.getloadavg()
-    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    peaks: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    peaks: dict[str, list[float]] = {name: [] for name in configs}
     kinds: dict[str, str] = {}
     port = 29900
     for round_ in range(cli.rounds):  # interleaved: every configuration once per round
-        for name, (kind, extra, non_private) in CONFIGS.items():
+        for name, (kind, extra, non_private) in configs.items():
             port += 1
             run = launch(kind, extra, non_private, cli, port)
             times[name].append(run["seconds_per_step"])
@@ -189,7 +226,15 @@ def main() -> None:
                 f"round {round_}: {name}: {times[name][-1]:.3f} s/step, peak {peaks[name][-1]:.0f} MiB",
                 flush=True,
             )
-    base = "1 process, non-private"
+
+    def ratio(a: str, b: str) -> dict[str, float]:
+        """a over b: paired median and min-time ratios of the step time, and the peak-memory ratio."""
+        return {
+            "paired_median_time": statistics.median(x / y for x, y in zip(times[a], times[b], strict=True)),
+            "min_time": min(times[a]) / min(times[b]),
+            "peak_memory": max(peaks[a]) / max(peaks[b]),
+        }
+
     results = {
         "setup": {
             "model": "GPT-2 4x256, vocab 8192",
@@ -197,6 +242,7 @@ def main() -> None:
             "logical_batch": cli.batch,
             "steps_timed": cli.steps,
             "rounds": cli.rounds,
+            "activation_checkpointing": "non-reentrant" if cli.checkpointing else "off",
             "load_average_start_end": [load_at_start, os.getloadavg()],
             "optimizer": "adamw",
             "cores": os.cpu_count(),
@@ -204,25 +250,27 @@ def main() -> None:
         "seconds_per_step": times,
         "peak_rss_mib_per_process": {name: max(p) for name, p in peaks.items()},
         "distributed_type": kinds,
-        "paired_median_ratio_vs_1_process_non_private": {
-            name: statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
-            for name in times
-        },
-        "min_time_ratio_vs_1_process_non_private": {
-            name: min(times[name]) / min(times[base]) for name in times
-        },
-        "dp_over_non_private_same_launch": {
-            backend: {
-                "paired_median_time": statistics.median(
-                    a / b
-                    for a, b in zip(times[f"{backend}, DP"], times[f"{backend}, non-private"], strict=True)
-                ),
-                "min_time": min(times[f"{backend}, DP"]) / min(times[f"{backend}, non-private"]),
-                "peak_memory": max(peaks[f"{backend}, DP"]) / max(peaks[f"{backend}, non-private"]),
-            }
-            for backend in BACKENDS
-        },
     }
+    if cli.checkpointing:
+        results["dp_over_non_private_same_launch"] = {
+            backend: {
+                "DP": ratio(f"{backend}, DP", f"{backend}, non-private"),
+                WHOLE: ratio(f"{backend}, {WHOLE}", f"{backend}, non-private"),
+                f"DP over {WHOLE}": ratio(f"{backend}, DP", f"{backend}, {WHOLE}"),
+            }
+            for backend in CHECKPOINTED_BACKENDS
+        }
+    else:
+        base = "1 process, non-private"
+        results["paired_median_ratio_vs_1_process_non_private"] = {
+            name: ratio(name, base)["paired_median_time"] for name in times
+        }
+        results["min_time_ratio_vs_1_process_non_private"] = {
+            name: ratio(name, base)["min_time"] for name in times
+        }
+        results["dp_over_non_private_same_launch"] = {
+            backend: ratio(f"{backend}, DP", f"{backend}, non-private") for backend in BACKENDS
+        }
     Path(cli.out).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
 

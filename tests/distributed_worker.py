@@ -286,6 +286,8 @@ def run(cli: argparse.Namespace) -> None:
             "deepspeed": trainer.is_deepspeed_enabled,
             "zero_stage": trainer.dp.backend.zero_stage,
             "norms_in_backward": getattr(trainer.dp.clipping, "norms_in_backward", None),
+            "skips_tail": getattr(trainer.dp.clipping, "skips_tail", None),
+            "replays": getattr(trainer.dp.clipping, "replays", None),
             "checkpointing": trainer.model.is_activation_checkpointing,
             "checkpoint_wrapped": any(
                 type(m).__name__.endswith("CheckpointWrapper") for m in trainer.model.modules()

@@ -440,3 +440,130 @@ def test_the_replayed_weighted_pass_draws_the_norm_pass_dropout_masks(reentrant:
     assert_close(fast, whole, rtol=1e-9, floor=1e-9)
     other = step(2, True)  # the masks matter: another draw gives another sum
     assert max((other[n] - whole[n]).norm() for n in other) > 1e-6
+
+
+def framework_steps(model, batch, max_norm, backend, loss_fn=per_example_loss, steps=2):
+    """``steps`` micro-batches through the step as a framework drives it: the step returns what to back-propagate
+    and the caller (here, as DeepSpeed's backward would) runs it; each step's gradient per name, and the step."""
+    engine = ClippingEngine(model)
+    strategy = clipped_step(engine, model, backend)
+    mask = torch.ones(batch["input_ids"].shape[0])
+    sums = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        step = strategy.run(lambda module: loss_fn(module, batch), mask, StepPlan(max_norm), model)
+        step.backward.backward()
+        sums.append({n: p.grad.double() / backend.world_size for n, p in model.named_parameters()})
+    engine.remove_hooks()
+    return sums, strategy
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("name", ["llama", "gpt2_tied"])
+def test_through_zero2_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(
+    name: str, reentrant: bool
+) -> None:
+    """DeepSpeed ZeRO-1/2 back-propagates what the step hands it. After a first step that checks the tail without a
+    second backward (checks.tail_separable), the step hands it W·(⟨h, spread(c) ⊙ ∂ΣL/∂h⟩ + Σ_p ⟨p, Σ_i c_i G_i⟩)
+    from a forward that stops at the tail and replays the layers: the LM head runs once a step, each checkpointed
+    layer three times, and its gradient is brute force's clipped sum (× W, which the framework's mean removes)."""
+    build, make_batch = MODELS[name]
+    model = build().double().train()
+    batch = make_batch()
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    head_calls, mlp_calls = [], []
+    model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(None))
+    layer = model.model.layers[0] if name == "llama" else model.transformer.h[0]
+    layer.mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(None))
+    backend = Backend(world_size=2, zero_stage=2, checkpointing=True)
+    (first, second), strategy = framework_steps(model, batch, max_norm, backend, steps=2)
+    assert strategy.skips_tail
+    # step 1: norm pass, the check's forward, the whole weighted pass (3 heads); step 2: the norm pass's only
+    assert len(head_calls) == 4
+    # step 1: the norm pass's forward and recomputation, the check's forward, the whole pass's forward and
+    # recomputation; step 2: the norm pass's two and the weighted pass's recomputation in its backward only
+    assert len(mlp_calls) == 5 + 3
+    assert_close(first, reference, rtol=1e-9, floor=1e-6)
+    assert_close(second, reference, rtol=1e-9, floor=1e-6)
+
+
+def test_through_zero2_a_loss_that_reaches_the_body_outside_the_tail_keeps_the_whole_weighted_pass() -> None:
+    torch.manual_seed(0)
+    model = _AuxiliaryLoss(None).double()
+
+    def loss_fn(module, batch):
+        return _next_token_loss(module, batch) + module.auxiliary
+
+    batch = models.token_batch()
+    reference, norms = models.brute_force(model, batch, max_norm=0.5, loss_fn=loss_fn)
+    assert norms.min() > 0.5
+    backend = Backend(world_size=1, zero_stage=1, checkpointing=True)
+    sums, strategy = framework_steps(model, batch, 0.5, backend, loss_fn=loss_fn)
+    assert strategy.skips_tail is False  # the first step's check found the term
+    for ours in sums:
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+
+
+@pytest.mark.parametrize(("stage", "reentrant"), [(3, False), (3, True), (None, False)])
+def test_zero3_and_fsdp2_replay_the_layers_in_the_whole_weighted_pass(stage: int | None, reentrant: bool) -> None:
+    """Their tail parameters are sharded outside the forward, so the tail term linear in p cannot be formed: the
+    weighted pass keeps the head, but after a first step that compared each layer's output with the norm pass's
+    it replays them, so a layer runs three times a step instead of four; the sum is still brute force's. (FSDP2's
+    norm pass differentiates towards its taps only, which reentrant checkpointing does not allow.)"""
+    model = models.llama().double().train()
+    batch = models.token_batch()
+    reference, _ = models.brute_force(model, batch, max_norm=0.05)
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    backend = Backend(world_size=1, zero_stage=stage, fsdp=stage is None, checkpointing=True)
+    mlp_calls = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(None))
+    sums, strategy = framework_steps(model, batch, 0.05, backend)
+    assert strategy.skips_tail is None and not strategy.framework_may_skip_tail
+    assert strategy.replays
+    assert len(mlp_calls) == 4 + 3
+    for ours in sums:
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+
+
+def test_a_layer_whose_output_changes_between_passes_is_not_replayed() -> None:
+    """Through a framework the first step compares each checkpointed layer's output in the whole weighted pass with
+    the norm pass's: a layer that draws from its own generator (not the replayed random state) differs."""
+    model = models.llama().double().train()
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    generator = torch.Generator().manual_seed(0)
+    model.model.layers[1].mlp.register_forward_hook(
+        lambda _m, _a, out: out + 1e-3 * torch.randn(out.shape, generator=generator, dtype=out.dtype)
+    )
+    _, strategy = framework_steps(model, models.token_batch(), 0.05, Backend(zero_stage=3, checkpointing=True))
+    assert strategy.replays is False
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_through_zero2_the_replayed_pass_draws_the_norm_pass_dropout_masks(reentrant: bool) -> None:
+    """With dropout on, the tail-skipping step through the framework equals its whole weighted pass from the same
+    random state, and another draw gives another sum."""
+    torch.manual_seed(0)
+    model = models.llama(attention_dropout=0.5).double().train()
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    batch = models.token_batch()
+    backend = Backend(world_size=1, zero_stage=2, checkpointing=True)
+    strategy = clipped_step(ClippingEngine(model), model, backend)
+    mask = torch.ones(batch["input_ids"].shape[0])
+
+    def step(seed: int, fast: bool | None) -> dict[str, torch.Tensor]:
+        strategy.skips_tail = fast
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        micro = strategy.run(lambda module: per_example_loss(module, batch), mask, StepPlan(0.05), model)
+        micro.backward.backward()
+        return {n: p.grad.double() for n, p in model.named_parameters()}
+
+    step(0, None)  # the checked first step
+    assert strategy.skips_tail
+    fast, whole = step(1, True), step(1, False)
+    assert_close(fast, whole, rtol=1e-9, floor=1e-9)
+    other = step(2, True)
+    assert max((other[n] - whole[n]).norm() for n in other) > 1e-6

@@ -14,6 +14,7 @@ from torch import nn
 
 from hf_dp.clipping.evaluate import replay_rng, rng_state
 from hf_dp.clipping.hooks import UnsupportedModuleError
+from hf_dp.clipping.tail import Tail, forward_from_leaf
 from hf_dp.clipping.units import PrivacyUnits
 
 if TYPE_CHECKING:
@@ -134,18 +135,51 @@ def check_projections(
 
 
 def sums_match(
-    params: Sequence[nn.Parameter], ours: dict[int, torch.Tensor | None], low_precision: bool
+    params: Sequence[nn.Parameter],
+    ours: dict[int, torch.Tensor | None],
+    whole: dict[int, torch.Tensor | None],
+    low_precision: bool,
 ) -> bool:
-    """``ours`` (per parameter id) equals the whole weighted pass's sum now in ``.grad``, for every parameter."""
+    """``ours`` equals ``whole`` (both per parameter id; None is 0) for every parameter, relative to its norm."""
     tolerance = TOLERANCES.tail.at(low_precision)
-    largest = max((float(p.grad.norm()) for p in params if p.grad is not None), default=0.0)
+    largest = max((float(g.float().norm()) for g in whole.values() if g is not None), default=0.0)
     for param in params:
-        whole = torch.zeros_like(param, dtype=torch.float32) if param.grad is None else param.grad.float()
-        mine = ours[id(param)]
-        mine = torch.zeros_like(whole) if mine is None else mine
-        if float((mine - whole).norm()) > tolerance * max(float(whole.norm()), 1e-3 * largest, 1e-12):
+        theirs = whole.get(id(param))
+        theirs = torch.zeros_like(param, dtype=torch.float32) if theirs is None else theirs.float()
+        mine = ours.get(id(param))
+        mine = torch.zeros_like(theirs) if mine is None else mine.float()
+        if float((mine - theirs).norm()) > tolerance * max(float(theirs.norm()), 1e-3 * largest, 1e-12):
             return False
     return True
+
+
+def tail_separable(
+    tail: Tail,
+    module: nn.Module,
+    losses_of: LossFn,
+    factors: torch.Tensor,
+    units: PrivacyUnits | None,
+    params: Sequence[nn.Parameter],
+    low_precision: bool,
+) -> bool:
+    """Whether the body's backward from h plus the tail's Σ_i c_i G_i is the whole weighted pass (tail.py), checked
+    without writing ``.grad`` (a framework's backward cannot run twice): with h cut to a leaf, Σ_i c_i L_i must
+    reach no parameter but the tail's, which get Σ_i c_i G_i, and its gradient at h must be spread(c) ⊙
+    ∂(Σ_j L_j)/∂h. Same dropout masks as the norm pass (the caller replays its random state)."""
+    losses, hidden = forward_from_leaf(tail.boundary, lambda: losses_of(module))
+    trainable = [p for p in params if p.requires_grad]
+    weighted = (factors.detach().to(losses.dtype) * losses).sum()
+    try:
+        found = torch.autograd.grad(weighted, [hidden, *trainable], allow_unused=True)
+    except RuntimeError:  # it reached a reentrant checkpoint: the loss reads the body other than through h
+        return False
+    at_hidden = tail.hidden_gradient(factors, units)
+    hidden_gradient = found[0] if found[0] is not None else torch.zeros_like(at_hidden)
+    if not sums_match([hidden], {id(hidden): hidden_gradient}, {id(hidden): at_hidden}, low_precision):
+        return False
+    tail_sums = {id(param): total for param, total in tail.clipped_sums(factors).items()}
+    autograd_sums = dict(zip([id(p) for p in trainable], found[1:], strict=True))
+    return sums_match(trainable, tail_sums, autograd_sums, low_precision)
 
 
 def check_engine_sum(

@@ -59,8 +59,9 @@ class FoundNorms:
     rng: RngState
     terms: Terms | None = None
     collector: NormCollector | None = None
-    replay: LayerReplay | None = None  # the checkpointed layers' outputs, when the tail is kept
-    tail_exact: bool | None = None  # set by the first step's tail check (sum_passes.WeightedBackward)
+    replay: LayerReplay | None = None  # the checkpointed layers' outputs (tail kept, or recorded)
+    tail_exact: bool | None = None  # set by the first step's tail check (sum_passes)
+    replay_exact: bool | None = None  # set by the first step through a framework (sum_passes)
 
 
 class NormPass(Protocol):
@@ -120,17 +121,19 @@ class TappedNorms:
     ``taps_only``: differentiate towards the taps alone (``autograd.grad``), so that no weight gradient is even
     formed: FSDP2 computes with unsharded copies of the parameters, which freezing the sharded ones does not
     freeze. ``finite_losses``: refuse a loss that overflowed in the forward, which a zero clip weight cannot keep
-    out of a later weighted backward of the bare module."""
+    out of a later weighted backward of the bare module. ``record_layers``: keep the checkpointed layers' outputs
+    for the weighted pass (replay.py), as ``keep_tail`` does."""
 
     engine: ClippingEngine
     module: nn.Module
     options: TapOptions = TapOptions()
     taps_only: bool = False
     finite_losses: bool = True
+    record_layers: bool = False
 
     def __call__(self, losses_of: LossFn, batch: Batch, plan: StepPlan) -> FoundNorms:
         state = rng_state()
-        replay = LayerReplay(self.module) if self.options.keep_tail else None
+        replay = LayerReplay(self.module) if self.options.keep_tail or self.record_layers else None
         with (
             replay.recording() if replay else contextlib.nullcontext(),
             self.engine.norms_in_backward(

@@ -28,10 +28,12 @@ from hf_dp.clipping.norm_passes import Batch, EvaluatedNorms, NormPass, Recorded
 from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.sum_passes import (
     BodySum,
+    BodyThroughFramework,
     FactoredSum,
     KeptSum,
     MicroStep,
     SumPass,
+    TailCheck,
     WeightedBackward,
     WeightedThroughFramework,
 )
@@ -82,6 +84,8 @@ class ClippedStep:
         self.scale = LossScale.of(backend)
         self.norms_in_backward = backend.checkpointing or backend.fsdp
         self.skips_tail: bool | None = None  # the weighted pass skips the tail (tail.py): None until checked
+        # through a framework, the weighted pass replays the checkpointed layers (replay.py): None until checked
+        self.replays: bool | None = None
         self.shifter = ParameterShifter()
         self.first_step = True  # the first step runs the checks (checks.py)
         self._guard = None if backend.framework_owns_gradients else GradientGuard(lambda: engine.parameters)
@@ -125,19 +129,27 @@ class ClippedStep:
         step = sum_pass(losses_of, found, norms, factors, batch)
         if found.tail_exact is not None:
             self.skips_tail = found.tail_exact
+        if found.replay_exact is not None:
+            self.replays = found.replay_exact
         self.first_step = False
         if self._guard is not None:
             self._guard.written()
         return step if step is not None else MicroStep(self.scale.unscale(found.losses.detach()), None)
 
+    @property
+    def framework_may_skip_tail(self) -> bool:
+        """The tail skip through a framework needs the norms from a backward and whole parameters (ZeRO-1/2): its
+        tail term is linear in each tail parameter (sum_passes.BodyThroughFramework)."""
+        return self.owner == "framework" and self.norms_in_backward and (self.backend.zero_stage or 0) <= 2
+
     def _need(self, plan: StepPlan, batch: Batch) -> Need:
         if not plan.single_evaluation:
             return "evaluations"
-        if self.owner != "module":
+        if self.owner != "module" and not self.norms_in_backward:
             return "whole"
         if self.first_step:
             return "first step"
-        if self.norms_in_backward and kept_gradients_fit(self.engine, batch.size):
+        if self.owner == "module" and self.norms_in_backward and kept_gradients_fit(self.engine, batch.size):
             return "kept gradients"
         return "body" if self.norms_in_backward and self.skips_tail else "whole"
 
@@ -160,7 +172,10 @@ def _whole(step: ClippedStep, check: bool = False) -> WeightedBackward:
 
 
 def _framework(step: ClippedStep, model: nn.Module) -> WeightedThroughFramework:
-    return WeightedThroughFramework(model, step.backend.world_size)
+    """The whole weighted pass through the framework, replaying the layers where the first step found it exact."""
+    return WeightedThroughFramework(
+        model, step.backend.world_size, layers="replay" if step.replays else "run"
+    )
 
 
 # (owner, norms inside a backward, need) → (how the norms are obtained, how the clipped sum is written)
@@ -191,12 +206,35 @@ TABLE: dict[tuple[Owner, bool, Need], Parts] = {
     ),
     ("module", True, "whole"): lambda s, m: (_tapped(s), _whole(s)),
     ("framework", False, "whole"): lambda s, m: (RecordedNorms(s.engine, s.module), _framework(s, m)),
+    ("framework", True, "first step"): lambda s, m: (
+        TappedNorms(
+            s.engine,
+            s.module,
+            TapOptions(keep_tail=s.framework_may_skip_tail),
+            finite_losses=False,
+            record_layers=True,
+        ),
+        WeightedThroughFramework(
+            m,
+            s.backend.world_size,
+            TailCheck(s.engine, s.module) if s.framework_may_skip_tail else None,
+            "compare",
+        ),
+    ),
+    ("framework", True, "body"): lambda s, m: (
+        TappedNorms(s.engine, s.module, TapOptions(keep_tail=True), finite_losses=False),
+        BodyThroughFramework(m, s.backend.world_size, bool(s.replays), _framework(s, m)),
+    ),
     ("framework", True, "whole"): lambda s, m: (
-        TappedNorms(s.engine, s.module, finite_losses=False),
+        TappedNorms(s.engine, s.module, finite_losses=False, record_layers=bool(s.replays)),
         _framework(s, m),
     ),
+    ("sharded", True, "first step"): lambda s, m: (
+        TappedNorms(s.engine, s.module, taps_only=True, finite_losses=False, record_layers=True),
+        WeightedThroughFramework(m, s.backend.world_size, layers="compare"),
+    ),
     ("sharded", True, "whole"): lambda s, m: (
-        TappedNorms(s.engine, s.module, taps_only=True, finite_losses=False),
+        TappedNorms(s.engine, s.module, taps_only=True, finite_losses=False, record_layers=bool(s.replays)),
         _framework(s, m),
     ),
 }

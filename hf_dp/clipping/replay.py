@@ -8,7 +8,9 @@ the backward: recomputed from its input under the same random state and autocast
 reentrant checkpointing does after a forward that this skips. One forward of the body less per step.
 
 Applies to Hugging Face layers (``GradientCheckpointingLayer``, whose checkpoint function it swaps for the two
-passes) that return one tensor. The first step checks the result against the whole weighted pass (tail.py).
+passes) that return one tensor. The first step checks the result against the whole weighted pass (tail.py); through
+a framework, whose backward cannot run twice, it compares each layer's output in the whole weighted pass with the
+kept one (``comparing``).
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ class LayerReplay:
         ]
         self._kept: list[_Kept] = []
         self.complete = True  # every call returned one tensor (else the weighted pass runs the layers)
+        self.matched: bool | None = (
+            None  # set by ``comparing``: the weighted pass's outputs were the kept ones
+        )
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -120,6 +125,32 @@ class LayerReplay:
                 return output
 
             return record
+
+        return self._swapped(make)
+
+    def comparing(self, tolerance: float) -> contextlib.AbstractContextManager[None]:
+        """A weighted pass that runs the layers (the first step through a framework): ``matched`` tells whether
+        each output equals the kept one within ``tolerance`` (relative), so that later passes may replay them."""
+        kept = iter(self._kept)
+        self.matched = True
+
+        def make(checkpoint: Callable) -> Callable:
+            def compare(function: Callable, *args):
+                output = checkpoint(function, *args)
+                entry = next(kept, None)
+                if (
+                    entry is None
+                    or not isinstance(output, torch.Tensor)
+                    or output.shape != entry.output.shape
+                ):
+                    self.matched = False
+                    return output
+                with torch.no_grad():
+                    error = (output.detach().float() - entry.output.float()).norm()
+                    self.matched &= bool(error <= tolerance * entry.output.float().norm())
+                return output
+
+            return compare
 
         return self._swapped(make)
 

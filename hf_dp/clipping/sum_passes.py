@@ -7,6 +7,7 @@
 - ``WeightedBackward``: ∇(Σ_i c_i L_i) back-propagated through the bare module into ``.grad``.
 - ``WeightedThroughFramework``: W·Σ_i c_i L_i handed to the framework (DeepSpeed, FSDP2), which averages the
   gradients over its W processes, so its backward leaves each process its part of the plain Σ_i c_i g_i.
+- ``BodyThroughFramework``: the same without the tail and with the checkpointed layers replayed (ZeRO-1/2).
 
 The losses are S·L_i under fp16 (loss_scale.py): the parts weight the S-scaled gradients by c_i / S and unscale
 what a backward writes. Each returns the ``MicroStep`` the Trainer completes, or None when ``.grad`` holds the sum.
@@ -17,12 +18,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
 
-from hf_dp.clipping.checks import check_projections, projections, sums_match
+from hf_dp.clipping.checks import TOLERANCES, check_projections, projections, sums_match, tail_separable
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import replay_rng
 from hf_dp.clipping.loss_scale import LossScale
@@ -141,7 +142,8 @@ class BodySum:
             weights = self.scale.weights(factors)
             for param, part in tail.clipped_parts(factors):
                 sums[id(param)] = part.accumulate(sums[id(param)], weights, param.float())
-        return sums_match(params, sums, found.collector.low_precision)
+        whole = {id(p): p.grad for p in params}
+        return sums_match(params, sums, whole, found.collector.low_precision)
 
 
 @dataclass(frozen=True)
@@ -175,15 +177,95 @@ class WeightedBackward:
 
 
 @dataclass(frozen=True)
+class TailCheck:
+    """The first step through a framework: whether ``BodyThroughFramework`` would be exact, checked on the bare
+    module without a backward that writes gradients (checks.tail_separable)."""
+
+    engine: ClippingEngine
+    module: nn.Module
+
+    def __call__(self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch) -> bool:
+        tail = found.collector.tail()
+        if tail is None:
+            return False
+        replay_rng(found.rng)
+        return tail_separable(
+            tail,
+            self.module,
+            losses_of,
+            factors,
+            batch.units,
+            self.engine.parameters,
+            found.collector.low_precision,
+        )
+
+
+# How a weighted pass through a framework treats the checkpointed layers: runs them, runs them and compares each
+# output with the norm pass's (the first step), or replays the norm pass's outputs (replay.py).
+LayerUse = Literal["run", "compare", "replay"]
+
+
+def _layers(found: FoundNorms, use: LayerUse) -> contextlib.AbstractContextManager[None]:
+    replay = found.replay
+    if use == "run" or not replay or not replay.complete:
+        return contextlib.nullcontext()
+    if use == "replay":
+        return replay.replaying()
+    return replay.comparing(TOLERANCES.tail.at(found.collector.low_precision))
+
+
+@dataclass(frozen=True)
 class WeightedThroughFramework:
+    """The first step (``tail_check``, ``layers="compare"``) also finds whether later steps may skip the tail
+    (``found.tail_exact``) and replay the checkpointed layers (``found.replay_exact``)."""
+
     model: nn.Module  # as the framework wrapped it
     world_size: int
+    tail_check: TailCheck | None = None
+    layers: LayerUse = "run"
 
     def __call__(
         self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
     ) -> MicroStep:
         """W·Σ_i c_i L_i of the wrapped model's forward (same dropout masks), for the Trainer's backward."""
+        if self.tail_check is not None and found.collector.keep_tail:
+            found.tail_exact = self.tail_check(losses_of, found, factors, batch)
         replay_rng(found.rng)
-        losses = losses_of(self.model)
+        with _layers(found, self.layers):
+            losses = losses_of(self.model)
+        if self.layers == "compare":
+            found.replay_exact = bool(found.replay and found.replay.complete and found.replay.matched)
         weighted = (factors.detach().to(losses.dtype) * losses).sum() * self.world_size
         return MicroStep(losses.detach(), weighted)
+
+
+@dataclass(frozen=True)
+class BodyThroughFramework:
+    """``BodySum`` for a framework whose backward must write the gradients (DeepSpeed ZeRO-1/2, whole parameters):
+    the wrapped model's forward stops at h (checkpointed layers replayed), and the Trainer back-propagates
+
+        W·(⟨h, spread(c) ⊙ ∂(Σ_j L_j)/∂h⟩ + Σ_p ⟨p, Σ_i c_i G_i^p⟩),
+
+    whose gradient is W times the body's part of Σ_i c_i g_i plus the tail parameters' Σ_i c_i G_i (each a term
+    linear in p); the framework's mean over its W processes leaves the plain sum."""
+
+    model: nn.Module  # as the framework wrapped it
+    world_size: int
+    replay: bool  # the checkpointed layers return the norm pass's outputs (checked by the first step)
+    whole: WeightedThroughFramework  # when the norm pass found no tail
+
+    def __call__(
+        self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
+    ) -> MicroStep:
+        tail = found.collector.tail()
+        if tail is None:
+            return self.whole(losses_of, found, norms, factors, batch)
+        replay_rng(found.rng)
+        hidden = _forward_to_tail(tail, found.replay if self.replay else None, losses_of, self.model)
+        gradient = tail.hidden_gradient(factors, batch.units)
+        surrogate = (
+            (hidden * gradient.to(hidden.dtype)).sum() if hidden.requires_grad else hidden.new_zeros(())
+        )
+        for param, total in tail.clipped_sums(factors).items():
+            surrogate = surrogate + (param * total.to(param.dtype)).sum()
+        return MicroStep(found.losses.detach(), surrogate * self.world_size)

@@ -64,6 +64,15 @@ class Tail:
             return self.parts
         return [(param, part.without_examples(dropped)) for param, part in self.parts]
 
+    def clipped_sums(self, factors: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+        """Σ_i c_i G_i per tail parameter (all its tail uses), float32 or wider."""
+        sums: dict[nn.Parameter, torch.Tensor] = {}
+        with torch.no_grad():
+            for param, part in self.clipped_parts(factors):
+                like = param.detach().to(torch.promote_types(param.dtype, torch.float32))
+                sums[param] = part.accumulate(sums.get(param), factors, like)
+        return sums
+
 
 def keep_form(part: PerExampleGradient, shape: torch.Size) -> PerExampleGradient:
     """The smaller exact form of a tail use's per-example gradients: explicit (B, *shape), or the layer's factors."""
@@ -114,3 +123,31 @@ def forward_to(boundary: TailBoundary, forward: Callable[[], object]) -> torch.T
     raise RuntimeError(
         "the weighted pass never reached the tail the norm pass saw: its forward changed between passes"
     )
+
+
+def forward_from_leaf(
+    boundary: TailBoundary, forward: Callable[[], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``forward`` with the tail's input h replaced by a detached leaf copy; return its output and the leaf,
+    so that a gradient towards the leaf runs through the tail alone."""
+    calls = 0
+    leaf: torch.Tensor | None = None
+
+    def cut(module: nn.Module, args: tuple) -> tuple | None:
+        nonlocal calls, leaf
+        calls += 1
+        if calls != boundary.call:
+            return None
+        leaf = args[0].detach().requires_grad_(True)
+        return (leaf, *args[1:])
+
+    handle = boundary.module.register_forward_pre_hook(cut)
+    try:
+        output = forward()
+    finally:
+        handle.remove()
+    if leaf is None:
+        raise RuntimeError(
+            "the check's forward never reached the tail the norm pass saw: its forward changed between passes"
+        )
+    return output, leaf
