@@ -204,12 +204,22 @@ def main() -> None:
     parser.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing (see the docstring)"
     )
+    parser.add_argument(
+        "--backends", nargs="+", default=None, help="with --checkpointing: some of DDP ZeRO-2 ZeRO-3 FSDP2"
+    )
     parser.add_argument("--whole_weighted_pass", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distributed_scaling.json"))
     cli = parser.parse_args()
     if cli.worker:
         return worker(cli)
-    configs = CHECKPOINTED if cli.checkpointing else CONFIGS
+    backends = [f"2 processes {b}" for b in cli.backends] if cli.backends else list(CHECKPOINTED_BACKENDS)
+    if cli.backends and (not cli.checkpointing or set(backends) - set(CHECKPOINTED_BACKENDS)):
+        raise SystemExit(f"--backends takes --checkpointing and some of {list(CHECKPOINTED_BACKENDS)}")
+    configs = (
+        {name: c for name, c in CHECKPOINTED.items() if name.split(", ", 1)[0] in backends}
+        if cli.checkpointing
+        else CONFIGS
+    )
     load_at_start = os.getloadavg()
     times: dict[str, list[float]] = {name: [] for name in configs}
     peaks: dict[str, list[float]] = {name: [] for name in configs}
@@ -258,7 +268,7 @@ def main() -> None:
                 WHOLE: ratio(f"{backend}, {WHOLE}", f"{backend}, non-private"),
                 f"DP over {WHOLE}": ratio(f"{backend}, DP", f"{backend}, {WHOLE}"),
             }
-            for backend in CHECKPOINTED_BACKENDS
+            for backend in backends
         }
     else:
         base = "1 process, non-private"

@@ -137,6 +137,13 @@ class ClippedStep:
         return step if step is not None else MicroStep(self.scale.unscale(found.losses.detach()), None)
 
     @property
+    def framework_may_replay(self) -> bool:
+        """Through ZeRO-1/2 and FSDP2 the weighted pass may replay the checkpointed layers once the first step
+        compared them. Not through ZeRO-3: a replayed layer's recomputation gathers its weights once more than
+        checkpointing's does (measured 1.04–1.16x slower, docs/results.md)."""
+        return self.owner == "sharded" or (self.owner == "framework" and (self.backend.zero_stage or 0) <= 2)
+
+    @property
     def framework_may_skip_tail(self) -> bool:
         """The tail skip through a framework needs the norms from a backward and whole parameters (ZeRO-1/2): its
         tail term is linear in each tail parameter (sum_passes.BodyThroughFramework)."""
@@ -145,7 +152,7 @@ class ClippedStep:
     def _need(self, plan: StepPlan, batch: Batch) -> Need:
         if not plan.single_evaluation:
             return "evaluations"
-        if self.owner != "module" and not self.norms_in_backward:
+        if self.owner != "module" and not (self.norms_in_backward and self.framework_may_replay):
             return "whole"
         if self.first_step:
             return "first step"
