@@ -568,3 +568,38 @@ def test_through_zero2_the_replayed_pass_draws_the_norm_pass_dropout_masks(reent
     assert_close(fast, whole, rtol=1e-9, floor=1e-9)
     other = step(2, True)
     assert max((other[n] - whole[n]).norm() for n in other) > 1e-6
+
+
+@pytest.mark.parametrize(
+    ("name", "checkpointing"), [("gpt2_tied", False), ("llama", False), ("llama_lora", True)]
+)
+def test_through_zero2_the_norm_pass_per_example_gradients_give_the_sum_in_one_pass(
+    name: str, checkpointing: bool, monkeypatch
+) -> None:
+    """Book-keeping's factors (no checkpointing) or the kept explicit gradients (LoRA with checkpointing) are handed
+    to ZeRO-0/1/2 as W·Σ_p ⟨p, Σ_i c_i G_i^p⟩: the model runs one forward a step, and the gradient is brute force's
+    clipped sum (× W). An example whose clip factor is 0 (masked) is left out. (This tiny model's adapters are
+    not few: the share of weights that qualifies is raised.)"""
+    monkeypatch.setattr("hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE", 1e9)
+    build, make_batch = MODELS[name]
+    model = build().double().train()
+    batch = make_batch()
+    mask = torch.ones(batch["input_ids"].shape[0])
+    mask[1] = 0
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = models.brute_force(model, batch, max_norm=max_norm, mask=mask)
+    if checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    heads = []
+    model.get_output_embeddings().register_forward_hook(lambda *_: heads.append(None))
+    engine = ClippingEngine(model)
+    strategy = clipped_step(engine, model, Backend(world_size=2, zero_stage=2, checkpointing=checkpointing))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        step = strategy.run(lambda module: per_example_loss(module, batch), mask, StepPlan(max_norm), model)
+        step.backward.backward()
+        ours = {n: p.grad.double() / 2 for n, p in model.named_parameters() if p.requires_grad}
+        assert_close(ours, {n: g for n, g in reference.items() if n in ours}, rtol=1e-9, floor=1e-6)
+    assert len(heads) == 2  # one forward a step
+    engine.remove_hooks()

@@ -32,6 +32,7 @@ from hf_dp.clipping.sum_passes import (
     FactoredSum,
     KeptSum,
     MicroStep,
+    PartsThroughFramework,
     SumPass,
     TailCheck,
     WeightedBackward,
@@ -54,7 +55,7 @@ KEPT_GRADIENTS_SHARE = 0.05
 Owner = Literal["module", "framework", "sharded"]
 # What the step needs beyond that: several evaluations (DiSK), the first step's checks, or (later steps with the
 # norms inside a backward) one pass from kept gradients, the body without the tail, or the whole weighted pass.
-Need = Literal["evaluations", "first step", "kept gradients", "body", "whole"]
+Need = Literal["evaluations", "one pass", "first step", "kept gradients", "body", "whole"]
 
 
 def several_evaluations_refused(rule: str = "this dp_optimizer") -> ValueError:
@@ -137,21 +138,30 @@ class ClippedStep:
         return step if step is not None else MicroStep(self.scale.unscale(found.losses.detach()), None)
 
     @property
+    def framework_has_whole_parameters(self) -> bool:
+        """DeepSpeed ZeRO-0/1/2: every process holds every parameter whole, so a term linear in p can be formed."""
+        return self.owner == "framework" and (self.backend.zero_stage or 0) <= 2
+
+    @property
     def framework_may_replay(self) -> bool:
         """Through ZeRO-1/2 and FSDP2 the weighted pass may replay the checkpointed layers once the first step
         compared them. Not through ZeRO-3: a replayed layer's recomputation gathers its weights once more than
         checkpointing's does (measured 1.04–1.16x slower, docs/results.md)."""
-        return self.owner == "sharded" or (self.owner == "framework" and (self.backend.zero_stage or 0) <= 2)
+        return self.owner == "sharded" or self.framework_has_whole_parameters
 
     @property
     def framework_may_skip_tail(self) -> bool:
         """The tail skip through a framework needs the norms from a backward and whole parameters (ZeRO-1/2): its
         tail term is linear in each tail parameter (sum_passes.BodyThroughFramework)."""
-        return self.owner == "framework" and self.norms_in_backward and (self.backend.zero_stage or 0) <= 2
+        return self.framework_has_whole_parameters and self.norms_in_backward
 
     def _need(self, plan: StepPlan, batch: Batch) -> Need:
         if not plan.single_evaluation:
             return "evaluations"
+        if self.framework_has_whole_parameters and (
+            not self.norms_in_backward or kept_gradients_fit(self.engine, batch.size)
+        ):
+            return "one pass"  # the norm pass's per-example gradients give the sum
         if self.owner != "module" and not (self.norms_in_backward and self.framework_may_replay):
             return "whole"
         if self.first_step:
@@ -212,6 +222,14 @@ TABLE: dict[tuple[Owner, bool, Need], Parts] = {
         BodySum(s.engine, s.module, s.scale, _whole(s)),
     ),
     ("module", True, "whole"): lambda s, m: (_tapped(s), _whole(s)),
+    ("framework", False, "one pass"): lambda s, m: (
+        RecordedNorms(s.engine, s.module),
+        PartsThroughFramework(s.backend.world_size),
+    ),
+    ("framework", True, "one pass"): lambda s, m: (
+        TappedNorms(s.engine, s.module, TapOptions(keep_gradients=True), finite_losses=False),
+        PartsThroughFramework(s.backend.world_size),
+    ),
     ("framework", False, "whole"): lambda s, m: (RecordedNorms(s.engine, s.module), _framework(s, m)),
     ("framework", True, "first step"): lambda s, m: (
         TappedNorms(

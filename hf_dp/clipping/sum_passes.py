@@ -8,6 +8,8 @@
 - ``WeightedThroughFramework``: W·Σ_i c_i L_i handed to the framework (DeepSpeed, FSDP2), which averages the
   gradients over its W processes, so its backward leaves each process its part of the plain Σ_i c_i g_i.
 - ``BodyThroughFramework``: the same without the tail and with the checkpointed layers replayed (ZeRO-1/2).
+- ``PartsThroughFramework``: ``FactoredSum`` or ``KeptSum`` handed to the framework as a term linear in each
+  parameter (ZeRO-0/1/2): one pass.
 
 The losses are S·L_i under fp16 (loss_scale.py): the parts weight the S-scaled gradients by c_i / S and unscale
 what a backward writes. Each returns the ``MicroStep`` the Trainer completes, or None when ``.grad`` holds the sum.
@@ -16,6 +18,7 @@ what a backward writes. Each returns the ``MicroStep`` the Trainer completes, or
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -28,6 +31,7 @@ from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import replay_rng
 from hf_dp.clipping.loss_scale import LossScale
 from hf_dp.clipping.norm_passes import Batch, FoundNorms
+from hf_dp.clipping.per_example import PerExampleGradient
 from hf_dp.clipping.replay import LayerReplay
 from hf_dp.clipping.tail import Tail, forward_to
 
@@ -268,4 +272,55 @@ class BodyThroughFramework:
         )
         for param, total in tail.clipped_sums(factors).items():
             surrogate = surrogate + (param * total.to(param.dtype)).sum()
+        return MicroStep(found.losses.detach(), surrogate * self.world_size)
+
+
+class _LinearTerm(torch.autograd.Function):
+    """⟨p, S⟩ with S computed only when the backward reaches p, so one parameter's S is alive at a time."""
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, total_of: Callable[[], torch.Tensor]) -> torch.Tensor:
+        ctx.total_of, ctx.dtype = total_of, param.dtype
+        return param.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad * ctx.total_of()).to(ctx.dtype), None
+
+
+def _clipped_total(
+    param: nn.Parameter, weighted: list[tuple[float, PerExampleGradient]], factors: torch.Tensor
+) -> torch.Tensor:
+    """Σ_e w_e Σ_i c_i G_i^e of one parameter, float32 or wider, without the examples whose c_i is 0."""
+    dropped = factors == 0
+    like = param.detach().to(torch.promote_types(param.dtype, torch.float32))
+    total = None
+    with torch.no_grad():
+        for weight, part in weighted:
+            part = part.without_examples(dropped) if dropped.any() else part
+            total = part.accumulate(total, factors if weight == 1 else weight * factors, like)
+    return total
+
+
+@dataclass(frozen=True)
+class PartsThroughFramework:
+    """``FactoredSum`` and ``KeptSum`` for a framework whose backward must write the gradients (DeepSpeed ZeRO-0/1/2,
+    whole parameters): the Trainer back-propagates W·Σ_p ⟨p, Σ_i c_i G_i^p⟩ from the norm pass's per-example
+    gradients (book-keeping's factors, or the explicit gradients kept for few trainable weights), whose gradient
+    is W times the clipped sum; the framework's mean over its W processes leaves the plain sum. One pass: no
+    second forward or backward of the model."""
+
+    world_size: int
+
+    def __call__(
+        self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
+    ) -> MicroStep:
+        if found.terms is not None:
+            parts = [(param, weighted) for param, weighted in found.terms.values()]
+        else:
+            parts = [(param, [(1.0, part)]) for param, part in found.collector.kept_gradients()]
+        surrogate = factors.new_zeros((), dtype=torch.float32)
+        for param, weighted in parts:
+            total_of = functools.partial(_clipped_total, param, weighted, factors)
+            surrogate = surrogate + _LinearTerm.apply(param, total_of)
         return MicroStep(found.losses.detach(), surrogate * self.world_size)
