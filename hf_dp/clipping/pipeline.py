@@ -53,8 +53,9 @@ KEPT_GRADIENTS_SHARE = 0.05
 # Who writes the gradients: the bare module (one process, DDP), the framework (DeepSpeed), or the framework with
 # sharded parameters (FSDP2, whose norm pass differentiates towards its taps only).
 Owner = Literal["module", "framework", "sharded"]
-# What the step needs beyond that: several evaluations (DiSK), the first step's checks, or (later steps with the
-# norms inside a backward) one pass from kept gradients, the body without the tail, or the whole weighted pass.
+# What the step needs beyond that: several evaluations (DiSK), one pass (ZeRO-0/1/2: the norm pass's per-example
+# gradients give the sum), the first step's checks, or (later steps with the norms inside a backward) one pass
+# from kept gradients, the body without the tail, or the whole weighted pass.
 Need = Literal["evaluations", "one pass", "first step", "kept gradients", "body", "whole"]
 
 
