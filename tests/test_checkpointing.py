@@ -57,6 +57,20 @@ def float64_rms_norm(monkeypatch):
     monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
 
 
+def step_sums(strategy, model, losses_of, mask, plan) -> dict[str, torch.Tensor]:
+    """One micro-batch through ``strategy``, its clipped sum per name. Where the step hands a framework what to
+    back-propagate, this runs it as DeepSpeed's backward would (× W, which the framework's mean removes)."""
+    model.zero_grad(set_to_none=True)
+    step = strategy.run(losses_of, mask, plan, model)
+    world = 1
+    if step.backward is not None:
+        step.backward.backward()
+        world = strategy.backend.world_size
+    sums = {n: p.grad.double() / world for n, p in model.named_parameters() if p.requires_grad}
+    strategy.check_untouched()  # what the release does before the gradients are consumed
+    return sums
+
+
 def checkpointed_steps(
     model, batch, max_norm, plan=None, strategy=None, loss_fn=per_example_loss, steps=2, forwards=None
 ) -> list[dict[str, torch.Tensor]]:
@@ -73,11 +87,8 @@ def checkpointed_steps(
         return loss_fn(module, batch)
 
     for _ in range(steps):
-        model.zero_grad(set_to_none=True)
         before = len(calls)
-        strategy.run(losses_of, mask, plan or StepPlan(max_norm), model)
-        sums.append({n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad})
-        strategy.check_untouched()  # what the release does before the gradients are consumed
+        sums.append(step_sums(strategy, model, losses_of, mask, plan or StepPlan(max_norm)))
         if forwards is not None:
             forwards.append(len(calls) - before)
     engine.remove_hooks()
@@ -87,6 +98,12 @@ def checkpointed_steps(
 def checkpointed_step(model, batch, max_norm, **kwargs) -> dict[str, torch.Tensor]:
     """One micro-batch, one (first, checked) step."""
     return checkpointed_steps(model, batch, max_norm, steps=1, **kwargs)[0]
+
+
+def framework_steps(model, batch, max_norm, backend, **kwargs):
+    """``checkpointed_steps`` with the step of ``backend``; the sums, and the step."""
+    strategy = clipped_step(ClippingEngine(model), model, backend)
+    return checkpointed_steps(model, batch, max_norm, strategy=strategy, **kwargs), strategy
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -398,7 +415,12 @@ class _AuxiliaryLoss(_UserCheckpointed):
         return self.head(h)
 
 
-def test_a_loss_that_reaches_the_body_outside_the_tail_keeps_the_whole_weighted_pass() -> None:
+@pytest.mark.parametrize("backend", [Backend(checkpointing=True), Backend(zero_stage=1, checkpointing=True)])
+def test_a_loss_that_reaches_the_body_outside_the_tail_keeps_the_whole_weighted_pass(
+    backend: Backend,
+) -> None:
+    """In one process the first step compares the two weighted passes; through ZeRO-1 it checks the tail without a
+    second backward (checks.tail_separable): both find the term and keep the whole pass."""
     torch.manual_seed(0)
     model = _AuxiliaryLoss(None).double()
 
@@ -408,31 +430,33 @@ def test_a_loss_that_reaches_the_body_outside_the_tail_keeps_the_whole_weighted_
     batch = models.token_batch()
     reference, norms = models.brute_force(model, batch, max_norm=0.5, loss_fn=loss_fn)
     assert norms.min() > 0.5
-    engine = ClippingEngine(model)
-    strategy = clipped_step(engine, model, Backend(checkpointing=True))
-    for ours in checkpointed_steps(model, batch, 0.5, strategy=strategy, loss_fn=loss_fn):
+    sums, strategy = framework_steps(model, batch, 0.5, backend, loss_fn=loss_fn)
+    for ours in sums:
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
     assert strategy.skips_tail is False  # the first step's check found the difference
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_the_replayed_weighted_pass_draws_the_norm_pass_dropout_masks(reentrant: bool) -> None:
+@pytest.mark.parametrize("zero_stage", [None, 2])
+def test_the_replayed_weighted_pass_draws_the_norm_pass_dropout_masks(
+    zero_stage: int | None, reentrant: bool
+) -> None:
     """With dropout on, the step that replays the layers (replay.py) and skips the head equals the whole weighted
-    pass from the same random state: each layer is recomputed under the random state it started from."""
+    pass from the same random state, in one process and through ZeRO-2: each layer is recomputed under the random
+    state it started from; another draw gives another sum."""
     torch.manual_seed(0)
     model = models.llama(attention_dropout=0.5).double().train()
     model.activation_checkpointing_enable({"use_reentrant": reentrant})
     batch = models.token_batch()
-    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
+    strategy = clipped_step(ClippingEngine(model), model, Backend(zero_stage=zero_stage, checkpointing=True))
     mask = torch.ones(batch["input_ids"].shape[0])
 
-    def step(seed: int, fast: bool) -> dict[str, torch.Tensor]:
-        strategy.skips_tail = fast
-        model.zero_grad(set_to_none=True)
+    def step(seed: int, fast: bool | None) -> dict[str, torch.Tensor]:
+        strategy.skips_tail = strategy.replays = fast
         torch.manual_seed(seed)
-        strategy.run(lambda module: per_example_loss(module, batch), mask, StepPlan(0.05), model)
-        strategy.check_untouched()
-        return {n: p.grad.double() for n, p in model.named_parameters()}
+        return step_sums(
+            strategy, model, lambda module: per_example_loss(module, batch), mask, StepPlan(0.05)
+        )
 
     step(0, None)  # the checked first step
     assert strategy.skips_tail
@@ -440,22 +464,6 @@ def test_the_replayed_weighted_pass_draws_the_norm_pass_dropout_masks(reentrant:
     assert_close(fast, whole, rtol=1e-9, floor=1e-9)
     other = step(2, True)  # the masks matter: another draw gives another sum
     assert max((other[n] - whole[n]).norm() for n in other) > 1e-6
-
-
-def framework_steps(model, batch, max_norm, backend, loss_fn=per_example_loss, steps=2):
-    """``steps`` micro-batches through the step as a framework drives it: the step returns what to back-propagate
-    and the caller (here, as DeepSpeed's backward would) runs it; each step's gradient per name, and the step."""
-    engine = ClippingEngine(model)
-    strategy = clipped_step(engine, model, backend)
-    mask = torch.ones(batch["input_ids"].shape[0])
-    sums = []
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        step = strategy.run(lambda module: loss_fn(module, batch), mask, StepPlan(max_norm), model)
-        step.backward.backward()
-        sums.append({n: p.grad.double() / backend.world_size for n, p in model.named_parameters()})
-    engine.remove_hooks()
-    return sums, strategy
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -490,25 +498,10 @@ def test_through_zero2_the_weighted_pass_skips_the_lm_head_after_the_checked_fir
     assert_close(second, reference, rtol=1e-9, floor=1e-6)
 
 
-def test_through_zero2_a_loss_that_reaches_the_body_outside_the_tail_keeps_the_whole_weighted_pass() -> None:
-    torch.manual_seed(0)
-    model = _AuxiliaryLoss(None).double()
-
-    def loss_fn(module, batch):
-        return _next_token_loss(module, batch) + module.auxiliary
-
-    batch = models.token_batch()
-    reference, norms = models.brute_force(model, batch, max_norm=0.5, loss_fn=loss_fn)
-    assert norms.min() > 0.5
-    backend = Backend(world_size=1, zero_stage=1, checkpointing=True)
-    sums, strategy = framework_steps(model, batch, 0.5, backend, loss_fn=loss_fn)
-    assert strategy.skips_tail is False  # the first step's check found the term
-    for ours in sums:
-        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-
-
 @pytest.mark.parametrize(("stage", "reentrant"), [(3, False), (3, True), (None, False)])
-def test_zero3_and_fsdp2_keep_the_tail_and_fsdp2_replays_the_layers(stage: int | None, reentrant: bool) -> None:
+def test_zero3_and_fsdp2_keep_the_tail_and_fsdp2_replays_the_layers(
+    stage: int | None, reentrant: bool
+) -> None:
     """Their tail parameters are sharded outside the forward, so the tail term linear in p cannot be formed: the
     weighted pass keeps the head. Under FSDP2, after a first step that compared each layer's output with the norm
     pass's, it replays them (a layer runs three times a step instead of four); ZeRO-3 runs them (a replayed layer
@@ -538,36 +531,10 @@ def test_a_layer_whose_output_changes_between_passes_is_not_replayed() -> None:
     model.model.layers[1].mlp.register_forward_hook(
         lambda _m, _a, out: out + 1e-3 * torch.randn(out.shape, generator=generator, dtype=out.dtype)
     )
-    _, strategy = framework_steps(model, models.token_batch(), 0.05, Backend(zero_stage=2, checkpointing=True))
+    _, strategy = framework_steps(
+        model, models.token_batch(), 0.05, Backend(zero_stage=2, checkpointing=True)
+    )
     assert strategy.replays is False
-
-
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_through_zero2_the_replayed_pass_draws_the_norm_pass_dropout_masks(reentrant: bool) -> None:
-    """With dropout on, the tail-skipping step through the framework equals its whole weighted pass from the same
-    random state, and another draw gives another sum."""
-    torch.manual_seed(0)
-    model = models.llama(attention_dropout=0.5).double().train()
-    model.activation_checkpointing_enable({"use_reentrant": reentrant})
-    batch = models.token_batch()
-    backend = Backend(world_size=1, zero_stage=2, checkpointing=True)
-    strategy = clipped_step(ClippingEngine(model), model, backend)
-    mask = torch.ones(batch["input_ids"].shape[0])
-
-    def step(seed: int, fast: bool | None) -> dict[str, torch.Tensor]:
-        strategy.skips_tail = fast
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-        micro = strategy.run(lambda module: per_example_loss(module, batch), mask, StepPlan(0.05), model)
-        micro.backward.backward()
-        return {n: p.grad.double() for n, p in model.named_parameters()}
-
-    step(0, None)  # the checked first step
-    assert strategy.skips_tail
-    fast, whole = step(1, True), step(1, False)
-    assert_close(fast, whole, rtol=1e-9, floor=1e-9)
-    other = step(2, True)
-    assert max((other[n] - whole[n]).norm() for n in other) > 1e-6
 
 
 @pytest.mark.parametrize(
@@ -596,10 +563,9 @@ def test_through_zero2_the_norm_pass_per_example_gradients_give_the_sum_in_one_p
     engine = ClippingEngine(model)
     strategy = clipped_step(engine, model, Backend(world_size=2, zero_stage=2, checkpointing=checkpointing))
     for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        step = strategy.run(lambda module: per_example_loss(module, batch), mask, StepPlan(max_norm), model)
-        step.backward.backward()
-        ours = {n: p.grad.double() / 2 for n, p in model.named_parameters() if p.requires_grad}
+        ours = step_sums(
+            strategy, model, lambda module: per_example_loss(module, batch), mask, StepPlan(max_norm)
+        )
         assert_close(ours, {n: g for n, g in reference.items() if n in ours}, rtol=1e-9, floor=1e-6)
     assert len(heads) == 2  # one forward a step
     engine.remove_hooks()

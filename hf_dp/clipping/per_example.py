@@ -195,6 +195,19 @@ PerExampleGradient = OuterProductSum | Materialised
 Weighted = tuple[float, PerExampleGradient]
 
 
+def clipped_total(param: torch.Tensor, weighted: Sequence[Weighted], factors: torch.Tensor) -> torch.Tensor:
+    """Σ_e w_e Σ_i c_i G_i^e of one parameter as a fresh tensor, float32 or wider, without the examples whose c_i
+    is 0 (0 · inf would be nan)."""
+    dropped = factors == 0
+    like = param.detach().to(torch.promote_types(param.dtype, torch.float32))
+    total = None
+    with torch.no_grad():
+        for weight, part in weighted:
+            part = part.without_examples(dropped) if dropped.any() else part
+            total = part.accumulate(total, factors if weight == 1 else weight * factors, like)
+    return total
+
+
 def _chunks(batch: int, floats_per_example: int) -> Iterator[tuple[int, int]]:
     step = max(1, _CHUNK_FLOATS // max(1, floats_per_example))
     for start in range(0, batch, step):

@@ -31,7 +31,7 @@ from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import replay_rng
 from hf_dp.clipping.loss_scale import LossScale
 from hf_dp.clipping.norm_passes import Batch, FoundNorms
-from hf_dp.clipping.per_example import PerExampleGradient
+from hf_dp.clipping.per_example import clipped_total
 from hf_dp.clipping.replay import LayerReplay
 from hf_dp.clipping.tail import Tail, forward_to
 
@@ -288,20 +288,6 @@ class _LinearTerm(torch.autograd.Function):
         return (grad * ctx.total_of()).to(ctx.dtype), None
 
 
-def _clipped_total(
-    param: nn.Parameter, weighted: list[tuple[float, PerExampleGradient]], factors: torch.Tensor
-) -> torch.Tensor:
-    """Σ_e w_e Σ_i c_i G_i^e of one parameter, float32 or wider, without the examples whose c_i is 0."""
-    dropped = factors == 0
-    like = param.detach().to(torch.promote_types(param.dtype, torch.float32))
-    total = None
-    with torch.no_grad():
-        for weight, part in weighted:
-            part = part.without_examples(dropped) if dropped.any() else part
-            total = part.accumulate(total, factors if weight == 1 else weight * factors, like)
-    return total
-
-
 @dataclass(frozen=True)
 class PartsThroughFramework:
     """``FactoredSum`` and ``KeptSum`` for a framework whose backward must write the gradients (DeepSpeed ZeRO-0/1/2,
@@ -321,6 +307,6 @@ class PartsThroughFramework:
             parts = [(param, [(1.0, part)]) for param, part in found.collector.kept_gradients()]
         surrogate = factors.new_zeros((), dtype=torch.float32)
         for param, weighted in parts:
-            total_of = functools.partial(_clipped_total, param, weighted, factors)
+            total_of = functools.partial(clipped_total, param, weighted, factors)
             surrogate = surrogate + _LinearTerm.apply(param, total_of)
         return MicroStep(found.losses.detach(), surrogate * self.world_size)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hf_dp.clipping.per_example import OuterProductSum, PerExampleGradient
+from hf_dp.clipping.per_example import OuterProductSum, PerExampleGradient, Weighted, clipped_total
 from hf_dp.clipping.units import PrivacyUnits
 
 
@@ -66,12 +66,10 @@ class Tail:
 
     def clipped_sums(self, factors: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         """Σ_i c_i G_i per tail parameter (all its tail uses), float32 or wider."""
-        sums: dict[nn.Parameter, torch.Tensor] = {}
-        with torch.no_grad():
-            for param, part in self.clipped_parts(factors):
-                like = param.detach().to(torch.promote_types(param.dtype, torch.float32))
-                sums[param] = part.accumulate(sums.get(param), factors, like)
-        return sums
+        uses: dict[nn.Parameter, list[Weighted]] = {}
+        for param, part in self.parts:
+            uses.setdefault(param, []).append((1.0, part))
+        return {param: clipped_total(param, weighted, factors) for param, weighted in uses.items()}
 
 
 def keep_form(part: PerExampleGradient, shape: torch.Size) -> PerExampleGradient:
