@@ -282,7 +282,9 @@ def test_few_trainable_weights_take_one_pass_after_the_checked_first_step(
     forwards = []
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-    assert forwards == [2, 1]  # the first step checks the taps with two passes; the second takes one
+    # the first step checks the taps with two passes and the tail reaching down over the layers with a third (for
+    # steps whose kept gradients would not fit); the second takes one
+    assert forwards == [3, 1]
 
 
 def test_disk_with_activation_checkpointing_is_refused_before_training(tmp_path) -> None:
@@ -403,6 +405,74 @@ def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: 
     assert_close(second, reference, rtol=1e-9, floor=1e-6)
 
 
+def _tail_reaches(monkeypatch, model: nn.Module, rows: int, layers: int) -> None:
+    """Give the tail the budget of exactly ``layers`` of the model's (equal) layers' per-example gradients."""
+    numel = sum(p.numel() for p in model.model.layers[0].parameters())
+    monkeypatch.setattr("hf_dp.clipping.pipeline._tail_floats", lambda engine: layers * rows * numel)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("reached", [1, 2, 3])
+@pytest.mark.parametrize("zero_stage", [None, 2])
+def test_the_tail_reaches_down_over_the_last_layers_its_budget_holds(
+    monkeypatch, zero_stage: int | None, reached: int, reentrant: bool
+) -> None:
+    """Where the top layers' per-example gradients fit the budget (tail.py), the weighted pass starts at the input
+    of the lowest of them: those layers run in the norm pass only, the layers below in the weighted pass's backward
+    too (replayed), and the clipped sum is still brute force's, in one process and through ZeRO-2. There the first
+    step checks the tail with ``autograd.grad``, which a reentrant checkpoint refuses: the tail keeps to the head."""
+    torch.manual_seed(0)
+    model = models.llama(num_hidden_layers=3).double().train()
+    batch = models.token_batch()
+    _tail_reaches(monkeypatch, model, batch["input_ids"].shape[0], reached)
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    loss_calls, mlp_calls = [], [[] for _ in model.model.layers]
+    for k, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_pre_hook(lambda *_, k=k: mlp_calls[k].append(len(loss_calls)))
+
+    def counted_loss(module, batch):
+        loss_calls.append(None)
+        return per_example_loss(module, batch)
+
+    backend = Backend(world_size=2 if zero_stage else 1, zero_stage=zero_stage, checkpointing=True)
+    (first, second), strategy = framework_steps(model, batch, max_norm, backend, loss_fn=counted_loss)
+    reached = 0 if zero_stage and reentrant else reached
+    assert strategy.skips_tail and strategy.tail_layers == reached
+    # step 2: forward 4 is the norm pass (forward and recomputation), forward 5 the weighted pass below the tail
+    below = len(model.model.layers) - reached
+    assert [[n for n in calls if n > 3] for calls in mlp_calls] == [[4, 4, 5]] * below + [[4, 4]] * reached
+    assert_close(first, reference, rtol=1e-9, floor=1e-6)
+    assert_close(second, reference, rtol=1e-9, floor=1e-6)
+
+
+def test_later_steps_reach_down_over_the_layers_the_first_step_checked(monkeypatch) -> None:
+    """A loss term inside the second layer from the top is exact with the tail over two layers (it is in their
+    per-example gradients) and not with the tail over one. The first step checks two layers; a later, larger batch,
+    whose per-example gradients fit one layer only, still reaches over the two the check covered."""
+    torch.manual_seed(0)
+    model = models.llama(num_hidden_layers=3).double().train()
+    small, large = models.token_batch(4), models.token_batch(8, seed=1)
+    _tail_reaches(monkeypatch, model, 4, 2)
+    model.model.layers[1].mlp.register_forward_hook(
+        lambda module, args, output: setattr(model, "auxiliary", output.pow(2).mean(dim=(1, 2)))
+    )
+
+    def loss_fn(module, batch):
+        return per_example_loss(module, batch) + model.auxiliary
+
+    references = [models.brute_force(model, batch, max_norm=0.05, loss_fn=loss_fn)[0] for batch in (small, large)]
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
+    for batch, reference in zip((small, large), references, strict=True):
+        mask = torch.ones(batch["input_ids"].shape[0])
+        ours = step_sums(strategy, model, lambda module, batch=batch: loss_fn(module, batch), mask, StepPlan(0.05))
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert strategy.skips_tail and strategy.tail_layers == 2
+
+
 class _AuxiliaryLoss(_UserCheckpointed):
     """Its loss also reads a body activation directly (like a router's auxiliary loss), not only through the
     tail's input: skipping the tail would drop that term's gradient."""
@@ -434,6 +504,33 @@ def test_a_loss_that_reaches_the_body_outside_the_tail_keeps_the_whole_weighted_
     for ours in sums:
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
     assert strategy.skips_tail is False  # the first step's check found the difference
+
+
+@pytest.mark.parametrize("backend", [Backend(checkpointing=True), Backend(zero_stage=1, checkpointing=True)])
+def test_a_loss_that_reads_the_body_below_the_tail_keeps_the_whole_weighted_pass(
+    monkeypatch, backend: Backend
+) -> None:
+    """A loss term on the first layer's input (the tail reaches down over the second layer only) reaches the body
+    other than through the tail's input: the first step's check finds it, and the whole pass stays exact. (A term on
+    the tail's input itself is in its gradient there, and separable.) In one process and through ZeRO-1."""
+    torch.manual_seed(0)
+    model = models.llama(num_hidden_layers=2).double().train()
+    batch = models.token_batch()
+    _tail_reaches(monkeypatch, model, batch["input_ids"].shape[0], 1)
+    model.model.layers[0].register_forward_pre_hook(
+        lambda module, args: setattr(model, "auxiliary", args[0].pow(2).mean(dim=(1, 2)))
+    )
+
+    def loss_fn(module, batch):
+        return per_example_loss(module, batch) + model.auxiliary
+
+    reference, norms = models.brute_force(model, batch, max_norm=0.5, loss_fn=loss_fn)
+    assert norms.min() > 0.5
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    sums, strategy = framework_steps(model, batch, 0.5, backend, loss_fn=loss_fn)
+    for ours in sums:
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert strategy.skips_tail is False
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -51,12 +51,15 @@ def strategy_step(
         )
         step.backward.backward()
     else:
-        strategy = clipped_step(engine, model, Backend(checkpointing=strategy_name == "checkpointing"))
+        checkpointing = strategy_name.startswith("checkpointing")
+        strategy = clipped_step(engine, model, Backend(checkpointing=checkpointing))
         with pytest.MonkeyPatch.context() as patch:
             if strategy_name == "in_backward":  # every layer's per-example gradients formed in the backward
                 patch.setattr("hf_dp.clipping.bookkeeping.MATERIALISE_BELOW_OUTPUT_SHARE", float("inf"))
+            if strategy_name == "checkpointing_deep":  # the tail reaches down over every layer (tail.py)
+                patch.setattr("hf_dp.clipping.pipeline.DEEP_TAIL_SHARE", 1e9)
             strategy.run(loss_of, mask, StepPlan(max_norm), model, units)
-            if strategy_name == "checkpointing":  # again: the checked first step allows skipping the tail
+            if checkpointing:  # again: the checked first step allows skipping the tail
                 strategy.check_untouched()
                 model.zero_grad(set_to_none=True)
                 strategy.run(loss_of, mask, StepPlan(max_norm), model, units)
@@ -64,13 +67,15 @@ def strategy_step(
     return {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("strategy_name", ["ghost", "per_sample", "in_backward", "checkpointing", "two_pass"])
+@pytest.mark.parametrize(
+    "strategy_name", ["ghost", "per_sample", "in_backward", "checkpointing", "checkpointing_deep", "two_pass"]
+)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_units_of_rows_are_clipped_as_one(name: str, strategy_name: str) -> None:
     """A unit of several rows (a user's examples, a DPO pair's two rows): one clip of their summed gradient."""
     build, make_batch = MODELS[name]
     model = build().double().train()
-    if strategy_name == "checkpointing":
+    if strategy_name.startswith("checkpointing"):
         unwrap_model(model).activation_checkpointing_enable({"use_reentrant": False})
     batch = make_batch()
     members = [[r for r in range(6) if UNIT_OF_ROW[r] == u] for u in range(3)]
@@ -107,7 +112,9 @@ def packed_batch(seed: int = 0) -> tuple[dict, list[torch.Tensor]]:
 PACKED_MODELS = {"gpt2_tied": models.gpt2, "llama": models.llama}
 
 
-@pytest.mark.parametrize("strategy_name", ["ghost", "in_backward", "checkpointing", "two_pass"])
+@pytest.mark.parametrize(
+    "strategy_name", ["ghost", "in_backward", "checkpointing", "checkpointing_deep", "two_pass"]
+)
 @pytest.mark.parametrize("name", list(PACKED_MODELS))
 def test_packed_records_are_clipped_each_on_its_own(name: str, strategy_name: str) -> None:
     """Records packed into rows (position ids restarting, no attention mask, no cache): each record's gradient
@@ -119,7 +126,7 @@ def test_packed_records_are_clipped_each_on_its_own(name: str, strategy_name: st
     _, norms = oracle.per_unit(model, alone, 1e9)
     max_norm = 0.5 * norms.min().item()
     reference, _ = oracle.per_unit(model, alone, max_norm)
-    if strategy_name == "checkpointing":
+    if strategy_name.startswith("checkpointing"):
         unwrap_model(model).activation_checkpointing_enable({"use_reentrant": True})
     units = PrivacyUnits.of_records(batch["position_ids"])
     assert units.count == len(records) == 5

@@ -139,9 +139,11 @@ class TappedNorms:
             self.engine.norms_in_backward(
                 batch.size, plan.clip_scale, batch.units, self.options, freeze=not self.taps_only
             ) as collector,
+            collector.watching(replay.layers if replay else []),
         ):
             losses = losses_of(self.module)
             collector.counting = False  # the backward's recomputations are not uses
+            collector.deepen()
             if self.taps_only:
                 torch.autograd.grad(losses.sum(), collector.anchor)
             else:

@@ -49,6 +49,10 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 # With the norms inside a backward, explicit per-example gradients replace the weighted pass when all B of them
 # take at most this share of the model's parameter count (LoRA adapters: ~1%; full fine-tuning never qualifies).
 KEPT_GRADIENTS_SHARE = 0.05
+# The weighted pass's tail reaches down over the last checkpointed layers while their B per-example gradients take
+# at most this share of the clipped weights (tail.py): the norm pass holds them where the stock backward holds the
+# weights' gradients, and the weighted pass adds them to ``.grad`` before its own backward allocates the rest.
+DEEP_TAIL_SHARE = 0.5
 
 # Who writes the gradients: the bare module (one process, DDP), the framework (DeepSpeed), or the framework with
 # sharded parameters (FSDP2, whose norm pass differentiates towards its taps only).
@@ -66,6 +70,11 @@ def several_evaluations_refused(rule: str = "this dp_optimizer") -> ValueError:
         "and FSDP do not support yet: turn activation_checkpointing off, train on one process or with DDP, or pick "
         "another dp_optimizer"
     )
+
+
+def _tail_floats(engine: ClippingEngine) -> int:
+    """How many floats of per-example gradients the tail may keep to reach down over checkpointed layers."""
+    return int(max(DEEP_TAIL_SHARE * engine.clipped_numel, KEPT_GRADIENTS_SHARE * engine.model_numel))
 
 
 def kept_gradients_fit(engine: ClippingEngine, count: int) -> bool:
@@ -86,6 +95,7 @@ class ClippedStep:
         self.scale = LossScale.of(backend)
         self.norms_in_backward = backend.checkpointing or backend.fsdp
         self.skips_tail: bool | None = None  # the weighted pass skips the tail (tail.py): None until checked
+        self.tail_layers = 0  # how many checkpointed layers the checked tail reaches down over (tail.py)
         # through a framework, the weighted pass replays the checkpointed layers (replay.py): None until checked
         self.replays: bool | None = None
         self.shifter = ParameterShifter()
@@ -131,6 +141,7 @@ class ClippedStep:
         step = sum_pass(losses_of, found, norms, factors, batch)
         if found.tail_exact is not None:
             self.skips_tail = found.tail_exact
+            self.tail_layers = found.collector.reached
         if found.replay_exact is not None:
             self.replays = found.replay_exact
         self.first_step = False
@@ -196,6 +207,15 @@ def _framework(step: ClippedStep, model: nn.Module) -> WeightedThroughFramework:
     )
 
 
+def _framework_tail(step: ClippedStep) -> TapOptions:
+    """Through ZeRO-1/2 the norm pass keeps the tail, reaching down over layers, as in one process."""
+    if not step.framework_may_skip_tail:
+        return TapOptions()
+    if step.first_step:
+        return TapOptions(keep_tail=True, tail_floats=_tail_floats(step.engine), tail_checked_by_grad=True)
+    return TapOptions(keep_tail=True, tail_layers=step.tail_layers)
+
+
 # (owner, norms inside a backward, need) → (how the norms are obtained, how the clipped sum is written)
 TABLE: dict[tuple[Owner, bool, Need], Parts] = {
     ("module", False, "evaluations"): lambda s, m: (
@@ -211,7 +231,9 @@ TABLE: dict[tuple[Owner, bool, Need], Parts] = {
         FactoredSum(s.engine, s.scale),
     ),
     ("module", True, "first step"): lambda s, m: (
-        _tapped(s, probe=True, keep_tail=s.skips_tail is not False),
+        TappedNorms(
+            s.engine, s.module, TapOptions(probe=True, keep_tail=True, tail_floats=_tail_floats(s.engine))
+        ),
         _whole(s, check=True),
     ),
     ("module", True, "kept gradients"): lambda s, m: (
@@ -219,7 +241,7 @@ TABLE: dict[tuple[Owner, bool, Need], Parts] = {
         KeptSum(s.engine, s.scale),
     ),
     ("module", True, "body"): lambda s, m: (
-        _tapped(s, keep_tail=True),
+        TappedNorms(s.engine, s.module, TapOptions(keep_tail=True, tail_layers=s.tail_layers)),
         BodySum(s.engine, s.module, s.scale, _whole(s)),
     ),
     ("module", True, "whole"): lambda s, m: (_tapped(s), _whole(s)),
@@ -236,7 +258,7 @@ TABLE: dict[tuple[Owner, bool, Need], Parts] = {
         TappedNorms(
             s.engine,
             s.module,
-            TapOptions(keep_tail=s.framework_may_skip_tail),
+            _framework_tail(s),
             finite_losses=False,
             record_layers=True,
         ),
@@ -248,7 +270,7 @@ TABLE: dict[tuple[Owner, bool, Need], Parts] = {
         ),
     ),
     ("framework", True, "body"): lambda s, m: (
-        TappedNorms(s.engine, s.module, TapOptions(keep_tail=True), finite_losses=False),
+        TappedNorms(s.engine, s.module, _framework_tail(s), finite_losses=False),
         BodyThroughFramework(m, s.backend.world_size, bool(s.replays), _framework(s, m)),
     ),
     ("framework", True, "whole"): lambda s, m: (

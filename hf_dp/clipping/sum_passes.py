@@ -101,18 +101,19 @@ class BodySum:
     def __call__(
         self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
     ) -> None:
-        """Σ_i c_i g_i without the tail: the body's backward from h with spread(c) ⊙ ∂(Σ_j L_j)/∂h, then the
-        tail's own Σ_i c_i G_i (tail.py)."""
+        """Σ_i c_i g_i without the tail: the tail's own Σ_i c_i G_i (tail.py), its per-example gradients then let go,
+        and the body's backward from h with spread(c) ⊙ ∂(Σ_j L_j)/∂h."""
         tail = found.collector.tail()
         if tail is None:
             self.whole(losses_of, found, norms, factors, batch)
             return
-        replay_rng(found.rng)
-        self.body_backward(tail, found.replay, losses_of, factors, batch)
         with torch.no_grad():
             weights = self.scale.weights(factors)
             for param, part in tail.clipped_parts(factors):
                 self.engine.add_to_sum(param, part, weights)
+        tail.parts.clear()
+        replay_rng(found.rng)
+        self.body_backward(tail, found.replay, losses_of, factors, batch)
         self.engine.move_to_low_precision_sums()
 
     def body_backward(
@@ -272,6 +273,7 @@ class BodyThroughFramework:
         )
         for param, total in tail.clipped_sums(factors).items():
             surrogate = surrogate + (param * total.to(param.dtype)).sum()
+        tail.parts.clear()  # the sums are formed: the per-example gradients may go before the backward
         return MicroStep(found.losses.detach(), surrogate * self.world_size)
 
 

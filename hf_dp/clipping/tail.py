@@ -10,8 +10,15 @@ So the norm pass keeps ∂(Σ_j L_j)/∂h (B·T·d floats) and the tail's per-ex
 layer's factors when those are smaller), and the weighted pass runs the body alone: forward up to h, backward
 from h with spread(c) ⊙ ∂(Σ L)/∂h, plus Σ_i c_i G_i for the tail's parameters. That drops the LM head's forward,
 both of its backward GEMMs and the loss from the second pass (a third of a checkpointed Llama 8×512 step at
-vocabulary 32k). The first step checks the result against the whole weighted pass and uses the whole pass for good
-if they differ (a loss term that reaches the body other than through h, e.g. a router's auxiliary loss).
+vocabulary 32k).
+
+The same holds with h the input of a checkpointed layer wherever no unit's loss reads another unit's rows or tokens
+(rows apart; packed records kept apart by their attention, checks.check_records_apart): the tail may reach down
+over the last layers (``deepen``) while their per-example gradients fit a budget. Each layer so kept leaves the
+weighted pass without its recomputation and backward: three of the seven layer-forwards a checkpointed DP step
+costs, against four for the stock step. The first step checks the result against the whole weighted pass and uses
+the whole pass for good if they differ (a loss term that reaches the body other than through h, e.g. a router's
+auxiliary loss).
 """
 
 from __future__ import annotations
@@ -28,19 +35,32 @@ from hf_dp.clipping.units import PrivacyUnits
 
 @dataclass
 class TailBoundary:
-    """The tail's input h: the input of its first module's ``call``-th call, and ∂(Σ_i L_i)/∂h from the norm pass."""
+    """The tail's input h: the input of its first module's ``call``-th call, and ∂(Σ_i L_i)/∂h from the norm pass
+    (kept only if ``wanted`` by the time the backward reaches h)."""
 
     module: nn.Module
     call: int
     gradient: torch.Tensor | None = None
+    wanted: bool = True
 
     def watch(self, hidden: torch.Tensor) -> None:
         """Keep h's gradient when the norm pass's backward reaches it."""
 
         def keep(gradient: torch.Tensor) -> None:
-            self.gradient = gradient.detach().clone()
+            if self.wanted:
+                self.gradient = gradient.detach().clone()
 
         hidden.register_hook(keep)
+
+
+@dataclass
+class LayerCall:
+    """A checkpointed layer's call in the norm pass's forward: the number of the first use inside it (taps.py), and
+    its input as a candidate boundary."""
+
+    first_use: int
+    boundary: TailBoundary
+    differentiable: bool  # its input requires a gradient (h, where the body's backward would start)
 
 
 @dataclass

@@ -15,7 +15,9 @@ nodes; reentrant checkpointing runs the forward under no_grad, untapped, and tap
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +38,7 @@ from hf_dp.clipping.per_example import (
     PerExampleGradient,
     combined_squared_norm,
 )
-from hf_dp.clipping.tail import Tail, TailBoundary, keep_form
+from hf_dp.clipping.tail import LayerCall, Tail, TailBoundary, keep_form
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 
 
@@ -44,11 +46,18 @@ from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 class TapOptions:
     """What the norm pass keeps beside the norms: ``probe`` the first step's projections (``direction``),
     ``keep_gradients`` each example's explicit gradient (few trainable weights: LoRA), ``keep_tail`` what the
-    weighted pass needs to skip the model's tail (tail.py)."""
+    weighted pass needs to skip the model's tail (tail.py), reaching down over the last checkpointed layers while
+    their per-example gradients take at most ``tail_floats`` floats (the first step), or over exactly the
+    ``tail_layers`` the first step checked (later steps). ``tail_checked_by_grad``: the first step checks
+    the tail with ``autograd.grad`` (through a framework, checks.tail_separable), which a reentrant checkpoint
+    refuses, so under one the tail reaches down over no layer."""
 
     probe: bool = False
     keep_gradients: bool = False
     keep_tail: bool = False
+    tail_floats: int = 0
+    tail_layers: int | None = None
+    tail_checked_by_grad: bool = False
 
 
 class _AgainstIds:
@@ -111,11 +120,19 @@ class NormCollector:
         self.kept: dict[int, tuple[nn.Parameter, torch.Tensor]] | None = (
             {} if options.keep_gradients else None
         )
-        # the first forward's uses in order: the tail is every use after the last checkpointed one
-        self.keep_tail = options.keep_tail
+        # the first forward's uses in order: the tail is every use after the last checkpointed one, or (``deepen``)
+        # every use from the first inside the lowest checkpointed layer it reaches down to
+        self.keep_tail, self.tail_floats, self.tail_layers = options.keep_tail, options.tail_floats, options.tail_layers
+        self.tail_checked_by_grad = options.tail_checked_by_grad
+        self.saw_reentrant = False  # a use was counted inside a reentrant checkpoint
         self._calls, self._last_checkpointed = 0, 0
         self._calls_of: dict[nn.Module, int] = {}
         self._boundary: tuple[int, TailBoundary] | None = None  # (its use's number, the boundary)
+        self._layer_calls: list[LayerCall] = []
+        self._deep: LayerCall | None = None
+        self.reached = 0  # how many checkpointed layers the tail reaches down over
+        self._unreachable = False  # the forward lacks the layers ``tail_layers`` asks for: no tail
+        self._deep_modules: set[nn.Module] = set()  # the modules inside the layers the tail reaches down over
         self._tail_parts: list[tuple[nn.Parameter, PerExampleGradient]] = []
 
     def direction(self, param: nn.Parameter) -> torch.Tensor:
@@ -128,6 +145,7 @@ class NormCollector:
         """Reentrant checkpointing runs the first forward under no_grad: counted here, tapped when recomputed."""
         if self.counting and not torch.is_grad_enabled() and in_reentrant_checkpoint():
             self.count(module, checkpointed=True)
+            self.saw_reentrant = True
         return True
 
     def receive(
@@ -163,15 +181,95 @@ class NormCollector:
                 pid = id(module.weight)
                 ids = x if self.units is None else self.units.regroup(x)
                 self._ids[pid] = None if pid in self._ids else ids.reshape(ids.shape[0], -1)
-            if self.keep_tail and self._last_checkpointed and not checkpointed:
-                receive = functools.partial(self.add, call=call)  # a tail use if no checkpointed use follows
-                if call == self._last_checkpointed + 1 and x.requires_grad:
+            if self.keep_tail:
+                receive = functools.partial(self.add, call=call)  # its number tells whether it is in the tail
+                if self._last_checkpointed and not checkpointed and call == self._last_checkpointed + 1 and (
+                    x.requires_grad
+                ):
                     self._boundary = (call, TailBoundary(module, self._calls_of[module]))
                     self._boundary[1].watch(x)
         return tap(output, self.anchor, receive, module, x)
 
+    @contextlib.contextmanager
+    def watching(self, layers: Sequence[nn.Module]) -> Iterator[None]:
+        """During the forward (``tail_floats`` > 0): note each call of a checkpointed layer and watch its input, a
+        candidate for the tail's boundary."""
+        if not (self.keep_tail and (self.tail_floats or self.tail_layers) and layers):
+            yield
+            return
+
+        def enter(layer: nn.Module, args: tuple) -> None:
+            if not self.counting:
+                return
+            calls = sum(1 for c in self._layer_calls if c.boundary.module is layer) + 1
+            boundary = TailBoundary(layer, calls, wanted=False)
+            hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            differentiable = hidden is not None and hidden.requires_grad
+            if differentiable:
+                boundary.watch(hidden)
+            self._layer_calls.append(LayerCall(self._calls + 1, boundary, differentiable))
+
+        handles = [layer.register_forward_pre_hook(enter) for layer in layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def deepen(self) -> None:
+        """After the forward, before the backward: reach the tail down over the last checkpointed layers, each called
+        once with a differentiable input: the first step over those whose B per-example gradients (at most B·numel
+        floats each, keep_form) fit ``tail_floats``, later steps over the ``tail_layers`` it checked (a loss term on
+        a hidden state between two boundaries would be exact at one and not the other)."""
+        calls = self._layer_calls
+        reachable = len({id(c.boundary.module) for c in calls}) == len(calls) and not (
+            self.tail_checked_by_grad and self.saw_reentrant
+        )
+        reached, kept = [], 0
+        for call in reversed(calls if reachable else []):
+            floats = self.squared.shape[0] * sum(
+                getattr(m, name).numel()
+                for m in call.boundary.module.modules()
+                if m in self.owned
+                for name in self.owned[m]
+            )
+            if self.tail_layers is not None:
+                fits = len(reached) < self.tail_layers
+            else:
+                fits = kept + floats <= self.tail_floats
+            if not call.differentiable or not fits:
+                break
+            kept += floats
+            reached.append(call)
+        if self.tail_layers is not None and len(reached) != self.tail_layers:
+            self._unreachable = True
+            return
+        self.reached = len(reached)
+        if not reached:
+            return
+        self._deep = reached[-1]
+        self._deep.boundary.wanted = True
+        self._deep_modules = {m for call in reached for m in call.boundary.module.modules()}
+        if self._boundary is not None:
+            self._boundary[1].wanted = False
+
+    def in_tail(self, module: nn.Module, call: int) -> bool:
+        """Whether a use belongs to the tail: by its number in the first forward, or (a reentrant checkpoint's
+        recomputation, which is tapped unnumbered) by the layer it is inside."""
+        if not self._last_checkpointed:
+            return False
+        if module in self._deep_modules:
+            return True
+        first = self._deep.first_use if self._deep is not None else self._last_checkpointed + 1
+        return call > 0 and call >= first
+
     def tail(self) -> Tail | None:
         """After the backward: the tail the weighted pass may skip (None: no checkpointed use, or no tail)."""
+        if self._unreachable:
+            return None
+        if self._deep is not None:
+            boundary = self._deep.boundary
+            return None if boundary.gradient is None else Tail(boundary, self._tail_parts)
         if self._boundary is None or not self._tail_parts:
             return None
         call, boundary = self._boundary
@@ -182,7 +280,7 @@ class NormCollector:
     def add(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor, call: int = 0) -> None:
         x, grad_output = regroup_for_rule(self.units, x, grad_output, self.layers.where(module))
         found = self.layers.rules[module](module, x, grad_output)
-        in_tail = call > self._last_checkpointed
+        in_tail = self.keep_tail and self.in_tail(module, call)
         for name in self.owned[module]:
             param = getattr(module, name)
             pid, part = id(param), found[name]
