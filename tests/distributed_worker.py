@@ -150,6 +150,12 @@ def parser() -> argparse.ArgumentParser:
         "--fsdp", action="store_true", help="FSDP2 (fully_shard) through the Trainer's fsdp args"
     )
     parser.add_argument("--lora", action="store_true", help="peft LoRA (r 4) on every linear layer")
+    parser.add_argument(
+        "--tail_share",
+        type=float,
+        default=None,
+        help="hf_dp.clipping.pipeline.DEEP_TAIL_SHARE: how far the checkpointed weighted pass's tail reaches down",
+    )
     parser.add_argument("--bf16", action="store_true", help="bf16 (DeepSpeed's bf16 section, or autocast)")
     parser.add_argument("--noise_mechanism", default="independent")
     parser.add_argument("--num_bands", default="auto")
@@ -187,6 +193,10 @@ def parser() -> argparse.ArgumentParser:
 
 def run(cli: argparse.Namespace) -> None:
     torch.manual_seed(0)
+    if cli.tail_share is not None:
+        import hf_dp.clipping.pipeline
+
+        hf_dp.clipping.pipeline.DEEP_TAIL_SHARE = cli.tail_share
     if cli.model == "llama":
         model = models.llama()
     else:
@@ -288,6 +298,7 @@ def run(cli: argparse.Namespace) -> None:
             "norms_in_backward": getattr(trainer.dp.clipping, "norms_in_backward", None),
             "skips_tail": getattr(trainer.dp.clipping, "skips_tail", None),
             "replays": getattr(trainer.dp.clipping, "replays", None),
+            "tail_layers": getattr(trainer.dp.clipping, "tail_layers", None),
             "checkpointing": trainer.model.is_activation_checkpointing,
             "checkpoint_wrapped": any(
                 type(m).__name__.endswith("CheckpointWrapper") for m in trainer.model.modules()

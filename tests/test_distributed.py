@@ -119,12 +119,17 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ddp_torchrun": ("torchrun", ()),
     "ddp_users": ("torchrun", ("--users",)),
     "ddp_checkpointing": ("torchrun", ("--checkpointing", "non_reentrant")),
+    "ddp_checkpointing_deep_tail": ("torchrun", ("--checkpointing", "non_reentrant", "--tail_share", "1e9")),
     "zero1": ("torchrun", ("--zero", "1")),
     "zero2_bf16": ("torchrun", ("--zero", "2", "--bf16")),
     "zero2_disk": ("torchrun", ("--zero", "2", "--optimizer", "disk")),
     "zero3": ("torchrun", ("--zero", "3")),
     "zero3_per_sample": ("torchrun", ("--zero", "3", "--clipping_mode", "per_sample")),
     "zero1_checkpointing": ("torchrun", ("--zero", "1", "--checkpointing", "non_reentrant")),
+    "zero2_checkpointing_deep_tail": (
+        "torchrun",
+        ("--zero", "2", "--checkpointing", "non_reentrant", "--tail_share", "1e9"),
+    ),
     "zero2_checkpointing": ("torchrun", ("--zero", "2", "--checkpointing", "reentrant")),
     "zero2_checkpointing_llama": (
         "torchrun",
@@ -342,7 +347,9 @@ def test_reference_clips(runs):
         ("zero3", "DEEPSPEED", 3),
         ("zero3_per_sample", "DEEPSPEED", 3),
         ("ddp_checkpointing", "MULTI_CPU", None),
+        ("ddp_checkpointing_deep_tail", "MULTI_CPU", None),
         ("zero1_checkpointing", "DEEPSPEED", 1),
+        ("zero2_checkpointing_deep_tail", "DEEPSPEED", 2),
         ("zero2_checkpointing", "DEEPSPEED", 2),
         ("zero3_checkpointing", "DEEPSPEED", 3),
         ("fsdp2_checkpointing", "FSDP", None),
@@ -364,6 +371,8 @@ def test_two_processes_match_one_process_without_noise(runs, name, distributed_t
         assert run["replays"] is True  # through a framework, once the first step compared the layers' outputs
     else:
         assert not run["replays"]
+    if "--tail_share" in JOBS[name][1]:  # the tail reaches down over both GPT-2 blocks
+        assert run["tail_layers"] == 2
     assert run["expected_batch_size"] == info(reference)["expected_batch_size"] == 16
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
     # the logged loss is the mean over the whole logical batch, not one process's share
