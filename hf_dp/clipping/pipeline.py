@@ -207,13 +207,18 @@ def _framework(step: ClippedStep, model: nn.Module) -> WeightedThroughFramework:
     )
 
 
-def _framework_tail(step: ClippedStep) -> TapOptions:
-    """Through ZeRO-1/2 the norm pass keeps the tail, reaching down over layers, as in one process."""
-    if not step.framework_may_skip_tail:
-        return TapOptions()
+def _tail_options(step: ClippedStep, **options: bool) -> TapOptions:
+    """The norm pass keeps the tail: on the first step reaching down over as many layers as the budget allows,
+    on later steps over exactly those the first step checked."""
     if step.first_step:
-        return TapOptions(keep_tail=True, tail_floats=_tail_floats(step.engine), tail_checked_by_grad=True)
-    return TapOptions(keep_tail=True, tail_layers=step.tail_layers)
+        return TapOptions(keep_tail=True, tail_floats=_tail_floats(step.engine), **options)
+    return TapOptions(keep_tail=True, tail_layers=step.tail_layers, **options)
+
+
+def _framework_tail(step: ClippedStep) -> TapOptions:
+    """Through ZeRO-1/2 the norm pass keeps the tail as in one process; the first step checks it with
+    ``autograd.grad``."""
+    return _tail_options(step, tail_checked_by_grad=True) if step.framework_may_skip_tail else TapOptions()
 
 
 # (owner, norms inside a backward, need) → (how the norms are obtained, how the clipped sum is written)
@@ -231,9 +236,7 @@ TABLE: dict[tuple[Owner, bool, Need], Parts] = {
         FactoredSum(s.engine, s.scale),
     ),
     ("module", True, "first step"): lambda s, m: (
-        TappedNorms(
-            s.engine, s.module, TapOptions(probe=True, keep_tail=True, tail_floats=_tail_floats(s.engine))
-        ),
+        TappedNorms(s.engine, s.module, _tail_options(s, probe=True)),
         _whole(s, check=True),
     ),
     ("module", True, "kept gradients"): lambda s, m: (
@@ -241,7 +244,7 @@ TABLE: dict[tuple[Owner, bool, Need], Parts] = {
         KeptSum(s.engine, s.scale),
     ),
     ("module", True, "body"): lambda s, m: (
-        TappedNorms(s.engine, s.module, TapOptions(keep_tail=True, tail_layers=s.tail_layers)),
+        TappedNorms(s.engine, s.module, _tail_options(s)),
         BodySum(s.engine, s.module, s.scale, _whole(s)),
     ),
     ("module", True, "whole"): lambda s, m: (_tapped(s), _whole(s)),

@@ -261,7 +261,7 @@ class NormCollector:
         if module in self._deep_modules:
             return True
         first = self._deep.first_use if self._deep is not None else self._last_checkpointed + 1
-        return call > 0 and call >= first
+        return call >= first  # an unnumbered use (0) is not: every number is at least 1
 
     def tail(self) -> Tail | None:
         """After the backward: the tail the weighted pass may skip (None: no checkpointed use, or no tail)."""
