@@ -11,7 +11,10 @@ and the table are rewritten after every case and setting, so a run cut short kee
    hf_dp's fixed loss scale ``dp_fp16_loss_scale``), activation checkpointing off and on, plus LoRA in fp32 and
    bf16 with checkpointing. Two steps each (the model does not move at lr 0): the first step checks its engine,
    the second takes the fast path (with checkpointing: the tail skip / one-pass step); both are compared.
-   TF32 matmuls are switched off for this section (they would round fp32 to 10 bits).
+   TF32 matmuls are switched off for this section (they would round fp32 to 10 bits). Then ``wide_factors``: a
+   Linear's per-example factors in bf16 and fp16 on the device (B 4, T 256, 512 x 384): norms by the Gram and
+   materialised, a cross-Gram and Σ_i c_i G_i against float64 arithmetic on the same values, within 1e-5 (on CUDA
+   the Grams run as tensor-core GEMMs with float32 accumulation and output).
 2. ``performance``: a Llama (default 8 layers x 2048, intermediate 5632, 16 heads, 4 KV heads, vocab 32000,
    untied head) on B = 8 random sequences of T = 1024 tokens, bf16 autocast with fp32 weights, AdamW, for
    {full, lora (r 16, all linear layers)} x activation checkpointing {on, off}; variants ``stock``
@@ -101,6 +104,8 @@ LORA_R = 16
 # Llamas on CPU); 5e-3 leaves room for other kernels. bf16: tests/test_mixed_precision.py allows 2e-2 with bf16
 # WEIGHTS (measured 0.56%); bf16 autocast with fp32 weights rounds less, 5e-2 is the issue's bound.
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-3}
+# bf16/fp16 factors multiply exactly in float32; what is left is float32 summation over T·d terms (~1e-7).
+WIDE_FACTORS_TOLERANCE = 1e-5
 # Trainer.train() enables checkpointing through this argument; older transformers call it gradient_checkpointing.
 CKPT_ARG = (
     "activation_checkpointing"
@@ -552,9 +557,53 @@ def run_exactness(config: Config, record: Record) -> None:
                 for p in TOLERANCE
             }
             record.save()
+        section["wide_factors"] = wide_factors_check(config)
+        print(f"wide factors: {section['wide_factors']}", flush=True)
+        record.save()
     finally:
         if tf32 is not None:
             torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def wide_factors_check(config: Config) -> dict[str, Any]:
+    """The per-example arithmetic of low-precision factors (``OuterProductSum``) against float64 on the same
+    values: the largest relative error of ‖G_i‖² (Gram, materialised), ⟨G_i, G'_i⟩, G_i and Σ_i c_i G_i."""
+    from hf_dp.clipping.per_example import OuterProductSum, wide_bmm
+
+    batch, steps, rows, cols = (4, 256, 512, 384) if not config.smoke else (2, 16, 24, 16)
+    generator = torch.Generator(device=config.device).manual_seed(SEED)
+    result: dict[str, Any] = {"tolerance": WIDE_FACTORS_TOLERANCE}
+    for dtype in (torch.bfloat16, torch.float16):
+
+        def factors(size: int, dtype: torch.dtype = dtype) -> torch.Tensor:
+            shape = (batch, steps, size)
+            return torch.randn(shape, generator=generator, device=config.device).to(dtype)
+
+        part = OuterProductSum(factors(rows), factors(cols), rows)
+        other = OuterProductSum(factors(rows), factors(cols), rows)
+        explicit = torch.einsum("btr,btc->brc", part.left.double(), part.right.double())
+        explicit_other = torch.einsum("btr,btc->brc", other.left.double(), other.right.double())
+        weights = torch.rand(batch, generator=generator, device=config.device)
+        pairs = {
+            "gram_norm": (part.squared_norm(materialise=False), explicit.pow(2).sum(dim=(1, 2))),
+            "materialised_norm": (part.squared_norm(materialise=True), explicit.pow(2).sum(dim=(1, 2))),
+            "cross_gram": (part.inner(other), (explicit * explicit_other).sum(dim=(1, 2))),
+            "explicit": (part.materialise(0, batch), explicit),
+            "clipped_sum": (
+                part.accumulate(None, weights, torch.zeros(rows, cols, device=config.device)),
+                torch.einsum("b,brc->rc", weights.double(), explicit),
+            ),
+        }
+        errors = {
+            name: float((ours.double() - truth).norm() / truth.norm()) for name, (ours, truth) in pairs.items()
+        }
+        probe = wide_bmm(part.left[:1].transpose(1, 2), part.right[:1])
+        result[str(dtype).removeprefix("torch.")] = {
+            "errors": errors,
+            "output_dtype": str(probe.dtype).removeprefix("torch."),
+            "within_tolerance": max(errors.values()) <= WIDE_FACTORS_TOLERANCE,
+        }
+    return result
 
 
 # ---- 2./3. memory and time ------------------------------------------------------------------------------------
@@ -1270,6 +1319,15 @@ def table(data: dict[str, Any]) -> str:
         e = c["relative_error_per_step"]
         status = "ok" if c["within_tolerance"] else "over"
         lines.append(f"| {name} | {e[0]:.2e} | {e[-1]:.2e} | {c['tolerance']:.0e} | {status} |")
+    wide = data["exactness"].get("wide_factors") or {}
+    for dtype in ("bfloat16", "float16"):
+        if dtype in wide:
+            errors = ", ".join(f"{k} {v:.1e}" for k, v in wide[dtype]["errors"].items())
+            status = "ok" if wide[dtype]["within_tolerance"] else "over"
+            lines.append(
+                f"| {dtype} factors ({wide[dtype]['output_dtype']} GEMM output): {errors} | | | "
+                f"{wide['tolerance']:.0e} | {status} |"
+            )
     for key in ("performance", "qlora"):
         section = data[key]
         lines += [

@@ -57,6 +57,12 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         for precision, ckpt, tuning in gpu_check.EXACTNESS_CASES
     }
     assert gpu_check.TOLERANCE == {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-3}
+    wide = result["exactness"]["wide_factors"]
+    assert wide["tolerance"] == 1e-5
+    assert all(
+        wide[dtype]["within_tolerance"] and wide[dtype]["output_dtype"] == "float32"
+        for dtype in ("bfloat16", "float16")
+    )
     for name, case in cases.items():
         assert case["error"] is None, (name, case["error"])
         assert len(case["relative_error_per_step"]) == 2

@@ -6,6 +6,11 @@ G_i = Σ_t u_{i,t} ⊗ v_{i,t} (Linear: u = output gradient, v = input). Its squ
 or ‖G_i‖² from the materialised G_i when that is cheaper (Bu et al. 2023, book-keeping).
 The clipped sum Σ_i c_i G_i is one GEMM over (example, position) pairs.
 
+The factors are kept in the precision the layer's own backward multiplied them in: bf16/fp16 under autocast or
+low-precision weights. Two such values multiply exactly in float32, so every Gram, norm and explicit G_i is
+summed and returned in float32 (on CUDA by tensor-core GEMMs with float32 accumulation and output), and every
+product with a float32 weight, scale or direction widens the factors first.
+
 ``combined_squared_norm`` gives ‖s ⊙ Σ_k w_k G^k_i‖² for several weighted uses of one parameter
 (tied uses, and evaluations at several parameter points for DiSK) in a clip geometry s (docs/clipping.md):
 a rank-1 s = r cᵀ scales the two factors, a dense s scales embedding rows and vectors exactly and
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -26,6 +32,31 @@ _CHUNK_FLOATS = 64 * 1024 * 1024
 # Writing and reading back an explicit G_i costs like this many more positions of its GEMM (2 CPU cores, Llama
 # shapes at T 512: a 32000×512 head 0.24 s explicit vs 0.18 s by the Gram; a 512×512 layer 4.2 vs 6.8 ms).
 _MATERIALISE_OVERHEAD_STEPS = 256
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32, or as it is when float32/float64 (or integer ids)."""
+    return x.float() if x.dtype in LOW_PRECISION else x
+
+
+@cache
+def _cuda_has_wide_bmm() -> bool:
+    """Whether this torch multiplies bf16 matrices into a float32 output on CUDA (``bmm(..., out_dtype=)``)."""
+    try:
+        x = torch.ones(1, 1, 1, dtype=torch.bfloat16, device="cuda")
+        return torch.bmm(x, x, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def wide_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b per batch entry, summed and returned in float32 or wider. Two bf16/fp16 operands of one dtype run on
+    CUDA as one tensor-core GEMM with float32 accumulation and output; elsewhere they are widened first (the
+    same exact products, summed in another order)."""
+    if a.dtype in LOW_PRECISION and a.dtype == b.dtype and a.is_cuda and _cuda_has_wide_bmm():
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(wide(a), wide(b))
 
 
 @dataclass
@@ -50,17 +81,17 @@ class OuterProductSum:
     def left_gram(self, other: OuterProductSum) -> torch.Tensor:
         """(B, T, T') with entries ⟨left_t, other.left_t'⟩."""
         if self.is_index and other.is_index:
-            return (self.left[:, :, None] == other.left[:, None, :]).to(self.right.dtype)
+            return (self.left[:, :, None] == other.left[:, None, :]).to(wide(self.right).dtype)
         if self.is_index:
             return other.left_gram(self).transpose(1, 2)
         if other.is_index:
             index = other.left[:, None, :].expand(-1, self.left.shape[1], -1)
-            return torch.gather(self.left, 2, index)
-        return torch.bmm(self.left, other.left.transpose(1, 2))
+            return wide(torch.gather(self.left, 2, index))
+        return wide_bmm(self.left, other.left.transpose(1, 2))
 
     def inner(self, other: OuterProductSum) -> torch.Tensor:
         """⟨G_i, G'_i⟩ per example, by the Gram identity."""
-        right_gram = torch.bmm(self.right, other.right.transpose(1, 2))
+        right_gram = wide_bmm(self.right, other.right.transpose(1, 2))
         return (self.left_gram(other) * right_gram).sum(dim=(1, 2))
 
     def gram_is_cheaper(self, other: OuterProductSum | None = None) -> bool:
@@ -82,14 +113,12 @@ class OuterProductSum:
         return self.inner(self)
 
     def materialise(self, start: int, stop: int) -> torch.Tensor:
-        """The explicit per-example gradients (stop − start, rows, cols) of examples start..stop."""
+        """The explicit per-example gradients (stop − start, rows, cols) of examples start..stop, float32 or wider."""
         if self.is_index:
-            cols = self.right.shape[2]
-            grads = self.right.new_zeros(stop - start, self.rows, cols)
-            return grads.scatter_add_(
-                1, self.left[start:stop, :, None].expand(-1, -1, cols), self.right[start:stop]
-            )
-        return torch.bmm(self.left[start:stop].transpose(1, 2), self.right[start:stop])
+            right = wide(self.right[start:stop])
+            grads = right.new_zeros(stop - start, self.rows, right.shape[2])
+            return grads.scatter_add_(1, self.left[start:stop, :, None].expand(-1, -1, right.shape[2]), right)
+        return wide_bmm(self.left[start:stop].transpose(1, 2), self.right[start:stop])
 
     def explicit(self, shape: torch.Size) -> Materialised:
         """All B explicit per-example gradients, shaped (B, *shape)."""
@@ -103,13 +132,14 @@ class OuterProductSum:
     def scaled(self, scale: ClipScale) -> OuterProductSum | None:
         """s ⊙ G_i in the same form when that is exact: a rank-1 s = r cᵀ scales left by r and right by c;
         with one-hot rows a dense s scales right_t by row x_t of s. None for a dense s on dense factors."""
+        right = wide(self.right)
         if isinstance(scale, FactoredScale):
-            rows, cols = scale.rows.to(self.right), scale.cols.to(self.right)
+            rows, cols = scale.rows.to(right), scale.cols.to(right)
             if self.is_index:
-                return OuterProductSum(self.left, self.right * rows[self.left][:, :, None] * cols, self.rows)
-            return OuterProductSum(self.left * rows, self.right * cols, self.rows)
+                return OuterProductSum(self.left, right * rows[self.left][:, :, None] * cols, self.rows)
+            return OuterProductSum(wide(self.left) * rows, right * cols, self.rows)
         if self.is_index:
-            return OuterProductSum(self.left, self.right * scale.to(self.right)[self.left], self.rows)
+            return OuterProductSum(self.left, right * scale.to(right)[self.left], self.rows)
         return None
 
     def without_examples(self, drop: torch.Tensor) -> OuterProductSum:
@@ -120,28 +150,28 @@ class OuterProductSum:
 
     def project(self, direction: torch.Tensor) -> torch.Tensor:
         """⟨G_i, V⟩ = Σ_t left_tᵀ V right_t per example, V shaped like the parameter."""
-        v = direction.reshape(self.rows, -1).to(self.right)
-        along = v[self.left] if self.is_index else self.left @ v
-        return (along * self.right).sum(dim=(1, 2))
+        right = wide(self.right)
+        v = direction.reshape(self.rows, -1).to(right)
+        along = v[self.left] if self.is_index else wide(self.left) @ v
+        return (along * right).sum(dim=(1, 2))
 
     def accumulate(
         self, grad: torch.Tensor | None, weights: torch.Tensor, like: torch.Tensor
     ) -> torch.Tensor:
         """grad + Σ_i w_i G_i (grad None: a fresh tensor shaped like ``like``), as one GEMM written in place
-        (one index_add for embeddings), with w folded into the smaller side."""
-        cols = self.right.shape[2]
-        weights = weights.to(self.right.dtype)
-        in_place = grad is not None and grad.dtype == self.right.dtype
+        (one index_add for embeddings), with w folded into the smaller side, in float32 or wider: the weights
+        are clip factors, which bf16 would round up as often as down."""
+        left, right = wide(self.left), wide(self.right)
+        cols = right.shape[2]
+        weights = weights.to(right.dtype)
+        in_place = grad is not None and grad.dtype == right.dtype
         if self.is_index:
             if grad is None:
                 grad = torch.zeros_like(like)
-                in_place = grad.dtype == self.right.dtype
-            target = grad.view(self.rows, cols) if in_place else self.right.new_zeros(self.rows, cols)
-            target.index_add_(
-                0, self.left.reshape(-1), (self.right * weights[:, None, None]).reshape(-1, cols)
-            )
+                in_place = grad.dtype == right.dtype
+            target = grad.view(self.rows, cols) if in_place else right.new_zeros(self.rows, cols)
+            target.index_add_(0, left.reshape(-1), (right * weights[:, None, None]).reshape(-1, cols))
             return grad if in_place else grad.add_(target.view(like.shape).to(grad.dtype))
-        left, right = self.left, self.right
         if left.shape[2] <= right.shape[2]:
             left = left * weights[:, None, None]
         else:

@@ -17,7 +17,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses, minus the hooks
 from transformers.pytorch_utils import Conv1D
 
-from hf_dp.clipping.per_example import Materialised, OuterProductSum, PerExampleGradient
+from hf_dp.clipping.per_example import LOW_PRECISION, Materialised, OuterProductSum, PerExampleGradient
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
 
@@ -31,21 +31,31 @@ def _float(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+def _matmul_factors(x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, ∂y) as (B, T, d) in the precision the layer's weight gradient multiplied them: a bf16/fp16 ∂y means
+    the layer ran in bf16/fp16 (autocast casts x, or the weights are low precision), else float32 or wider."""
+    a, g = _as_sequence(x), _as_sequence(grad_out)
+    if g.dtype in LOW_PRECISION:
+        return a.to(g.dtype), g
+    return _float(a), _float(g)
+
+
 def linear_rule(module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, PerExampleGradient]:
     """y = x Wᵀ + b:  G_i(W) = Σ_t ∂y_t ⊗ x_t,  G_i(b) = Σ_t ∂y_t."""
-    a, g = _float(_as_sequence(x)), _float(_as_sequence(grad_out))
+    a, g = _matmul_factors(x, grad_out)
     parts: dict[str, PerExampleGradient] = {
         "weight": OuterProductSum(left=g, right=a, rows=module.out_features)
     }
     if module.bias is not None:
-        parts["bias"] = Materialised(g.sum(dim=1))
+        parts["bias"] = Materialised(g.sum(dim=1, dtype=torch.promote_types(g.dtype, torch.float32)))
     return parts
 
 
 def conv1d_rule(module: Conv1D, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, PerExampleGradient]:
     """HF Conv1D is y = x W + b with W of shape (in, out):  G_i(W) = Σ_t x_t ⊗ ∂y_t."""
-    a, g = _float(_as_sequence(x)), _float(_as_sequence(grad_out))
-    return {"weight": OuterProductSum(left=a, right=g, rows=module.nx), "bias": Materialised(g.sum(dim=1))}
+    a, g = _matmul_factors(x, grad_out)
+    bias = Materialised(g.sum(dim=1, dtype=torch.promote_types(g.dtype, torch.float32)))
+    return {"weight": OuterProductSum(left=a, right=g, rows=module.nx), "bias": bias}
 
 
 def embedding_rule(

@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.geometry import ClippingFn, clip_factors
-from hf_dp.clipping.per_example import PerExampleGradient, Weighted
+from hf_dp.clipping.per_example import LOW_PRECISION, PerExampleGradient, Weighted
 
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 # per parameter id: the parameter and its weighted per-example parts (uses, evaluations)
 Terms = dict[int, tuple[nn.Parameter, list[Weighted]]]
 

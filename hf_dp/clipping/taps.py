@@ -33,10 +33,12 @@ from hf_dp.clipping.hooks import (
     tap,
 )
 from hf_dp.clipping.per_example import (
+    LOW_PRECISION,
     Materialised,
     OuterProductSum,
     PerExampleGradient,
     combined_squared_norm,
+    wide_bmm,
 )
 from hf_dp.clipping.tail import LayerCall, Tail, TailBoundary, keep_form
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
@@ -69,7 +71,7 @@ class _AgainstIds:
         self.right = part.right
 
     def inner(self, embedding: OuterProductSum) -> torch.Tensor:
-        return (self.gram * torch.bmm(self.right, embedding.right.transpose(1, 2))).sum(dim=(1, 2))
+        return (self.gram * wide_bmm(self.right, embedding.right.transpose(1, 2))).sum(dim=(1, 2))
 
 
 class NormCollector:
@@ -172,7 +174,7 @@ class NormCollector:
         return self._calls
 
     def tap(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-        self.low_precision |= output.dtype in (torch.bfloat16, torch.float16)
+        self.low_precision |= output.dtype in LOW_PRECISION
         receive = self.add
         if self.counting:
             checkpointed = is_checkpointing()

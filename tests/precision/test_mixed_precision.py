@@ -112,3 +112,76 @@ def test_an_overflowing_forward_is_dropped_by_book_keeping_and_refused_with_chec
     with pytest.raises(FloatingPointError, match="loss overflowed") as info:
         strategy.run(lambda m: m(x).squeeze(1), torch.ones(4), StepPlan(1.0), model)
     assert "\n" not in str(info.value)
+
+
+def _from_the_same_values(part) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense OuterProductSum's factors in float64: the values it holds, whatever their dtype."""
+    return part.left.double(), part.right.double()
+
+
+def test_bf16_factors_are_multiplied_and_summed_in_float32():
+    """Norms, cross-Grams, explicit G_i and Σ_i c_i G_i of bf16 factors equal float64 arithmetic on the same
+    bf16 values to float32 precision (a bf16 sum or bf16 clip factors would be ~1e-3 off)."""
+    from hf_dp.clipping.per_example import OuterProductSum
+
+    torch.manual_seed(0)
+    batch, steps, rows, cols = 3, 33, 40, 24
+    dense = OuterProductSum(
+        torch.randn(batch, steps, rows).bfloat16(), torch.randn(batch, steps, cols).bfloat16(), rows
+    )
+    other = OuterProductSum(
+        torch.randn(batch, steps, rows).bfloat16(), torch.randn(batch, steps, cols).bfloat16(), rows
+    )
+    ids = torch.randint(0, rows, (batch, steps))
+    index = OuterProductSum(ids, torch.randn(batch, steps, cols).bfloat16(), rows)
+    explicit = {
+        "dense": torch.einsum("btr,btc->brc", *_from_the_same_values(dense)),
+        "other": torch.einsum("btr,btc->brc", *_from_the_same_values(other)),
+        "index": torch.zeros(batch, rows, cols, dtype=torch.float64).scatter_add_(
+            1, ids[:, :, None].expand(-1, -1, cols), index.right.double()
+        ),
+    }
+    parts = {"dense": dense, "other": other, "index": index}
+
+    def close(ours: torch.Tensor, truth: torch.Tensor) -> None:
+        assert ours.dtype == torch.float32
+        assert (ours.double() - truth).norm() <= 1e-6 * truth.norm()
+
+    for name, part in parts.items():
+        truth = explicit[name].pow(2).sum(dim=(1, 2))
+        close(part.squared_norm(materialise=False), truth)
+        close(part.squared_norm(materialise=True), truth)
+        close(part.materialise(0, batch), explicit[name])
+    close(dense.inner(other), (explicit["dense"] * explicit["other"]).sum(dim=(1, 2)))
+    close(dense.inner(index), (explicit["dense"] * explicit["index"]).sum(dim=(1, 2)))
+    factors = torch.tensor([1 / 3, 0.7, 0.123])  # not bf16 numbers
+    for name, part in parts.items():
+        like = torch.zeros(rows, cols)
+        summed = part.accumulate(torch.zeros(rows, cols), factors, like)
+        close(summed, torch.einsum("b,brc->rc", factors.double(), explicit[name]))
+
+
+def test_under_autocast_a_linear_layers_norm_is_that_of_the_bf16_product_autograd_takes():
+    """bf16 autocast multiplies bf16(x) by the bf16 output gradient: the rule keeps those factors, so the norm is
+    that gradient's to float32 precision, not that of the float32 input (~1e-4 away)."""
+    from hf_dp.clipping.rules import linear_rule
+
+    torch.manual_seed(1)
+    layer = nn.Linear(48, 32, bias=False)
+    x = torch.randn(2, 17, 48)
+    seen = {}
+    layer.register_forward_hook(lambda m, args, out: seen.update(x=args[0]))
+    layer.register_full_backward_hook(lambda m, gin, gout: seen.update(grad_out=gout[0]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x.requires_grad_())
+    assert out.dtype == torch.bfloat16
+    out.float().pow(2).sum().backward()
+    part = linear_rule(layer, seen["x"], seen["grad_out"])["weight"]
+    assert part.right.dtype == part.left.dtype == torch.bfloat16
+    assert torch.equal(part.right, seen["x"].bfloat16())
+    per_example = torch.einsum("bto,bti->boi", seen["grad_out"].double(), seen["x"].bfloat16().double())
+    truth = per_example.pow(2).sum(dim=(1, 2))
+    ours = part.squared_norm(materialise=False)
+    assert ((ours.double() - truth).abs() <= 1e-6 * truth).all()
+    float32_input = torch.einsum("bto,bti->boi", seen["grad_out"].double(), seen["x"].double())
+    assert ((float32_input.pow(2).sum(dim=(1, 2)) - truth).abs() > 1e-6 * truth).any()  # the test can tell
