@@ -19,9 +19,10 @@ and the table are rewritten after every case and setting, so a run cut short kee
    untied head) on B = 8 random sequences of T = 1024 tokens, bf16 autocast with fp32 weights, AdamW, for
    {full, lora (r 16, all linear layers)} x activation checkpointing {on, off}; variants ``stock``
    (``transformers.Trainer.training_step`` + ``optimizer.step()``), ``dp`` (``DPTrainer.train_one_step``,
-   σ = 1, C = 1, noised and accounted) and ``opacus`` (Opacus 1.6 ghost clipping, ``make_private(...,
-   grad_sample_mode="ghost")`` + ``DPTensorFastGradientClipping``; skipped with its reason if Opacus does not
-   import). All variants of a setting live together: each is built and warmed up (2 steps) in turn, then
+   σ = 1, C = 1, noised and accounted), ``dp_float32_factors`` (the same with every linear layer's norm factors
+   widened to float32: the norm GEMMs without tensor cores) and ``opacus`` (Opacus 1.6 ghost clipping,
+   ``make_private(..., grad_sample_mode="ghost")`` + ``DPTensorFastGradientClipping``; skipped with its reason
+   if Opacus does not import). All variants of a setting live together: each is built and warmed up (2 steps) in turn, then
    ``--rounds`` rounds time one step of each in rotated order (``torch.cuda.synchronize`` around each step).
    Peak memory of a variant = what it holds at rest (``memory_allocated`` after its warm-up minus before its
    build) + the most a step allocates above that (``max_memory_allocated`` - ``memory_allocated`` at the
@@ -756,7 +757,36 @@ def build_opacus(s: Setting, model: nn.Module, rows: list[dict], device: str) ->
     return cell
 
 
-BUILDERS = {"stock": build_stock, "dp": build_dp, "opacus": build_opacus}
+def build_dp_float32_factors(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
+    """``dp`` with every linear layer's factors widened to float32 in its rule (float32 norm GEMMs, no tensor
+    cores): what the low-precision factors buy, paired in the same run."""
+    from hf_dp.clipping import rules
+
+    def float32_factors(x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, g = keep(x, grad_out)
+        return a.float(), g.float()
+
+    keep = rules._matmul_factors
+    cell = build_dp(s, model, rows, device)
+    step = cell.step
+
+    def widened_step() -> float:
+        rules._matmul_factors = float32_factors
+        try:
+            return step()
+        finally:
+            rules._matmul_factors = keep
+
+    cell.name, cell.step = "dp_float32_factors", widened_step
+    return cell
+
+
+BUILDERS = {
+    "stock": build_stock,
+    "dp": build_dp,
+    "dp_float32_factors": build_dp_float32_factors,
+    "opacus": build_opacus,
+}
 
 
 def _opacus_missing() -> str | None:
@@ -828,6 +858,8 @@ def run_setting(
         key: value
         for key, value in (
             ("dp_vs_stock", ratio(cells, "dp", "stock")),
+            ("dp_float32_factors_vs_stock", ratio(cells, "dp_float32_factors", "stock")),
+            ("dp_vs_dp_float32_factors", ratio(cells, "dp", "dp_float32_factors")),
             ("opacus_vs_stock", ratio(cells, "opacus", "stock")),
             ("dp_vs_opacus", ratio(cells, "dp", "opacus")),
         )
@@ -853,7 +885,7 @@ def timed_setting(
     """Stock, DP and Opacus on one setting, interleaved; an error is recorded and the next setting runs."""
     start = time.perf_counter()
     try:
-        result = run_setting(s, ["stock", "dp", "opacus"], build, config)
+        result = run_setting(s, ["stock", "dp", "dp_float32_factors", "opacus"], build, config)
     except Exception as exc:
         traceback.print_exc()
         result = {"setting": asdict(s), "error": error_text(exc)}

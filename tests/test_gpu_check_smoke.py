@@ -90,7 +90,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     for name, setting in settings.items():
         assert "error" not in setting and "skipped" not in setting, (name, setting)
         variants = setting["variants"]
-        for variant in ("stock", "dp"):
+        for variant in ("stock", "dp", "dp_float32_factors"):
             cell = variants[variant]
             assert cell["error"] is None, (name, variant, cell["error"])
             assert len(cell["times_s"]) == 2 and all(_finite_positive(t) for t in cell["times_s"])
