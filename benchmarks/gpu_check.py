@@ -14,7 +14,8 @@ and the table are rewritten after every case and setting, so a run cut short kee
    TF32 matmuls are switched off for this section (they would round fp32 to 10 bits). Then ``wide_factors``: a
    Linear's per-example factors in bf16 and fp16 on the device (B 4, T 256, 512 x 384): norms by the Gram and
    materialised, a cross-Gram and Σ_i c_i G_i against float64 arithmetic on the same values, within 1e-5 (on CUDA
-   the Grams run as tensor-core GEMMs with float32 accumulation and output).
+   the Grams run as tensor-core GEMMs with float32 accumulation and output, and bf16's Σ_i c_i G_i as three of
+   them on bf16 pieces of the weighted side).
 2. ``performance``: a Llama (default 8 layers x 2048, intermediate 5632, 16 heads, 4 KV heads, vocab 32000,
    untied head) on B = 8 random sequences of T = 1024 tokens, bf16 autocast with fp32 weights, AdamW, for
    {full, lora (r 16, all linear layers)} x activation checkpointing {on, off}; variants ``stock``

@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 memory() {  # NAME SECONDS, then llm_memory.py's arguments
   local name=$1 seconds=$2
   shift 2
-  timeout "$seconds" python3 -u benchmarks/llm_memory.py --device cuda --variants stock dp --rounds 3 \
+  timeout "$seconds" python3 -u benchmarks/llm_memory.py --device cuda --variants stock dp --rounds 5 \
     --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $?"
 }

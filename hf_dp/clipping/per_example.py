@@ -8,8 +8,9 @@ The clipped sum Σ_i c_i G_i is one GEMM over (example, position) pairs.
 
 The factors are kept in the precision the layer's own backward multiplied them in: bf16/fp16 under autocast or
 low-precision weights. Two such values multiply exactly in float32, so every Gram, norm and explicit G_i is
-summed and returned in float32 (on CUDA by tensor-core GEMMs with float32 accumulation and output), and every
-product with a float32 weight, scale or direction widens the factors first.
+summed and returned in float32 (on CUDA by tensor-core GEMMs with float32 accumulation and output). Every
+product with a float32 weight, scale or direction is taken at float32's accuracy: the clipped sum's weighted
+side is split into three bf16 pieces on CUDA (``bf16_pieces``), elsewhere the factors are widened first.
 
 ``combined_squared_norm`` gives ‖s ⊙ Σ_k w_k G^k_i‖² for several weighted uses of one parameter
 (tied uses, and evaluations at several parameter points for DiSK) in a clip geometry s (docs/clipping.md):
@@ -41,22 +42,55 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-def _cuda_has_wide_bmm() -> bool:
-    """Whether this torch multiplies bf16 matrices into a float32 output on CUDA (``bmm(..., out_dtype=)``)."""
+def _cuda_has_wide_gemm() -> bool:
+    """Whether this torch multiplies bf16 matrices into a float32 output on CUDA (``mm``/``bmm(..., out_dtype=)``)."""
     try:
         x = torch.ones(1, 1, 1, dtype=torch.bfloat16, device="cuda")
-        return torch.bmm(x, x, out_dtype=torch.float32).dtype == torch.float32
+        outputs = torch.bmm(x, x, out_dtype=torch.float32), torch.mm(x[0], x[0], out_dtype=torch.float32)
+        return all(out.dtype == torch.float32 for out in outputs)
     except (RuntimeError, TypeError, NotImplementedError):
         return False
+
+
+def _on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two bf16/fp16 operands of one dtype on CUDA, where a GEMM can accumulate and return them in float32."""
+    return a.dtype in LOW_PRECISION and a.dtype == b.dtype and a.is_cuda and _cuda_has_wide_gemm()
 
 
 def wide_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b per batch entry, summed and returned in float32 or wider. Two bf16/fp16 operands of one dtype run on
     CUDA as one tensor-core GEMM with float32 accumulation and output; elsewhere they are widened first (the
     same exact products, summed in another order)."""
-    if a.dtype in LOW_PRECISION and a.dtype == b.dtype and a.is_cuda and _cuda_has_wide_bmm():
+    if _on_tensor_cores(a, b):
         return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(wide(a), wide(b))
+
+
+def bf16_pieces(x: torch.Tensor) -> list[torch.Tensor]:
+    """A float32 x as three bf16 tensors whose sum is x exactly (8 + 8 + 8 significand bits, while |x| ≥ 2^-110
+    keeps the third piece normal; the bf16x3 split of Henry, Tang & Heinecke 2019): a float32 operand on bf16
+    tensor cores at float32 accuracy."""
+    pieces = []
+    for _ in range(3):
+        pieces.append(x.to(torch.bfloat16))
+        x = x - pieces[-1].float()
+    return pieces
+
+
+def _weighted_outer_sum_bf16x3(
+    left: torch.Tensor, right: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Σ_{i,t} w_i left_{i,t} ⊗ right_{i,t} for bf16 factors on CUDA, float32: w folded into the smaller side in
+    float32, that side split into three bf16 pieces, three tensor-core GEMMs with float32 accumulation."""
+    fold_left = left.shape[2] <= right.shape[2]
+    weighted = (left if fold_left else right).float() * weights.float()[:, None, None]
+    other = (right if fold_left else left).flatten(0, 1)
+    total = None
+    for piece in bf16_pieces(weighted.flatten(0, 1)):
+        a, b = (piece, other) if fold_left else (other, piece)
+        product = torch.mm(a.T, b, out_dtype=torch.float32)
+        total = product if total is None else total.add_(product)
+    return total
 
 
 @dataclass
@@ -159,8 +193,16 @@ class OuterProductSum:
         self, grad: torch.Tensor | None, weights: torch.Tensor, like: torch.Tensor
     ) -> torch.Tensor:
         """grad + Σ_i w_i G_i (grad None: a fresh tensor shaped like ``like``), as one GEMM written in place
-        (one index_add for embeddings), with w folded into the smaller side, in float32 or wider: the weights
-        are clip factors, which bf16 would round up as often as down."""
+        (one index_add for embeddings), with w folded into the smaller side, at float32's accuracy or wider: the
+        weights are clip factors, which bf16 would round up as often as down. bf16 factors on CUDA take three
+        tensor-core GEMMs (``bf16_pieces``), the rest one GEMM of the factors widened."""
+        if (
+            not self.is_index
+            and self.left.dtype == torch.bfloat16
+            and _on_tensor_cores(self.left, self.right)
+        ):
+            fresh = _weighted_outer_sum_bf16x3(self.left, self.right, weights).view(like.shape).to(like.dtype)
+            return fresh if grad is None else grad.add_(fresh)
         left, right = wide(self.left), wide(self.right)
         cols = right.shape[2]
         weights = weights.to(right.dtype)

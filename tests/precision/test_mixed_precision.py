@@ -185,3 +185,17 @@ def test_under_autocast_a_linear_layers_norm_is_that_of_the_bf16_product_autogra
     assert ((ours.double() - truth).abs() <= 1e-6 * truth).all()
     float32_input = torch.einsum("bto,bti->boi", seen["grad_out"].double(), seen["x"].double())
     assert ((float32_input.pow(2).sum(dim=(1, 2)) - truth).abs() > 1e-6 * truth).any()  # the test can tell
+
+
+def test_three_bf16_pieces_sum_to_the_float32_operand_exactly():
+    """The clipped sum's weighted side goes to CUDA's bf16 tensor cores as three bf16 pieces: 8 + 8 + 8
+    significand bits hold a float32 value exactly while the third piece is a normal number (|x| ≥ 2^-110, about
+    1e-33); two pieces would leave ~2^-17."""
+    from hf_dp.clipping.per_example import bf16_pieces
+
+    torch.manual_seed(2)
+    signs = torch.randint(0, 2, (200_000,)) * 2 - 1
+    x = signs * (1 + torch.rand(200_000)) * torch.logspace(-33, 33, 200_000)
+    pieces = bf16_pieces(x)
+    assert len(pieces) == 3 and all(p.dtype == torch.bfloat16 for p in pieces)
+    assert torch.equal(sum(p.double() for p in pieces), x.double())
