@@ -174,7 +174,7 @@ class WeightedBackward:
             check_projections(
                 params, self.engine.parameter_name, found.collector, self.scale.weights(factors), before
             )
-            if found.collector.keep_tail:
+            if found.collector.options.keep_tail:
                 replay_rng(found.rng)
                 body = BodySum(self.engine, self.module, self.scale, self)
                 found.tail_exact = body.matches_whole(losses_of, found, factors, batch)
@@ -233,7 +233,7 @@ class WeightedThroughFramework:
         self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
     ) -> MicroStep:
         """W·Σ_i c_i L_i of the wrapped model's forward (same dropout masks), for the Trainer's backward."""
-        if self.tail_check is not None and found.collector.keep_tail:
+        if self.tail_check is not None and found.collector.options.keep_tail:
             found.tail_exact = self.tail_check(losses_of, found, factors, batch)
         replay_rng(found.rng)
         with _layers(found, self.layers):

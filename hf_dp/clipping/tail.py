@@ -96,7 +96,7 @@ def keep_form(part: PerExampleGradient, shape: torch.Size) -> PerExampleGradient
     """The smaller exact form of a tail use's per-example gradients: explicit (B, *shape), or the layer's factors."""
     if isinstance(part, OuterProductSum) and part.left.is_floating_point():
         factor_bytes = sum(x.numel() * x.element_size() for x in (part.left, part.right))
-        explicit_dtype = torch.promote_types(part.right.dtype, torch.float32)  # explicit G_i are float32 or wider
+        explicit_dtype = torch.promote_types(part.right.dtype, torch.float32)  # explicit G_i: float32+
         explicit_bytes = part.batch_size * shape.numel() * explicit_dtype.itemsize
         if explicit_bytes <= factor_bytes:
             return part.explicit(shape)

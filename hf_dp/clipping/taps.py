@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from hf_dp.clipping.geometry import ClipScale
 from hf_dp.clipping.hooks import (
@@ -49,7 +50,7 @@ class TapOptions:
     """What the norm pass keeps beside the norms: ``probe`` the first step's projections (``direction``),
     ``keep_gradients`` each example's explicit gradient (few trainable weights: LoRA), ``keep_tail`` what the
     weighted pass needs to skip the model's tail (tail.py), reaching down over the last checkpointed layers while
-    their per-example gradients take at most ``tail_floats`` floats (the first step), or over exactly the
+    the bytes they keep of their per-example gradients stay within ``tail_bytes`` (the first step), or over exactly the
     ``tail_layers`` the first step checked (later steps). ``tail_checked_by_grad``: the first step checks
     the tail with ``autograd.grad`` (through a framework, checks.tail_separable), which a reentrant checkpoint
     refuses, so under one the tail reaches down over no layer."""
@@ -57,7 +58,7 @@ class TapOptions:
     probe: bool = False
     keep_gradients: bool = False
     keep_tail: bool = False
-    tail_floats: int = 0
+    tail_bytes: int = 0
     tail_layers: int | None = None
     tail_checked_by_grad: bool = False
 
@@ -116,7 +117,7 @@ class NormCollector:
         self._waiting: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]] = {}
         self._ids: dict[int, torch.Tensor | None] = {}  # an embedding's ids, per parameter used once as one
         self._tied_heads: dict[int, _AgainstIds] = {}
-        self.probe = options.probe
+        self.options = options
         self.projections: dict[int, torch.Tensor] = {}
         # few trainable weights (LoRA): keep each example's explicit gradient, so no second pass is needed
         self.kept: dict[int, tuple[nn.Parameter, torch.Tensor]] | None = (
@@ -124,8 +125,6 @@ class NormCollector:
         )
         # the first forward's uses in order: the tail is every use after the last checkpointed one, or (``deepen``)
         # every use from the first inside the lowest checkpointed layer it reaches down to
-        self.keep_tail, self.tail_floats, self.tail_layers = options.keep_tail, options.tail_floats, options.tail_layers
-        self.tail_checked_by_grad = options.tail_checked_by_grad
         self.saw_reentrant = False  # a use was counted inside a reentrant checkpoint
         self._calls, self._last_checkpointed = 0, 0
         self._calls_of: dict[nn.Module, int] = {}
@@ -136,6 +135,7 @@ class NormCollector:
         self._unreachable = False  # the forward lacks the layers ``tail_layers`` asks for: no tail
         self._deep_modules: set[nn.Module] = set()  # the modules inside the layers the tail reaches down over
         self._tail_parts: list[tuple[nn.Parameter, PerExampleGradient]] = []
+        self._factor_bytes: dict[nn.Module, int] = {}  # per matmul layer, its factors' bytes over its uses
 
     def direction(self, param: nn.Parameter) -> torch.Tensor:
         """The probe V_p of a parameter: N(0, I), the same values at every call (one seed; each parameter is checked
@@ -179,24 +179,27 @@ class NormCollector:
         if self.counting:
             checkpointed = is_checkpointing()
             call = self.count(module, checkpointed)
+            if isinstance(module, nn.Linear | Conv1D):
+                factors = output.element_size() * (x.numel() + output.numel())  # the rule's (x, ∂y), as run
+                self._factor_bytes[module] = self._factor_bytes.get(module, 0) + factors
             if isinstance(module, nn.Embedding):
                 pid = id(module.weight)
                 ids = x if self.units is None else self.units.regroup(x)
                 self._ids[pid] = None if pid in self._ids else ids.reshape(ids.shape[0], -1)
-            if self.keep_tail:
+            if self.options.keep_tail:
                 receive = functools.partial(self.add, call=call)  # its number tells whether it is in the tail
-                if self._last_checkpointed and not checkpointed and call == self._last_checkpointed + 1 and (
-                    x.requires_grad
-                ):
+                after_last = self._last_checkpointed and call == self._last_checkpointed + 1
+                if after_last and not checkpointed and x.requires_grad:
                     self._boundary = (call, TailBoundary(module, self._calls_of[module]))
                     self._boundary[1].watch(x)
         return tap(output, self.anchor, receive, module, x)
 
     @contextlib.contextmanager
     def watching(self, layers: Sequence[nn.Module]) -> Iterator[None]:
-        """During the forward (``tail_floats`` > 0): note each call of a checkpointed layer and watch its input, a
+        """During the forward (``tail_bytes`` > 0): note each call of a checkpointed layer and watch its input, a
         candidate for the tail's boundary."""
-        if not (self.keep_tail and (self.tail_floats or self.tail_layers) and layers):
+        options = self.options
+        if not (options.keep_tail and (options.tail_bytes or options.tail_layers) and layers):
             yield
             return
 
@@ -220,30 +223,25 @@ class NormCollector:
 
     def deepen(self) -> None:
         """After the forward, before the backward: reach the tail down over the last checkpointed layers, each called
-        once with a differentiable input: the first step over those whose B per-example gradients (at most B·numel
-        floats each, keep_form) fit ``tail_floats``, later steps over the ``tail_layers`` it checked (a loss term on
-        a hidden state between two boundaries would be exact at one and not the other)."""
+        once with a differentiable input: the first step over those whose kept per-example gradients (``kept_bytes``)
+        fit ``tail_bytes``, later steps over the ``tail_layers`` it checked (a loss term on a hidden state between
+        two boundaries would be exact at one and not the other)."""
         calls = self._layer_calls
         reachable = len({id(c.boundary.module) for c in calls}) == len(calls) and not (
-            self.tail_checked_by_grad and self.saw_reentrant
+            self.options.tail_checked_by_grad and self.saw_reentrant
         )
         reached, kept = [], 0
         for call in reversed(calls if reachable else []):
-            floats = self.squared.shape[0] * sum(
-                getattr(m, name).numel()
-                for m in call.boundary.module.modules()
-                if m in self.owned
-                for name in self.owned[m]
-            )
-            if self.tail_layers is not None:
-                fits = len(reached) < self.tail_layers
+            size = sum(self.kept_bytes(m) for m in call.boundary.module.modules() if m in self.owned)
+            if self.options.tail_layers is not None:
+                fits = len(reached) < self.options.tail_layers
             else:
-                fits = kept + floats <= self.tail_floats
+                fits = kept + size <= self.options.tail_bytes
             if not call.differentiable or not fits:
                 break
-            kept += floats
+            kept += size
             reached.append(call)
-        if self.tail_layers is not None and len(reached) != self.tail_layers:
+        if self.options.tail_layers is not None and len(reached) != self.options.tail_layers:
             self._unreachable = True
             return
         self.reached = len(reached)
@@ -254,6 +252,14 @@ class NormCollector:
         self._deep_modules = {m for call in reached for m in call.boundary.module.modules()}
         if self._boundary is not None:
             self._boundary[1].wanted = False
+
+    def kept_bytes(self, module: nn.Module) -> int:
+        """What a tail keeps of a module's per-example gradients (tail.keep_form): B explicit gradients of its
+        parameters (float32 or wider), or a matmul layer's factors (input and output gradient, in the precision
+        the forward ran them; noted in the first forward) where those are smaller."""
+        explicit = self.squared.shape[0] * self.squared.element_size()
+        explicit *= sum(getattr(module, name).numel() for name in self.owned[module])
+        return min(explicit, self._factor_bytes.get(module, explicit))
 
     def in_tail(self, module: nn.Module, call: int) -> bool:
         """Whether a use belongs to the tail: by its number in the first forward, or (a reentrant checkpoint's
@@ -282,7 +288,7 @@ class NormCollector:
     def add(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor, call: int = 0) -> None:
         x, grad_output = regroup_for_rule(self.units, x, grad_output, self.layers.where(module))
         found = self.layers.rules[module](module, x, grad_output)
-        in_tail = self.keep_tail and self.in_tail(module, call)
+        in_tail = self.options.keep_tail and self.in_tail(module, call)
         for name in self.owned[module]:
             param = getattr(module, name)
             pid, part = id(param), found[name]
@@ -291,7 +297,7 @@ class NormCollector:
                 self._tail_parts.append((param, part))
             if (module, name) in self._site_scales:
                 self.scales[pid] = self._site_scales[module, name]
-            if self.probe:
+            if self.options.probe:
                 projection = part.project(self.direction(param))
                 self.projections[pid] = self.projections.get(pid, 0) + projection
             if self.kept is not None:
