@@ -146,10 +146,12 @@ class Setting:
     seq: int
     batch: int
     shape: Shape
+    micro_batches: int = 1  # per step (gradient accumulation), B sequences each
 
     @property
     def name(self) -> str:
-        return f"{self.tuning}-{self.precision}-{'ckpt' if self.checkpointing else 'nockpt'}-T{self.seq}"
+        name = f"{self.tuning}-{self.precision}-{'ckpt' if self.checkpointing else 'nockpt'}-T{self.seq}"
+        return name if self.micro_batches == 1 else f"{name}-M{self.micro_batches}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -160,10 +162,10 @@ class Setting:
         return cls(**{**fields, "shape": Shape(**fields["shape"])})
 
 
-def grid(seq_lens: list[int], batch: int, shape: Shape) -> list[Setting]:
+def grid(seq_lens: list[int], batch: int, shape: Shape, micro_batches: int = 1) -> list[Setting]:
     """Every setting, grouped by T, checkpointing off and on next to each other."""
     return [
-        Setting(tuning, precision, ckpt, seq, batch, shape)
+        Setting(tuning, precision, ckpt, seq, batch, shape, micro_batches)
         for seq in seq_lens
         for tuning in ("full", "lora")
         for precision in ("fp32", "bf16")
@@ -205,6 +207,11 @@ def build_model(s: Setting, device: str) -> nn.Module:
         )
         model = get_peft_model(model, lora)
     return model.to(device).train()
+
+
+def micro_batches(trainer: Trainer, s: Setting, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
+    """The step's micro-batches: B rows each, the same rows in every variant."""
+    return [trainer.data_collator(rows[k * s.batch : (k + 1) * s.batch]) for k in range(s.micro_batches)]
 
 
 def make_rows(s: Setting) -> list[dict[str, torch.Tensor]]:
@@ -259,6 +266,7 @@ def _args(
         report_to="none",
         use_cpu=device == "cpu",
         per_device_train_batch_size=s.batch,
+        gradient_accumulation_steps=s.micro_batches,
         bf16=s.precision == "bf16",
         optim="adamw_torch",  # plain torch AdamW: the update rule of every variant
         save_strategy="no",
@@ -304,11 +312,12 @@ def build_stock(s: Setting, rows: list[dict], device: str) -> Variant:
     )
     trainer.create_optimizer()
     model = _prepare_like_train(trainer)
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() for each accumulation window
-    batch = trainer.data_collator(rows[: s.batch])
+    # as Trainer.train() sets it for each accumulation window
+    trainer.current_gradient_accumulation_steps = s.micro_batches
+    batches = micro_batches(trainer, s, rows)
 
     def step() -> float:
-        loss = trainer.training_step(model, batch)
+        loss = sum(trainer.training_step(model, batch) for batch in batches)
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         return float(loss)
@@ -328,15 +337,17 @@ def build_dp(s: Setting, rows: list[dict], device: str, private: bool) -> Varian
     )
     args = _args(DPTrainingArguments, s, device, folder.name, dp_optimizer="adamw", **privacy)
     trainer = DPTrainer(model=build_model(s, device), args=args, train_dataset=rows)
-    if trainer.expected_batch_size != s.batch:
-        raise RuntimeError(f"DPTrainer plans a logical batch of {trainer.expected_batch_size}, not {s.batch}")
+    if trainer.expected_batch_size != s.batch * s.micro_batches:
+        raise RuntimeError(
+            f"DPTrainer plans a logical batch of {trainer.expected_batch_size}, not {s.batch * s.micro_batches}"
+        )
     trainer.create_optimizer()
     model = _prepare_like_train(trainer)
-    batch = trainer.data_collator(rows[: s.batch])  # fixed micro-batch: Poisson sampling lives in the loader
+    batches = micro_batches(trainer, s, rows)  # fixed micro-batches: Poisson sampling lives in the loader
     name = "dp" if private else "dp_off"
 
     def step() -> float:
-        loss = trainer.train_one_step([batch])
+        loss = trainer.train_one_step(batches)
         # how many checkpointed layers the checked tail reaches down over (docs/clipping.md)
         variant.info["tail_layers"] = getattr(trainer.dp.clipping, "tail_layers", None)
         return loss
@@ -362,6 +373,8 @@ def per_example_next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> t
 def build_opacus(s: Setting, rows: list[dict], device: str) -> Variant:
     from transformers import default_data_collator
 
+    if s.micro_batches > 1:
+        raise ValueError("the opacus variant takes one micro-batch a step: leave --micro-batches at 1")
     model = build_model(s, device)
     if s.checkpointing:
         enable_checkpointing(model)
@@ -649,6 +662,7 @@ def _x(value: float | None) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     env, cfg = result["environment"], result["config"]
+    micro = f" x {cfg['micro_batches']} micro-batches a step" if cfg.get("micro_batches", 1) > 1 else ""
     shape = cfg["shape"]
     lines = [
         "# LLM memory path: DP vs non-private peak memory and step time (`benchmarks/llm_memory.py`)",
@@ -659,7 +673,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Model: Llama, {shape['layers']} layers, hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
         f"{shape['heads']} heads, {shape['kv_heads']} KV heads, vocab {shape['vocab']}, untied head, fp32 weights; "
-        f"batch {cfg['batch']} sequences of T random tokens; AdamW; DP: sigma {NOISE_MULTIPLIER}, C {MAX_GRAD_NORM}; "
+        f"batch {cfg['batch']} sequences of T random tokens{micro}; AdamW; DP: sigma {NOISE_MULTIPLIER}, C {MAX_GRAD_NORM}; "
         f"LoRA r={LORA_R} on all linear layers. {cfg['rounds']} timed round(s) after {WARMUP_STEPS} warm-up step(s).",
         "",
         f"Peak: {cfg['peak_definition']}. Non-private = the stock `transformers.Trainer` of the same setting. "
@@ -759,7 +773,10 @@ def environment(device: str) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048])
-    p.add_argument("--batch", type=int, default=2, help="sequences per step (one micro-batch)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
+    p.add_argument(
+        "--micro-batches", type=int, default=1, help="micro-batches per step (gradient accumulation)"
+    )
     p.add_argument(
         "--settings",
         nargs="+",
@@ -793,11 +810,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def select(args: argparse.Namespace) -> list[Setting]:
     chosen = Shape(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
     shape, seq_lens = (QUICK_SHAPE, [QUICK_SEQ]) if args.quick else (chosen, args.seq_lens)
-    settings = grid(seq_lens, args.batch, shape)
+    settings = grid(seq_lens, args.batch, shape, args.micro_batches)
     if args.settings:
         settings = [s for s in settings if any(fnmatch.fnmatchcase(s.name, pat) for pat in args.settings)]
         if not settings:
-            names = " ".join(s.name for s in grid(seq_lens, args.batch, shape))
+            names = " ".join(s.name for s in grid(seq_lens, args.batch, shape, args.micro_batches))
             raise SystemExit(f"no setting matches {args.settings}; the grid: {names}")
     return settings
 
@@ -850,6 +867,7 @@ def report(
             "shape": asdict(settings[0].shape),
             "seq_lens": sorted({s.seq for s in settings}),
             "batch": args.batch,
+            "micro_batches": args.micro_batches,
             "rounds": rounds,
             "warmup_steps": WARMUP_STEPS,
             "memory_steps": MEMORY_STEPS,
