@@ -12,8 +12,6 @@ Side by side in each setting (``--variants``):
 - ``stock``: ``transformers.Trainer.training_step`` (the model's own loss) + ``optimizer.step()``;
 - ``dp_off``: ``hf_dp.DPTrainer`` with ``disable_dp=True`` through ``train_one_step`` (no clipping, no noise);
 - ``dp``: ``hf_dp.DPTrainer`` (sigma = 1, C = 1) through ``train_one_step``: clipping, noise, accounting;
-- ``dp_explicit_tail``: ``dp`` with the checkpointed tail's budget counting explicit per-example gradients only,
-  never a linear layer's smaller factors (what counting them buys; not in the default ``--variants``);
 - ``opacus``: Opacus ghost clipping (``make_private(grad_sample_mode="ghost", poisson_sampling=False)``) in a
   plain loop: per-example next-token losses (``reduction="none"``) fed to ``DPTensorFastGradientClipping``.
 
@@ -81,7 +79,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 
-VARIANTS = ("stock", "dp_off", "dp", "dp_explicit_tail", "opacus")
+VARIANTS = ("stock", "dp_off", "dp", "opacus")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "llm_memory.json"
 MEMORY_MARKER = "LLM_MEMORY_JSON "
 SEED = 0
@@ -109,8 +107,6 @@ RATIO_PAIRS = (
     ("opacus", "stock"),
     ("dp", "dp_off"),
     ("dp", "opacus"),
-    ("dp_explicit_tail", "stock"),
-    ("dp", "dp_explicit_tail"),
 )
 # Trainer.train() enables checkpointing through this argument; transformers 5 renamed gradient_checkpointing.
 CKPT_ARG = (
@@ -397,34 +393,10 @@ def build_opacus(s: Setting, rows: list[dict], device: str) -> Variant:
     return variant
 
 
-def build_dp_explicit_tail(s: Setting, rows: list[dict], device: str) -> Variant:
-    """``dp`` with the tail's budget counting every module's explicit per-example gradients, never a linear
-    layer's smaller factors: what counting the factors buys where T is below the width or the factors are bf16."""
-    from hf_dp.clipping.taps import NormCollector
-
-    def explicit_bytes(collector: NormCollector, module: nn.Module) -> int:
-        numel = sum(getattr(module, name).numel() for name in collector.owned[module])
-        return collector.squared.shape[0] * collector.squared.element_size() * numel
-
-    variant = build_dp(s, rows, device, private=True)
-    step, counted = variant.step, NormCollector.kept_bytes
-
-    def explicit_step() -> float:
-        NormCollector.kept_bytes = explicit_bytes
-        try:
-            return step()
-        finally:
-            NormCollector.kept_bytes = counted
-
-    variant.name, variant.step = "dp_explicit_tail", explicit_step
-    return variant
-
-
 BUILDERS: dict[str, Callable[[Setting, list[dict], str], Variant]] = {
     "stock": build_stock,
     "dp_off": lambda s, rows, device: build_dp(s, rows, device, private=False),
     "dp": lambda s, rows, device: build_dp(s, rows, device, private=True),
-    "dp_explicit_tail": build_dp_explicit_tail,
     "opacus": build_opacus,
 }
 
@@ -783,9 +755,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="names or shell patterns, e.g. full-fp32-ckpt-T512 'lora-*'",
     )
-    p.add_argument(
-        "--variants", nargs="+", choices=VARIANTS, default=[v for v in VARIANTS if v != "dp_explicit_tail"]
-    )
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     default = Shape()
     for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(default, name))

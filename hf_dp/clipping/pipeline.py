@@ -49,10 +49,10 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 # With the norms inside a backward, explicit per-example gradients replace the weighted pass when all B of them
 # take at most this share of the model's parameter count (LoRA adapters: ~1%; full fine-tuning never qualifies).
 KEPT_GRADIENTS_SHARE = 0.05
-# The weighted pass's tail reaches down over the last checkpointed layers while what it keeps of their per-example
-# gradients takes at most this share of the clipped weights' gradients' bytes (tail.py): the norm pass holds it
-# where the stock backward holds the weights' gradients, and the weighted pass adds it to ``.grad`` before its own
-# backward allocates the rest.
+# The weighted pass's tail reaches down over the last checkpointed layers while their B explicit per-example
+# gradients take at most this share of the clipped weights' gradients' bytes (tail.py): the norm pass holds them
+# where the stock backward holds the weights' gradients, and the weighted pass adds them to ``.grad`` before its
+# own backward allocates the rest.
 DEEP_TAIL_SHARE = 0.5
 
 # Who writes the gradients: the bare module (one process, DDP), the framework (DeepSpeed), or the framework with

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from hf_dp.clipping.geometry import ClipScale
 from hf_dp.clipping.hooks import (
@@ -50,7 +49,7 @@ class TapOptions:
     """What the norm pass keeps beside the norms: ``probe`` the first step's projections (``direction``),
     ``keep_gradients`` each example's explicit gradient (few trainable weights: LoRA), ``keep_tail`` what the
     weighted pass needs to skip the model's tail (tail.py), reaching down over the last checkpointed layers while
-    the bytes they keep of their per-example gradients stay within ``tail_bytes`` (the first step), or over exactly the
+    their B per-example gradients take at most ``tail_bytes`` (the first step), or over exactly the
     ``tail_layers`` the first step checked (later steps). ``tail_checked_by_grad``: the first step checks
     the tail with ``autograd.grad`` (through a framework, checks.tail_separable), which a reentrant checkpoint
     refuses, so under one the tail reaches down over no layer."""
@@ -135,7 +134,6 @@ class NormCollector:
         self._unreachable = False  # the forward lacks the layers ``tail_layers`` asks for: no tail
         self._deep_modules: set[nn.Module] = set()  # the modules inside the layers the tail reaches down over
         self._tail_parts: list[tuple[nn.Parameter, PerExampleGradient]] = []
-        self._factor_bytes: dict[nn.Module, int] = {}  # per matmul layer, its factors' bytes over its uses
 
     def direction(self, param: nn.Parameter) -> torch.Tensor:
         """The probe V_p of a parameter: N(0, I), the same values at every call (one seed; each parameter is checked
@@ -179,9 +177,6 @@ class NormCollector:
         if self.counting:
             checkpointed = is_checkpointing()
             call = self.count(module, checkpointed)
-            if isinstance(module, nn.Linear | Conv1D):
-                factors = output.element_size() * (x.numel() + output.numel())  # the rule's (x, ∂y), as run
-                self._factor_bytes[module] = self._factor_bytes.get(module, 0) + factors
             if isinstance(module, nn.Embedding):
                 pid = id(module.weight)
                 ids = x if self.units is None else self.units.regroup(x)
@@ -223,7 +218,7 @@ class NormCollector:
 
     def deepen(self) -> None:
         """After the forward, before the backward: reach the tail down over the last checkpointed layers, each called
-        once with a differentiable input: the first step over those whose kept per-example gradients (``kept_bytes``)
+        once with a differentiable input: the first step over those whose B per-example gradients (``kept_bytes``)
         fit ``tail_bytes``, later steps over the ``tail_layers`` it checked (a loss term on a hidden state between
         two boundaries would be exact at one and not the other)."""
         calls = self._layer_calls
@@ -254,12 +249,12 @@ class NormCollector:
             self._boundary[1].wanted = False
 
     def kept_bytes(self, module: nn.Module) -> int:
-        """What a tail keeps of a module's per-example gradients (tail.keep_form): B explicit gradients of its
-        parameters (float32 or wider), or a matmul layer's factors (input and output gradient, in the precision
-        the forward ran them; noted in the first forward) where those are smaller."""
-        explicit = self.squared.shape[0] * self.squared.element_size()
-        explicit *= sum(getattr(module, name).numel() for name in self.owned[module])
-        return min(explicit, self._factor_bytes.get(module, explicit))
+        """The budget's measure of what a tail keeps of a module's per-example gradients: B explicit gradients of
+        its parameters (float32 or wider). Kept as factors where those are smaller (tail.keep_form), they are not
+        counted smaller: at 8 x 1024, T 256 that raised the peak to 1.12x the stock step's for 3% of its time
+        (benchmarks/results/archive/llm_memory_ckpt_cpu_8x1024_T256_B4_factors_counted.md)."""
+        numel = sum(getattr(module, name).numel() for name in self.owned[module])
+        return self.squared.shape[0] * self.squared.element_size() * numel
 
     def in_tail(self, module: nn.Module, call: int) -> bool:
         """Whether a use belongs to the tail: by its number in the first forward, or (a reentrant checkpoint's
