@@ -115,7 +115,9 @@ class OuterProductSum:
     def left_gram(self, other: OuterProductSum) -> torch.Tensor:
         """(B, T, T') with entries ⟨left_t, other.left_t'⟩."""
         if self.is_index and other.is_index:
-            return (self.left[:, :, None] == other.left[:, None, :]).to(wide(self.right).dtype)
+            return (self.left[:, :, None] == other.left[:, None, :]).to(
+                torch.promote_types(self.right.dtype, torch.float32)
+            )
         if self.is_index:
             return other.left_gram(self).transpose(1, 2)
         if other.is_index:
@@ -166,15 +168,15 @@ class OuterProductSum:
     def scaled(self, scale: ClipScale) -> OuterProductSum | None:
         """s ⊙ G_i in the same form when that is exact: a rank-1 s = r cᵀ scales left by r and right by c;
         with one-hot rows a dense s scales right_t by row x_t of s. None for a dense s on dense factors."""
+        if not isinstance(scale, FactoredScale) and not self.is_index:
+            return None
         right = wide(self.right)
         if isinstance(scale, FactoredScale):
             rows, cols = scale.rows.to(right), scale.cols.to(right)
             if self.is_index:
                 return OuterProductSum(self.left, right * rows[self.left][:, :, None] * cols, self.rows)
             return OuterProductSum(wide(self.left) * rows, right * cols, self.rows)
-        if self.is_index:
-            return OuterProductSum(self.left, right * scale.to(right)[self.left], self.rows)
-        return None
+        return OuterProductSum(self.left, right * scale.to(right)[self.left], self.rows)
 
     def without_examples(self, drop: torch.Tensor) -> OuterProductSum:
         """The same sum with G_i = 0 for the examples in ``drop`` (B,), bool."""
