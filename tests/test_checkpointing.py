@@ -406,10 +406,9 @@ def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: 
 
 
 def _tail_reaches(monkeypatch, model: nn.Module, rows: int, layers: int) -> None:
-    """Give the tail the bytes of exactly ``layers`` of the model's (equal) layers' explicit float64 per-example
-    gradients."""
+    """Give the tail the budget of exactly ``layers`` of the model's (equal) layers' per-example gradients."""
     numel = sum(p.numel() for p in model.model.layers[0].parameters())
-    monkeypatch.setattr("hf_dp.clipping.pipeline._tail_bytes", lambda engine: layers * rows * numel * 8)
+    monkeypatch.setattr("hf_dp.clipping.pipeline._tail_floats", lambda engine: layers * rows * numel)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

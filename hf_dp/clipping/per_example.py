@@ -38,7 +38,7 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 def wide(x: torch.Tensor) -> torch.Tensor:
     """x in float32, or as it is when float32/float64 (or integer ids)."""
-    return x.float() if x.dtype in LOW_PRECISION else x
+    return x if x.dtype in (torch.float32, torch.float64) or not x.is_floating_point() else x.float()
 
 
 @cache
@@ -64,6 +64,14 @@ def wide_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _on_tensor_cores(a, b):
         return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(wide(a), wide(b))
+
+
+def gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(B, T, T') with entries ⟨a_t, b_t'⟩, as ``wide_bmm``; a factor paired with itself is widened once."""
+    if _on_tensor_cores(a, b):
+        return torch.bmm(a, b.transpose(1, 2), out_dtype=torch.float32)
+    a_wide = wide(a)
+    return torch.bmm(a_wide, (a_wide if b is a else wide(b)).transpose(1, 2))
 
 
 def bf16_pieces(x: torch.Tensor) -> list[torch.Tensor]:
@@ -123,11 +131,11 @@ class OuterProductSum:
         if other.is_index:
             index = other.left[:, None, :].expand(-1, self.left.shape[1], -1)
             return wide(torch.gather(self.left, 2, index))
-        return wide_bmm(self.left, other.left.transpose(1, 2))
+        return gram(self.left, other.left)
 
     def inner(self, other: OuterProductSum) -> torch.Tensor:
         """⟨G_i, G'_i⟩ per example, by the Gram identity."""
-        right_gram = wide_bmm(self.right, other.right.transpose(1, 2))
+        right_gram = gram(self.right, other.right)
         return (self.left_gram(other) * right_gram).sum(dim=(1, 2))
 
     def gram_is_cheaper(self, other: OuterProductSum | None = None) -> bool:

@@ -49,10 +49,9 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 # With the norms inside a backward, explicit per-example gradients replace the weighted pass when all B of them
 # take at most this share of the model's parameter count (LoRA adapters: ~1%; full fine-tuning never qualifies).
 KEPT_GRADIENTS_SHARE = 0.05
-# The weighted pass's tail reaches down over the last checkpointed layers while their B explicit per-example
-# gradients take at most this share of the clipped weights' gradients' bytes (tail.py): the norm pass holds them
-# where the stock backward holds the weights' gradients, and the weighted pass adds them to ``.grad`` before its
-# own backward allocates the rest.
+# The weighted pass's tail reaches down over the last checkpointed layers while their B per-example gradients take
+# at most this share of the clipped weights (tail.py): the norm pass holds them where the stock backward holds the
+# weights' gradients, and the weighted pass adds them to ``.grad`` before its own backward allocates the rest.
 DEEP_TAIL_SHARE = 0.5
 
 # Who writes the gradients: the bare module (one process, DDP), the framework (DeepSpeed), or the framework with
@@ -73,14 +72,9 @@ def several_evaluations_refused(rule: str = "this dp_optimizer") -> ValueError:
     )
 
 
-def _tail_bytes(engine: ClippingEngine) -> int:
-    """How many bytes of per-example gradients the tail may keep to reach down over checkpointed layers: a share
-    of the clipped weights' gradients (float32 or wider), and never less than LoRA's share of the model."""
-    share = max(DEEP_TAIL_SHARE, KEPT_GRADIENTS_SHARE * engine.model_numel / max(engine.clipped_numel, 1))
-    gradient_bytes = sum(
-        p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize for p in engine.parameters
-    )
-    return int(share * gradient_bytes)
+def _tail_floats(engine: ClippingEngine) -> int:
+    """How many floats of per-example gradients the tail may keep to reach down over checkpointed layers."""
+    return int(max(DEEP_TAIL_SHARE * engine.clipped_numel, KEPT_GRADIENTS_SHARE * engine.model_numel))
 
 
 def kept_gradients_fit(engine: ClippingEngine, count: int) -> bool:
@@ -217,7 +211,7 @@ def _tail_options(step: ClippedStep, **options: bool) -> TapOptions:
     """The norm pass keeps the tail: on the first step reaching down over as many layers as the budget allows,
     on later steps over exactly those the first step checked."""
     if step.first_step:
-        return TapOptions(keep_tail=True, tail_bytes=_tail_bytes(step.engine), **options)
+        return TapOptions(keep_tail=True, tail_floats=_tail_floats(step.engine), **options)
     return TapOptions(keep_tail=True, tail_layers=step.tail_layers, **options)
 
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from torch import nn
 
 from hf_dp.clipping.hooks import UnsupportedModuleError
+from hf_dp.clipping.per_example import LOW_PRECISION
 
 
 class QuantizedBaseError(UnsupportedModuleError):
@@ -67,9 +67,9 @@ def check_quantized_base(model: nn.Module) -> bool:
                     "the base that was loaded: reload the model and build the trainer before any such forward"
                 )
             module.support_avx512bf16_for_cpu = False  # no in-place repacking during or after the run
-            low_precision |= getattr(module, "compute_dtype", None) in (torch.bfloat16, torch.float16)
+            low_precision |= getattr(module, "compute_dtype", None) in LOW_PRECISION
     if quantized:
         for param in model.parameters():
-            if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
+            if param.requires_grad and param.dtype in LOW_PRECISION:
                 param.data = param.data.float()
     return low_precision

@@ -17,7 +17,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses, minus the hooks
 from transformers.pytorch_utils import Conv1D
 
-from hf_dp.clipping.per_example import LOW_PRECISION, Materialised, OuterProductSum, PerExampleGradient
+from hf_dp.clipping.per_example import LOW_PRECISION, Materialised, OuterProductSum, PerExampleGradient, wide
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
 
@@ -27,17 +27,13 @@ def _as_sequence(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
-def _float(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
 def _matmul_factors(x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, ∂y) as (B, T, d) in the precision the layer's weight gradient multiplied them: a bf16/fp16 ∂y means
     the layer ran in bf16/fp16 (autocast casts x, or the weights are low precision), else float32 or wider."""
     a, g = _as_sequence(x), _as_sequence(grad_out)
     if g.dtype in LOW_PRECISION:
         return a.to(g.dtype), g
-    return _float(a), _float(g)
+    return wide(a), wide(g)
 
 
 def linear_rule(module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, PerExampleGradient]:
@@ -63,7 +59,7 @@ def embedding_rule(
 ) -> dict[str, PerExampleGradient]:
     """y_t = E[x_t]:  G_i(E) = Σ_t onehot(x_t) ⊗ ∂y_t; the padding_idx row gets no gradient, as in autograd."""
     ids = ids.reshape(ids.shape[0], -1)
-    g = _float(grad_out.reshape(ids.shape[0], ids.shape[1], -1))
+    g = wide(grad_out.reshape(ids.shape[0], ids.shape[1], -1))
     if module.padding_idx is not None:
         g = g.masked_fill((ids == module.padding_idx)[:, :, None], 0.0)
     return {"weight": OuterProductSum(left=ids, right=g, rows=module.num_embeddings)}
@@ -74,8 +70,8 @@ def layer_norm_rule(
 ) -> dict[str, PerExampleGradient]:
     """y = x̂ ⊙ γ + β (Ba et al. 2016):  G_i(γ) = Σ_t ∂y_t ⊙ x̂_t,  G_i(β) = Σ_t ∂y_t."""
     shape = module.normalized_shape
-    x_hat = torch.nn.functional.layer_norm(_float(x), shape, eps=module.eps)
-    g = _float(grad_out)
+    x_hat = torch.nn.functional.layer_norm(wide(x), shape, eps=module.eps)
+    g = wide(grad_out)
     reduce = tuple(range(1, g.dim() - len(shape)))
     parts: dict[str, PerExampleGradient] = {}
     if module.weight is not None:
@@ -103,8 +99,8 @@ def rms_norm_rule(
     shape, like = getattr(weight, "ds_shape", weight.shape), {"dtype": weight.dtype, "device": weight.device}
     with_zero = _forward_with_weight(module, torch.zeros(shape, **like), x)
     x_hat = with_zero if with_zero.any() else _forward_with_weight(module, torch.ones(shape, **like), x)
-    g = _float(grad_out)
-    return {"weight": Materialised((g * _float(x_hat)).reshape(g.shape[0], -1, g.shape[-1]).sum(dim=1))}
+    g = wide(grad_out)
+    return {"weight": Materialised((g * wide(x_hat)).reshape(g.shape[0], -1, g.shape[-1]).sum(dim=1))}
 
 
 def is_rms_norm(module: nn.Module) -> bool:
@@ -197,4 +193,4 @@ def functorch_per_example_grads(
     per_example = vmap(grad(objective), in_dims=(None, arg_dims, 0, 0))(
         params, list(args), batched_kwargs, [grad_outputs[i] for i in used]
     )
-    return {name: Materialised(_float(per_example[name])) for name in params}
+    return {name: Materialised(wide(per_example[name])) for name in params}

@@ -38,7 +38,7 @@ from hf_dp.clipping.per_example import (
     OuterProductSum,
     PerExampleGradient,
     combined_squared_norm,
-    wide_bmm,
+    gram,
 )
 from hf_dp.clipping.tail import LayerCall, Tail, TailBoundary, keep_form
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
@@ -49,7 +49,7 @@ class TapOptions:
     """What the norm pass keeps beside the norms: ``probe`` the first step's projections (``direction``),
     ``keep_gradients`` each example's explicit gradient (few trainable weights: LoRA), ``keep_tail`` what the
     weighted pass needs to skip the model's tail (tail.py), reaching down over the last checkpointed layers while
-    their B per-example gradients take at most ``tail_bytes`` (the first step), or over exactly the
+    their B per-example gradients take at most ``tail_floats`` floats (the first step), or over exactly the
     ``tail_layers`` the first step checked (later steps). ``tail_checked_by_grad``: the first step checks
     the tail with ``autograd.grad`` (through a framework, checks.tail_separable), which a reentrant checkpoint
     refuses, so under one the tail reaches down over no layer."""
@@ -57,7 +57,7 @@ class TapOptions:
     probe: bool = False
     keep_gradients: bool = False
     keep_tail: bool = False
-    tail_bytes: int = 0
+    tail_floats: int = 0
     tail_layers: int | None = None
     tail_checked_by_grad: bool = False
 
@@ -71,7 +71,7 @@ class _AgainstIds:
         self.right = part.right
 
     def inner(self, embedding: OuterProductSum) -> torch.Tensor:
-        return (self.gram * wide_bmm(self.right, embedding.right.transpose(1, 2))).sum(dim=(1, 2))
+        return (self.gram * gram(self.right, embedding.right)).sum(dim=(1, 2))
 
 
 class NormCollector:
@@ -191,10 +191,10 @@ class NormCollector:
 
     @contextlib.contextmanager
     def watching(self, layers: Sequence[nn.Module]) -> Iterator[None]:
-        """During the forward (``tail_bytes`` > 0): note each call of a checkpointed layer and watch its input, a
+        """During the forward (``tail_floats`` > 0): note each call of a checkpointed layer and watch its input, a
         candidate for the tail's boundary."""
         options = self.options
-        if not (options.keep_tail and (options.tail_bytes or options.tail_layers) and layers):
+        if not (options.keep_tail and (options.tail_floats or options.tail_layers) and layers):
             yield
             return
 
@@ -218,8 +218,8 @@ class NormCollector:
 
     def deepen(self) -> None:
         """After the forward, before the backward: reach the tail down over the last checkpointed layers, each called
-        once with a differentiable input: the first step over those whose B per-example gradients (``kept_bytes``)
-        fit ``tail_bytes``, later steps over the ``tail_layers`` it checked (a loss term on a hidden state between
+        once with a differentiable input: the first step over those whose B per-example gradients
+        (``explicit_floats``) fit ``tail_floats``, later steps over the ``tail_layers`` it checked (a loss term on a hidden state between
         two boundaries would be exact at one and not the other)."""
         calls = self._layer_calls
         reachable = len({id(c.boundary.module) for c in calls}) == len(calls) and not (
@@ -227,11 +227,11 @@ class NormCollector:
         )
         reached, kept = [], 0
         for call in reversed(calls if reachable else []):
-            size = sum(self.kept_bytes(m) for m in call.boundary.module.modules() if m in self.owned)
+            size = sum(self.explicit_floats(m) for m in call.boundary.module.modules() if m in self.owned)
             if self.options.tail_layers is not None:
                 fits = len(reached) < self.options.tail_layers
             else:
-                fits = kept + size <= self.options.tail_bytes
+                fits = kept + size <= self.options.tail_floats
             if not call.differentiable or not fits:
                 break
             kept += size
@@ -248,13 +248,12 @@ class NormCollector:
         if self._boundary is not None:
             self._boundary[1].wanted = False
 
-    def kept_bytes(self, module: nn.Module) -> int:
+    def explicit_floats(self, module: nn.Module) -> int:
         """The budget's measure of what a tail keeps of a module's per-example gradients: B explicit gradients of
-        its parameters (float32 or wider). Kept as factors where those are smaller (tail.keep_form), they are not
-        counted smaller: at 8 x 1024, T 256 that raised the peak to 1.12x the stock step's for 3% of its time
+        its parameters. Kept as factors where those are smaller (tail.keep_form), they are not counted smaller: at
+        8 x 1024, T 256 that raised the peak to 1.12x the stock step's for 3% of its time
         (benchmarks/results/archive/llm_memory_ckpt_cpu_8x1024_T256_B4_factors_counted.md)."""
-        numel = sum(getattr(module, name).numel() for name in self.owned[module])
-        return self.squared.shape[0] * self.squared.element_size() * numel
+        return self.squared.shape[0] * sum(getattr(module, name).numel() for name in self.owned[module])
 
     def in_tail(self, module: nn.Module, call: int) -> bool:
         """Whether a use belongs to the tail: by its number in the first forward, or (a reentrant checkpoint's
