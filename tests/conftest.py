@@ -20,6 +20,9 @@ import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 hf_logging.set_verbosity_error()
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n 2 (the README's command): one core per worker
+    os.environ["OMP_NUM_THREADS"] = "1"  # and per process it launches
+    torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*bos_token_id.*")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -30,8 +33,16 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+# The longest files (about half of the suite's time on 2 cores) go first, so pytest -n 2 --dist loadfile starts
+# them at once and fills the rest in around them.
+LONGEST_FIRST = ("test_distributed.py", "test_audit.py", "test_crash_safety.py")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests that read ../shared/data are marked ``requires_shared_data``; without the folder they skip (CI has it)."""
+    """The longest files first; tests that read ../shared/data are marked ``requires_shared_data``: without the
+    folder they skip (CI has it)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     for item in items:
         if "shared_data" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.requires_shared_data)

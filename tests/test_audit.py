@@ -29,6 +29,7 @@ from hf_dp.accounting import compute_epsilon
 from hf_dp.audit import audit_one_run, audit_step, bounds
 from hf_dp.audit.faults import fault
 from hf_dp.optim.registry import dp_optimizer_names
+from tests.ports import free_port
 from tests.trainer_utils import make_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +54,7 @@ def test_gaussian_dp_epsilon_matches_dp_accounting(mu, delta):
     from dp_accounting import GaussianDpEvent
     from dp_accounting.pld import PLDAccountant
 
-    accountant = PLDAccountant(value_discretization_interval=1e-5)
+    accountant = PLDAccountant(value_discretization_interval=1e-4)  # within 1e-8 of 1e-5's ε here, 10x faster
     accountant.compose(GaussianDpEvent(1 / mu))
     assert bounds.gaussian_epsilon(mu, delta) == pytest.approx(accountant.get_epsilon(delta), abs=2e-3)
 
@@ -317,7 +318,7 @@ def test_the_command_line_audits_two_processes(tmp_path, config, backend):
     a copy left stale would add the earlier trials' updates into later scores)."""
     audit_dir = tmp_path / "audit"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    port = str(29500 + os.getpid() % 150 + (0 if backend == "ddp" else 160))
+    port = str(free_port())
     command = [
         str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
         str(REPO / "recipes" / "configs" / config), "--main_process_port", port, "-m", "hf_dp.audit",

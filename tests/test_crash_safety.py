@@ -42,6 +42,7 @@ from hf_dp.checkpoint import (
     rotate,
 )
 from tests import models
+from tests.ports import free_port
 from tests.trainer_utils import TokenRows, make_trainer, snapshot
 
 # 32 examples, B̄ = 8: 4 steps per epoch, so 6 and 14 steps end inside an epoch (where the Trainer's resume
@@ -644,7 +645,7 @@ def _two_nodes(
 
 @pytest.mark.slow
 def test_two_nodes_killed_or_hung_at_random_moments_resume_like_the_uninterrupted_run(tmp_path):
-    rng, port, log = random.Random(KILL_SEED + 2), 29400 + os.getpid() % 300, tmp_path / "torchrun.log"
+    rng, port, log = random.Random(KILL_SEED + 2), free_port(), tmp_path / "torchrun.log"
     code, events, _, result, _ = _two_nodes(tmp_path / "reference", None, port, log)
     assert code == 0 and result and result.startswith("done "), (result, log.read_text()[-3000:])
     reference = json.loads(result.removeprefix("done "))
@@ -662,7 +663,7 @@ def test_two_nodes_killed_or_hung_at_random_moments_resume_like_the_uninterrupte
             "final": ("machine", f"save-end {DDP_STEPS}", 0.0),
         }[kind]
         resume = True if newest_complete(str(out)) else None
-        port += 1
+        port = free_port()
         code, events, killed_at, result, stopped = _two_nodes(directory, resume, port, log, kill)
         if killed_at is None or code == 0:
             assert code == 0 and result and result.startswith("done "), (

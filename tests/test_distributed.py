@@ -24,6 +24,7 @@ from hf_dp.checkpoint import COMPLETE_FILE, noise_state_file
 from hf_dp.distributed import check_deepspeed, check_deepspeed_config, check_fsdp, check_launched_world
 from hf_dp.optim.registry import dp_optimizer_names, scaled_geometry, shifted_evaluations
 from tests import models
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "distributed_worker.py")
@@ -211,11 +212,11 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 class Runs:
     """Runs the jobs of one launcher together, in one launch (the worker's --jobs), the first time any of them
-    is asked for: a launch spends ~10 s starting, a run ~1 s. Launches go one at a time (2 cores), each on its
-    own port."""
+    is asked for: a launch spends ~10 s starting, a run ~1 s. Launches go one at a time (2 cores), each on a
+    free port."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.port = root, 29700 + os.getpid() % 200
+        self.root = root
 
     def folder(self, name: str) -> Path:
         return self.root / name
@@ -240,24 +241,24 @@ class Runs:
             for name, (job_launcher, args) in JOBS.items()
             if job_launcher == launcher
         ]
-        self.port += 1
+        port = str(free_port())
         env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
         if launcher == "single":
             env.update(
-                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port)
+                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
             )
             command = [sys.executable]
         elif launcher.startswith("torchrun"):
-            command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(self.port)]
+            command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port]
         elif launcher == "two_nodes":  # one launcher per node, as on two machines
             command = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "multi_node.yaml")]
-            command += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(self.port)]
+            command += ["--main_process_ip", "127.0.0.1", "--main_process_port", port]
         elif launcher == "two_nodes_fsdp":
             command = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "2"]
-            command += ["--master_addr", "127.0.0.1", "--master_port", str(self.port)]
+            command += ["--master_addr", "127.0.0.1", "--master_port", port]
         else:  # an accelerate config file from recipes/configs
             command = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / launcher)]
-            command += ["--main_process_port", str(self.port)]
+            command += ["--main_process_port", port]
         rank = "--machine_rank" if launcher == "two_nodes" else "--node_rank"
         nodes = [[rank, "0"], [rank, "1"]] if launcher.startswith("two_nodes") else [[]]
         logs = [(self.root / f"{launcher}{i}.log").open("w") for i in range(len(nodes))]

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 from scipy.optimize import brentq
+from scipy.special import ndtr
 from scipy.stats import beta, binom, norm
 
 # δ at which a claim is tested: the run's own δ and larger ones, where a threshold test with a few thousand
@@ -57,11 +58,13 @@ class ThresholdBound:
 
 
 def clopper_pearson(successes: np.ndarray | int, trials: int, alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    """One-sided (1 − alpha) Clopper–Pearson lower and upper limits of a binomial rate."""
-    k = np.asarray(successes, dtype=float)
+    """One-sided (1 − alpha) Clopper–Pearson lower and upper limits of a binomial rate (each distinct count's
+    beta quantiles computed once)."""
+    counts = np.asarray(successes, dtype=float)
+    k, inverse = np.unique(counts, return_inverse=True)
     low = np.where(k > 0, beta.ppf(alpha, np.maximum(k, 1), trials - k + 1), 0.0)
     high = np.where(k < trials, beta.ppf(1 - alpha, k + 1, np.maximum(trials - k, 1)), 1.0)
-    return low, high
+    return low[inverse].reshape(counts.shape), high[inverse].reshape(counts.shape)
 
 
 def _candidate_thresholds(*scores: np.ndarray) -> np.ndarray:
@@ -79,10 +82,15 @@ def _event_rates(without: np.ndarray, with_canary: np.ndarray, thresholds: np.nd
     return out_hits, in_hits
 
 
-def _bound(positive_hits, negative_hits, n: int, delta: float, alpha: float) -> np.ndarray:
-    """ε ≥ log((TPR_low − δ) / FPR_high), each limit at one-sided level alpha/2; 0 where nothing is shown."""
+def _limits(positive_hits, negative_hits, n: int, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """TPR_low and FPR_high, each at one-sided level alpha/2."""
     tpr_low, _ = clopper_pearson(positive_hits, n, alpha / 2)
     _, fpr_high = clopper_pearson(negative_hits, n, alpha / 2)
+    return tpr_low, fpr_high
+
+
+def _bound(tpr_low: np.ndarray, fpr_high: np.ndarray, delta: float) -> np.ndarray:
+    """ε ≥ log((TPR_low − δ) / FPR_high); 0 where nothing is shown."""
     with np.errstate(divide="ignore", invalid="ignore"):
         eps = np.log((tpr_low - delta) / fpr_high)
     return np.where(tpr_low > delta, np.maximum(eps, 0.0), 0.0)
@@ -107,10 +115,12 @@ def choose_event(
     n = min(len(without), len(with_canary))
     without, with_canary = without[:n], with_canary[:n]
     thresholds = _candidate_thresholds(without, with_canary)
+    claims = {delta: claimed(delta) for delta in deltas}
     best, best_margin = None, -math.inf
     for direction, positive_world, pos_hits, neg_hits in _orientations(without, with_canary, thresholds):
+        tpr_low, fpr_high = _limits(pos_hits, neg_hits, n, 1 - confidence)
         for delta in deltas:
-            margins = _bound(pos_hits, neg_hits, n, delta, 1 - confidence) - claimed(delta)
+            margins = _bound(tpr_low, fpr_high, delta) - claims[delta]
             i = int(np.argmax(margins))
             if margins[i] > best_margin:
                 best_margin = float(margins[i])
@@ -129,7 +139,7 @@ def evaluate_event(
     without, with_canary = without[:n], with_canary[:n]
     out_hits, in_hits = _event_rates(without, with_canary, np.array([event.threshold]), event.direction)
     pos, neg = (in_hits, out_hits) if event.positive_world == "with" else (out_hits, in_hits)
-    epsilon = float(_bound(pos, neg, n, event.delta, 1 - confidence)[0])
+    epsilon = float(_bound(*_limits(pos, neg, n, 1 - confidence), event.delta)[0])
     return ThresholdBound(
         epsilon=epsilon,
         delta=event.delta,
@@ -172,7 +182,7 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
         return 0.0
 
     def gap(eps: float) -> float:
-        return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2) - delta
+        return float(ndtr(-eps / mu + mu / 2) - math.exp(eps) * ndtr(-eps / mu - mu / 2)) - delta  # Φ = ndtr
 
     if gap(0.0) <= 0:
         return 0.0
