@@ -18,10 +18,11 @@ Numerical settings on top of Opacus' defaults:
   when calibrating) instead of Opacus' fixed 0.01, so small budgets are not swamped by a 0.01 additive
   error, and coarsens it when the discretisation grid would exceed 2**20 points (keeps calls < ~1 s).
   For eps below ~0.1 the grid cap makes the PRV bound a few percent loose; it is still an upper bound.
-* Calibration searches with ``epsilon_tolerance = min(0.005, 0.002 * target_epsilon)``.
+* Calibration finds σ with ``target − tolerance ≤ ε(σ) ≤ target``, ``tolerance = min(0.005, 0.002 · target)``
+  (Opacus' criterion), by regula falsi on (log σ, log ε) instead of Opacus' bisection: ~6 ε evaluations where
+  ``get_noise_multiplier`` takes ~16, which at 0.2–0.4 s per PRV evaluation is most of a run's start-up.
 
-PRV is registered in Opacus' accountant registry under ``"hf_dp.prv"`` so that
-``get_noise_multiplier`` can drive it.
+PRV is registered in Opacus' accountant registry under ``"hf_dp.prv"``.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import functools
 import math
 import numbers
 import warnings
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
-from opacus.accountants import PRVAccountant, RDPAccountant, register_accountant
+from opacus.accountants import PRVAccountant, RDPAccountant, create_accountant, register_accountant
 from opacus.accountants.analysis.prv import Domain
-from opacus.accountants.utils import get_noise_multiplier
 
 __all__ = [
     "AccountantName",
@@ -59,7 +60,9 @@ _PRV_MIN_EPS_ERROR = 1e-7
 _PRV_MAX_EPS_ERROR = 0.5  # Opacus' safe-domain heuristic is only validated for eps_error < 1
 _PRV_MAX_GRID = 2**20  # discretisation points; cost is dominated by an FFT of this size
 _CALIBRATION_TOLERANCE = 0.005  # Opacus' epsilon_tolerance (absolute), tightened for small targets
-_PRV_MECHANISM_KEY = "hf_dp.prv"  # registry key of the PRV accountant below (for get_noise_multiplier)
+_PRV_MECHANISM_KEY = "hf_dp.prv"  # registry key of the PRV accountant below
+_MAX_SIGMA = 1e6  # a budget that needs more noise than this cannot be met (Opacus' limit)
+_MIN_SIGMA = 1e-4  # the search stops halving here (where δ ≥ q, ε stays 0 as σ → 0)
 
 History = list[tuple[float, float, int]]
 
@@ -243,6 +246,57 @@ def _check_target_epsilon(target_epsilon: float) -> float:
 # ---------------------------------------------------------------- public API
 
 
+def _smallest_sigma(epsilon_of: Callable[[float], float], target: float, tolerance: float) -> float | None:
+    """A σ with ``target − tolerance ≤ ε(σ) ≤ target`` (None if even σ = 1e6 spends more than ``target``).
+
+    ε(σ) falls smoothly as σ grows. A bracket ε(lo) > target ≥ ε(hi) is found by doubling or halving from σ = 1,
+    then narrowed by regula falsi on (log σ, log ε) with the Illinois step (Dowell & Jarratt 1971), which halves
+    the kept end's value when the same end is kept twice, so that neither end stalls. ``hi`` always spends at
+    most ``target``, so whatever the search returns meets the budget; the tolerance only decides how tight.
+    """
+
+    def log_ratio(epsilon: float) -> float:
+        return (
+            math.log(epsilon / target)
+            if 0 < epsilon < math.inf
+            else math.copysign(math.inf, epsilon - target)
+        )
+
+    lo, hi = 1.0, 1.0
+    e_hi = epsilon_of(hi)
+    if e_hi > target:
+        e_lo = e_hi
+        while e_hi > target:
+            lo, e_lo, hi = hi, e_hi, hi * 2
+            if hi > _MAX_SIGMA:
+                return None
+            e_hi = epsilon_of(hi)
+    else:
+        e_lo = e_hi
+        while e_lo <= target:
+            if target - e_lo <= tolerance or lo < _MIN_SIGMA:
+                return lo
+            hi, e_hi, lo = lo, e_lo, lo / 2
+            e_lo = epsilon_of(lo)
+    f_lo, f_hi, kept = log_ratio(e_lo), log_ratio(e_hi), 0
+    for _ in range(100):
+        if target - e_hi <= tolerance:
+            break
+        x_lo, x_hi = math.log(lo), math.log(hi)
+        x = (x_lo * f_hi - x_hi * f_lo) / (f_hi - f_lo) if math.isfinite(f_lo - f_hi) else (x_lo + x_hi) / 2
+        width = x_hi - x_lo
+        x = min(max(x, x_lo + 1e-3 * width), x_hi - 1e-3 * width)  # strictly inside the bracket
+        sigma = math.exp(x)
+        epsilon = epsilon_of(sigma)
+        if epsilon > target:
+            lo, f_lo = sigma, log_ratio(epsilon)
+            f_hi, kept = (f_hi / 2 if kept == -1 else f_hi), -1
+        else:
+            hi, e_hi, f_hi = sigma, epsilon, log_ratio(epsilon)
+            f_lo, kept = (f_lo / 2 if kept == 1 else f_lo), 1
+    return hi
+
+
 def calibrate_noise_multiplier(
     target_epsilon: float,
     target_delta: float,
@@ -252,11 +306,10 @@ def calibrate_noise_multiplier(
 ) -> float:
     """Smallest noise multiplier sigma with eps(sigma, q, steps, delta) <= target_epsilon.
 
-    Math: binary search of ``opacus.accountants.utils.get_noise_multiplier`` over the chosen
-    accountant (RDP: Mironov 2017, Mironov, Talwar, Zhang 2019; PRV: Gopi, Lee, Wutschitz 2021)
-    with ``epsilon_tolerance = min(0.005, 0.002 * target_epsilon)``, so the returned sigma spends
-    between ``target_epsilon - tolerance`` and ``target_epsilon`` (PRV: minus its eps_error too).
-    Takes ~10-20 epsilon evaluations: typically < 1 s with RDP (a few s at q=0.5), 2-8 s with PRV.
+    Math: the σ of ``_smallest_sigma`` over the chosen accountant (RDP: Mironov 2017, Mironov, Talwar, Zhang
+    2019; PRV: Gopi, Lee, Wutschitz 2021) with ``tolerance = min(0.005, 0.002 * target_epsilon)``, so the returned
+    sigma spends between ``target_epsilon - tolerance`` and ``target_epsilon`` (PRV: minus its eps_error too).
+    Takes ~5-8 epsilon evaluations: well under 1 s with RDP, 1-3 s with PRV.
     """
     accountant = _check_accountant(accountant)
     target_epsilon = _check_target_epsilon(target_epsilon)
@@ -266,32 +319,24 @@ def calibrate_noise_multiplier(
 
     kwargs: dict[str, Any]
     if accountant == "rdp":
-        kwargs = {"accountant": "rdp", "alphas": list(RDP_ORDERS)}
+        meter, kwargs = create_accountant("rdp"), {"alphas": list(RDP_ORDERS)}
     else:
-        kwargs = {
-            "accountant": _PRV_MECHANISM_KEY,
-            "min_eps_error": _PRV_CALIBRATION_RELATIVE_ERROR * target_epsilon,
-            "too_large": "inf",
-        }
-    try:
+        meter = create_accountant(_PRV_MECHANISM_KEY)
+        kwargs = {"min_eps_error": _PRV_CALIBRATION_RELATIVE_ERROR * target_epsilon, "too_large": "inf"}
+
+    def epsilon_of(sigma: float) -> float:
+        meter.history = [(sigma, sample_rate, steps)]
         with warnings.catch_warnings():  # Opacus' "optimal order is the largest alpha" while searching
             warnings.simplefilter("ignore")
-            sigma = get_noise_multiplier(
-                target_epsilon=target_epsilon,
-                target_delta=target_delta,
-                sample_rate=sample_rate,
-                steps=steps,
-                epsilon_tolerance=min(_CALIBRATION_TOLERANCE, 0.002 * target_epsilon),
-                **kwargs,
-            )
-    except ValueError as exc:
-        if "privacy budget is too low" not in str(exc):
-            raise
+            return meter.get_epsilon(delta=target_delta, **kwargs)
+
+    sigma = _smallest_sigma(epsilon_of, target_epsilon, min(_CALIBRATION_TOLERANCE, 0.002 * target_epsilon))
+    if sigma is None:
         raise ValueError(
             f"the privacy budget (epsilon={target_epsilon:g}, delta={target_delta:g}) cannot be met for "
             f"sample_rate={sample_rate:g} and steps={steps} with any noise_multiplier; "
             "use fewer steps, a smaller sample rate, or a larger target_epsilon"
-        ) from None
+        )
     if accountant == "prv":
         # The search used a PRV eps_error at least as coarse as compute_epsilon's, so compute_epsilon agrees;
         # guarantee it, since a run calibrated here must not report more than target_epsilon at the end.
