@@ -19,7 +19,7 @@ Numerical settings on top of Opacus' defaults:
   error, and coarsens it when the discretisation grid would exceed 2**20 points (keeps calls < ~1 s).
   For eps below ~0.1 the grid cap makes the PRV bound a few percent loose; it is still an upper bound.
 * Calibration finds σ with ``target − tolerance ≤ ε(σ) ≤ target``, ``tolerance = min(0.005, 0.002 · target)``
-  (Opacus' criterion), by regula falsi on (log σ, log ε) instead of Opacus' bisection: ~6 ε evaluations where
+  (Opacus' criterion), by regula falsi on (log σ, log ε) instead of Opacus' bisection: 4-6 ε evaluations where
   ``get_noise_multiplier`` takes ~16, which at 0.2–0.4 s per PRV evaluation is most of a run's start-up.
 
 PRV is registered in Opacus' accountant registry under ``"hf_dp.prv"``.
@@ -262,17 +262,15 @@ def _smallest_sigma(epsilon_of: Callable[[float], float], target: float, toleran
             else math.copysign(math.inf, epsilon - target)
         )
 
-    lo, hi = 1.0, 1.0
-    e_hi = epsilon_of(hi)
+    lo = hi = 1.0
+    e_lo = e_hi = epsilon_of(1.0)
     if e_hi > target:
-        e_lo = e_hi
         while e_hi > target:
             lo, e_lo, hi = hi, e_hi, hi * 2
             if hi > _MAX_SIGMA:
                 return None
             e_hi = epsilon_of(hi)
     else:
-        e_lo = e_hi
         while e_lo <= target:
             if target - e_lo <= tolerance or lo < _MIN_SIGMA:
                 return lo
@@ -309,7 +307,7 @@ def calibrate_noise_multiplier(
     Math: the σ of ``_smallest_sigma`` over the chosen accountant (RDP: Mironov 2017, Mironov, Talwar, Zhang
     2019; PRV: Gopi, Lee, Wutschitz 2021) with ``tolerance = min(0.005, 0.002 * target_epsilon)``, so the returned
     sigma spends between ``target_epsilon - tolerance`` and ``target_epsilon`` (PRV: minus its eps_error too).
-    Takes ~5-8 epsilon evaluations: well under 1 s with RDP, 1-3 s with PRV.
+    Takes ~4-8 epsilon evaluations: under 1 s with RDP, 1.5-4 s with PRV (benchmarks/calibration_speed.py).
     """
     accountant = _check_accountant(accountant)
     target_epsilon = _check_target_epsilon(target_epsilon)

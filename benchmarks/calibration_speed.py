@@ -1,0 +1,140 @@
+"""σ calibration: hf_dp's bracketed search against Opacus' bisection (``get_noise_multiplier``), same accountant,
+same tolerance (hf_dp.accounting.calibrate_noise_multiplier).
+
+Both search for σ with target − tolerance ≤ ε(σ) ≤ target, tolerance = min(0.005, 0.002·target), over the same
+PRV (or RDP) accountant; each ε evaluation costs 0.1–0.7 s with PRV, so the count of evaluations is the time. Every
+case times both in interleaved rounds (benchmarks/_timing.py) and reports paired and min-time ratios, the σ each
+returns and the ε that σ spends.
+
+    .venv/bin/python benchmarks/calibration_speed.py     # writes benchmarks/results/calibration_speed.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+if (
+    str(_REPO_ROOT) not in sys.path
+):  # this checkout's hf_dp and benchmarks (Opacus installs a "benchmarks" too)
+    sys.path.insert(0, str(_REPO_ROOT))
+
+from benchmarks._timing import (  # noqa: E402  (first: it sets the offline environment)
+    Variant,
+    environment,
+    fmt,
+    interleaved,
+    paired_ratios,
+    timing_summary,
+    write_result,
+)
+
+# isort: split
+
+from hf_dp.accounting import (  # noqa: E402
+    _CALIBRATION_TOLERANCE,
+    _PRV_CALIBRATION_RELATIVE_ERROR,
+    _PRV_MECHANISM_KEY,
+    RDP_ORDERS,
+    calibrate_noise_multiplier,
+    compute_epsilon,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# (accountant, target ε, δ, q, steps): the trainer tests' shapes, a typical fine-tune, a tight and a loose budget
+CASES = [
+    ("prv", 3.0, 32**-1.1, 0.25, 6),
+    ("prv", 4.0, 64**-1.1, 0.25, 3),
+    ("prv", 8.0, 1e-5, 0.01, 1000),
+    ("prv", 1.0, 1e-5, 0.01, 1000),
+    ("prv", 30.0, 1e-5, 0.5, 10),
+    ("rdp", 8.0, 1e-5, 0.01, 1000),
+    ("rdp", 3.0, 1e-6, 0.1, 100),
+]
+
+
+def opacus_sigma(accountant: str, target: float, delta: float, q: float, steps: int) -> float:
+    """Opacus' bisection over the same accountant and tolerance that hf_dp's search uses."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    if accountant == "rdp":
+        kwargs = {"accountant": "rdp", "alphas": list(RDP_ORDERS)}
+    else:
+        kwargs = {
+            "accountant": _PRV_MECHANISM_KEY,
+            "min_eps_error": _PRV_CALIBRATION_RELATIVE_ERROR * target,
+            "too_large": "inf",
+        }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_noise_multiplier(
+            target_epsilon=target,
+            target_delta=delta,
+            sample_rate=q,
+            steps=steps,
+            epsilon_tolerance=min(_CALIBRATION_TOLERANCE, 0.002 * target),
+            **kwargs,
+        )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / "calibration_speed.json")
+    args = parser.parse_args(argv)
+    rows = []
+    for accountant, target, delta, q, steps in CASES:
+        case = (target, delta, q, steps)
+        variants = {
+            "hf_dp": Variant("hf_dp", step=lambda c=case, a=accountant: calibrate_noise_multiplier(*c, a)),
+            "opacus": Variant("opacus", step=lambda c=case, a=accountant: opacus_sigma(a, *c)),
+        }
+        print(f"{accountant} ε={target} δ={delta:.3g} q={q} steps={steps}", flush=True)
+        interleaved(variants, args.rounds, warmup=1)
+        sigmas = {name: variant.first_loss for name, variant in variants.items()}
+        rows.append(
+            {
+                "accountant": accountant,
+                "target_epsilon": target,
+                "delta": delta,
+                "sample_rate": q,
+                "steps": steps,
+                "sigma": sigmas,
+                "epsilon_spent": {
+                    name: compute_epsilon(sigma, q, steps, delta, accountant)
+                    for name, sigma in sigmas.items()
+                },
+                "times": {name: timing_summary(variant) for name, variant in variants.items()},
+                "hf_dp_over_opacus": paired_ratios(variants["hf_dp"].times, variants["opacus"].times),
+            }
+        )
+    result = {"environment": environment(), "rounds": args.rounds, "cases": rows}
+    write_result(args.out, result)
+    lines = [
+        "# σ calibration: hf_dp's bracketed search vs Opacus' bisection",
+        "",
+        f"`benchmarks/calibration_speed.py`, {args.rounds} interleaved rounds per case, {result['environment']['date']}.",
+        "",
+        "| accountant | ε | δ | q | steps | hf_dp s | Opacus s | ratio (paired) | ratio (min) | σ hf_dp | σ Opacus |"
+        " ε spent hf_dp | ε spent Opacus |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        ratio = row["hf_dp_over_opacus"] or {}
+        lines.append(
+            f"| {row['accountant']} | {row['target_epsilon']:g} | {row['delta']:.3g} | {row['sample_rate']:g} | "
+            f"{row['steps']} | {fmt(row['times']['hf_dp']['median_s'], '.2f')} | "
+            f"{fmt(row['times']['opacus']['median_s'], '.2f')} | {fmt(ratio.get('paired_median'), '.2f')} | "
+            f"{fmt(ratio.get('min_time'), '.2f')} | {row['sigma']['hf_dp']:.5f} | {row['sigma']['opacus']:.5f} | "
+            f"{row['epsilon_spent']['hf_dp']:.4f} | {row['epsilon_spent']['opacus']:.4f} |"
+        )
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    main()
