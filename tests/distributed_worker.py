@@ -149,6 +149,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--fsdp", action="store_true", help="FSDP2 (fully_shard) through the Trainer's fsdp args"
     )
+    parser.add_argument(
+        "--fsdp_unit",
+        action="append",
+        default=[],
+        help="a module class FSDP2 also shards as a unit of its own (transformer_layer_cls_to_wrap)",
+    )
     parser.add_argument("--lora", action="store_true", help="peft LoRA (r 4) on every linear layer")
     parser.add_argument(
         "--tail_share",
@@ -246,7 +252,7 @@ def run(cli: argparse.Namespace) -> None:
         bf16=cli.bf16,
         fsdp_config={
             "version": 2,
-            "transformer_layer_cls_to_wrap": [LAYERS[cli.model]],
+            "transformer_layer_cls_to_wrap": [LAYERS[cli.model], *cli.fsdp_unit],
             "activation_checkpointing": cli.fsdp_checkpointing,
         }
         if cli.fsdp

@@ -463,12 +463,16 @@ def test_later_steps_reach_down_over_the_layers_the_first_step_checked(monkeypat
     def loss_fn(module, batch):
         return per_example_loss(module, batch) + model.auxiliary
 
-    references = [models.brute_force(model, batch, max_norm=0.05, loss_fn=loss_fn)[0] for batch in (small, large)]
+    references = [
+        models.brute_force(model, batch, max_norm=0.05, loss_fn=loss_fn)[0] for batch in (small, large)
+    ]
     model.activation_checkpointing_enable({"use_reentrant": False})
     strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
     for batch, reference in zip((small, large), references, strict=True):
         mask = torch.ones(batch["input_ids"].shape[0])
-        ours = step_sums(strategy, model, lambda module, batch=batch: loss_fn(module, batch), mask, StepPlan(0.05))
+        ours = step_sums(
+            strategy, model, lambda module, batch=batch: loss_fn(module, batch), mask, StepPlan(0.05)
+        )
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
     assert strategy.skips_tail and strategy.tail_layers == 2
 
@@ -485,12 +489,19 @@ class _AuxiliaryLoss(_UserCheckpointed):
         return self.head(h)
 
 
-@pytest.mark.parametrize("backend", [Backend(checkpointing=True), Backend(zero_stage=1, checkpointing=True)])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        Backend(checkpointing=True),
+        Backend(zero_stage=1, checkpointing=True),
+        Backend(fsdp=True, checkpointing=True),
+    ],
+)
 def test_a_loss_that_reaches_the_body_outside_the_tail_keeps_the_whole_weighted_pass(
     backend: Backend,
 ) -> None:
-    """In one process the first step compares the two weighted passes; through ZeRO-1 it checks the tail without a
-    second backward (checks.tail_separable): both find the term and keep the whole pass."""
+    """In one process the first step compares the two weighted passes; through ZeRO-1 and FSDP2 it checks the tail
+    without a second backward (checks.tail_separable): each finds the term and keeps the whole pass."""
     torch.manual_seed(0)
     model = _AuxiliaryLoss(None).double()
 
@@ -563,15 +574,16 @@ def test_the_replayed_weighted_pass_draws_the_norm_pass_dropout_masks(
     assert max((other[n] - whole[n]).norm() for n in other) > 1e-6
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize(("framework", "reentrant"), [("zero2", False), ("zero2", True), ("fsdp2", False)])
 @pytest.mark.parametrize("name", ["llama", "gpt2_tied"])
-def test_through_zero2_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(
-    name: str, reentrant: bool
+def test_through_zero2_and_fsdp2_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(
+    name: str, framework: str, reentrant: bool
 ) -> None:
-    """DeepSpeed ZeRO-1/2 back-propagates what the step hands it. After a first step that checks the tail without a
-    second backward (checks.tail_separable), the step hands it W·(⟨h, spread(c) ⊙ ∂ΣL/∂h⟩ + Σ_p ⟨p, Σ_i c_i G_i⟩)
-    from a forward that stops at the tail and replays the layers: the LM head runs once a step, each checkpointed
-    layer three times, and its gradient is brute force's clipped sum (× W, which the framework's mean removes)."""
+    """DeepSpeed ZeRO-1/2 and FSDP2 back-propagate what the step hands it. After a first step that checks the tail
+    without a second backward (checks.tail_separable), the step hands it W·(⟨h, spread(c) ⊙ ∂ΣL/∂h⟩ + Σ_p ⟨p,
+    Σ_i c_i G_i⟩) from a forward that stops at the tail and replays the layers: the LM head runs once a step, each
+    checkpointed layer three times, and its gradient is brute force's clipped sum (× W, which the framework's mean
+    removes). (FSDP2's norm pass differentiates towards its taps only, which reentrant checkpointing refuses.)"""
     build, make_batch = MODELS[name]
     model = build().double().train()
     batch = make_batch()
@@ -583,9 +595,11 @@ def test_through_zero2_the_weighted_pass_skips_the_lm_head_after_the_checked_fir
     model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(None))
     layer = model.model.layers[0] if name == "llama" else model.transformer.h[0]
     layer.mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(None))
-    backend = Backend(world_size=2, zero_stage=2, checkpointing=True)
+    sharded = framework == "fsdp2"
+    backend = Backend(world_size=2, zero_stage=None if sharded else 2, fsdp=sharded, checkpointing=True)
     (first, second), strategy = framework_steps(model, batch, max_norm, backend, steps=2)
-    assert strategy.skips_tail
+    assert strategy.skips_tail and strategy.replays
+    assert strategy.tail_layers == 0 or not sharded  # FSDP2: a layer above h would stay sharded
     # step 1: norm pass, the check's forward, the whole weighted pass (3 heads); step 2: the norm pass's only
     assert len(head_calls) == 4
     # step 1: the norm pass's forward and recomputation, the check's forward, the whole pass's forward and
@@ -595,26 +609,22 @@ def test_through_zero2_the_weighted_pass_skips_the_lm_head_after_the_checked_fir
     assert_close(second, reference, rtol=1e-9, floor=1e-6)
 
 
-@pytest.mark.parametrize(("stage", "reentrant"), [(3, False), (3, True), (None, False)])
-def test_zero3_and_fsdp2_keep_the_tail_and_fsdp2_replays_the_layers(
-    stage: int | None, reentrant: bool
-) -> None:
-    """Their tail parameters are sharded outside the forward, so the tail term linear in p cannot be formed: the
-    weighted pass keeps the head. Under FSDP2, after a first step that compared each layer's output with the norm
-    pass's, it replays them (a layer runs three times a step instead of four); ZeRO-3 runs them (a replayed layer
-    would gather its weights once more). The sum is brute force's. (FSDP2's norm pass differentiates towards its
-    taps only, which reentrant checkpointing does not allow.)"""
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_zero3_keeps_the_tail_and_runs_the_layers(reentrant: bool) -> None:
+    """ZeRO-3 gathers each module's weights only inside it, so the tail term linear in p cannot be formed: the
+    weighted pass keeps the head, and runs the layers (a replayed layer would gather its weights once more). The sum
+    is brute force's."""
     model = models.llama().double().train()
     batch = models.token_batch()
     reference, _ = models.brute_force(model, batch, max_norm=0.05)
     model.activation_checkpointing_enable({"use_reentrant": reentrant})
-    backend = Backend(world_size=1, zero_stage=stage, fsdp=stage is None, checkpointing=True)
+    backend = Backend(world_size=1, zero_stage=3, checkpointing=True)
     mlp_calls = []
     model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(None))
     sums, strategy = framework_steps(model, batch, 0.05, backend)
     assert strategy.skips_tail is None and not strategy.framework_may_skip_tail
-    assert strategy.replays is (True if stage is None else None)
-    assert len(mlp_calls) == 4 + (3 if stage is None else 4)
+    assert strategy.replays is None
+    assert len(mlp_calls) == 4 + 4
     for ours in sums:
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
 

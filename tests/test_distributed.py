@@ -146,6 +146,16 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "fsdp2_llama": ("torchrun_fsdp", ("--fsdp", "--model", "llama")),
     "fsdp2_checkpointing": ("torchrun_fsdp", ("--fsdp", "--checkpointing", "non_reentrant")),
     "fsdp2_fsdp_checkpointing": ("torchrun_fsdp", ("--fsdp", "--fsdp_checkpointing")),
+    "fsdp2_checkpointing_llama": (
+        "torchrun_fsdp",
+        ("--fsdp", "--checkpointing", "non_reentrant", "--model", "llama"),
+    ),
+    # the LM head a unit of its own: sharded again after its forward, so its tail term cannot be formed
+    "fsdp2_checkpointing_head_unit": (
+        "torchrun_fsdp",
+        ("--fsdp", "--checkpointing", "non_reentrant", "--model", "llama", "--fsdp_unit", "Linear"),
+    ),
+    "fsdp2_bf16_checkpointing": ("torchrun_fsdp", ("--fsdp", "--bf16", "--checkpointing", "non_reentrant")),
     "fsdp2_bf16": ("torchrun_fsdp", ("--fsdp", "--bf16")),
     "fsdp2_lora": ("torchrun_fsdp", ("--fsdp", "--model", "llama", "--lora")),
     "fsdp2_clean": ("torchrun_fsdp", ("--fsdp", "--snapshot_step", "1")),
@@ -244,9 +254,7 @@ class Runs:
         port = str(free_port())
         env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
         if launcher == "single":
-            env.update(
-                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
-            )
+            env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
             command = [sys.executable]
         elif launcher.startswith("torchrun"):
             command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", port]
@@ -364,7 +372,8 @@ def test_two_processes_match_one_process_without_noise(runs, name, distributed_t
     assert run["checkpointing"] == ("--checkpointing" in JOBS[name][1])
     assert run["checkpoint_wrapped"] == ("--fsdp_checkpointing" in JOBS[name][1])
     assert run["norms_in_backward"] == (run["checkpointing"] or distributed_type == "FSDP")
-    if run["checkpointing"] and distributed_type != "FSDP" and (stage or 0) <= 2:
+    checkpointed = run["checkpointing"] or run["checkpoint_wrapped"]
+    if checkpointed and (distributed_type == "FSDP" or (stage or 0) <= 2):
         assert run["skips_tail"] is True  # after the checked first step the weighted pass skips the tied head
     else:
         assert not run["skips_tail"]
@@ -492,6 +501,22 @@ def test_fsdp2_matches_one_process_without_noise(runs, model):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "skips_tail"), [("fsdp2_checkpointing_llama", True), ("fsdp2_checkpointing_head_unit", False)]
+)
+def test_fsdp2_skips_the_tail_only_where_its_parameters_stay_unsharded(runs, name, skips_tail):
+    """With checkpointing, FSDP2's weighted pass skips Llama's untied head and final norm, whose weights the root
+    holds unsharded from its forward to its backward. With the head a unit of its own (sharded again after its
+    forward, never gathered by a forward that stops before it) the first step's check refuses the skip, and the
+    whole pass runs. Both equal one process."""
+    out = runs(name)
+    run = assert_world(out, "FSDP")
+    assert run["sharded"] and run["checkpointing"]
+    assert run["skips_tail"] is skips_tail and run["replays"] is True and run["tail_layers"] == 0
+    assert relative_difference(out / "final.pt", runs("reference_llama") / "final.pt") < 1e-4
+
+
+@pytest.mark.slow
 def test_fsdp2_through_accelerate_launch_matches_one_process(runs):
     """`accelerate launch` with recipes/configs/fsdp2.yaml (the script sets no fsdp argument) shards as well."""
     out = runs("fsdp2_accelerate")
@@ -501,12 +526,16 @@ def test_fsdp2_through_accelerate_launch_matches_one_process(runs):
 
 
 @pytest.mark.slow
-def test_fsdp2_bf16_mixed_precision_is_applied_and_close_to_float32(runs):
+@pytest.mark.parametrize("name", ["fsdp2_bf16", "fsdp2_bf16_checkpointing"])
+def test_fsdp2_bf16_mixed_precision_is_applied_and_close_to_float32(runs, name):
     """bf16=True under FSDP2 becomes FSDP's MixedPrecisionPolicy (bf16 compute over float32 sharded weights and
     gradients, noise in float32): the update is the float32 one-process update up to bf16 rounding (measured
-    0.45%), and not equal to it (the policy is applied, not silently dropped as accelerate does on CPU)."""
-    out = runs("fsdp2_bf16")
-    assert assert_world(out, "FSDP")["sharded"]
+    0.45%), and not equal to it (the policy is applied, not silently dropped as accelerate does on CPU). With
+    checkpointing the weighted pass skips the tail in bf16 too."""
+    out = runs(name)
+    run = assert_world(out, "FSDP")
+    assert run["sharded"]
+    assert run["skips_tail"] is ("checkpointing" in name)
     torch.manual_seed(0)  # the worker's model
     start = dict(models.gpt2().named_parameters())
     initial = torch.cat([start[name].detach().flatten() for name in sorted(start)])

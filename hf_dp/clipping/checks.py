@@ -159,15 +159,20 @@ def tail_separable(
     losses_of: LossFn,
     factors: torch.Tensor,
     units: PrivacyUnits | None,
-    params: Sequence[nn.Parameter],
+    params: Callable[[], Sequence[nn.Parameter]],
     low_precision: bool,
 ) -> bool:
     """Whether the body's backward from h plus the tail's Σ_i c_i G_i is the whole weighted pass (tail.py), checked
     without writing ``.grad`` (a framework's backward cannot run twice): with h cut to a leaf, Σ_i c_i L_i must
     reach no parameter but the tail's, which get Σ_i c_i G_i, and its gradient at h must be spread(c) ⊙
-    ∂(Σ_j L_j)/∂h. Same dropout masks as the norm pass (the caller replays its random state)."""
+    ∂(Σ_j L_j)/∂h. Same dropout masks as the norm pass (the caller replays its random state). ``params``: the
+    clipped parameters as the modules hold them after the forward; every tail parameter must be among them (FSDP2:
+    unsharded still), or the linear term the weighted pass forms would reach an object no backward reads."""
     losses, hidden = forward_from_leaf(tail.boundary, lambda: losses_of(module))
-    trainable = [p for p in params if p.requires_grad]
+    trainable = [p for p in params() if p.requires_grad]
+    tail_sums = {id(param): total for param, total in tail.clipped_sums(factors).items()}
+    if not tail_sums.keys() <= {id(p) for p in trainable}:
+        return False
     weighted = (factors.detach().to(losses.dtype) * losses).sum()
     try:
         found = torch.autograd.grad(weighted, [hidden, *trainable], allow_unused=True)
@@ -177,9 +182,9 @@ def tail_separable(
     hidden_gradient = found[0] if found[0] is not None else torch.zeros_like(at_hidden)
     if not sums_match([hidden], {id(hidden): hidden_gradient}, {id(hidden): at_hidden}, low_precision):
         return False
-    tail_sums = {id(param): total for param, total in tail.clipped_sums(factors).items()}
     autograd_sums = dict(zip([id(p) for p in trainable], found[1:], strict=True))
-    return sums_match(trainable, tail_sums, autograd_sums, low_precision)
+    reached = [p for p in trainable if id(p) in tail_sums or autograd_sums[id(p)] is not None]
+    return sums_match(reached, tail_sums, autograd_sums, low_precision)
 
 
 def check_engine_sum(

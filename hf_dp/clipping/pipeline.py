@@ -163,9 +163,11 @@ class ClippedStep:
 
     @property
     def framework_may_skip_tail(self) -> bool:
-        """The tail skip through a framework needs the norms from a backward and whole parameters (ZeRO-1/2): its
-        tail term is linear in each tail parameter (sum_passes.BodyThroughFramework)."""
-        return self.framework_has_whole_parameters and self.norms_in_backward
+        """The tail skip through a framework needs the norms from a backward and each tail parameter whole where the
+        weighted pass forms its linear term (sum_passes.BodyThroughFramework): always under ZeRO-1/2; under FSDP2 in
+        the root's group, which stays unsharded from its forward to its backward (the first step checks that every
+        tail parameter is, checks.tail_separable). Not ZeRO-3, which gathers each module's weights only inside it."""
+        return (self.framework_has_whole_parameters or self.owner == "sharded") and self.norms_in_backward
 
     def _need(self, plan: StepPlan, batch: Batch) -> Need:
         if not plan.single_evaluation:
@@ -217,8 +219,13 @@ def _tail_options(step: ClippedStep, **options: bool) -> TapOptions:
 
 def _framework_tail(step: ClippedStep) -> TapOptions:
     """Through ZeRO-1/2 the norm pass keeps the tail as in one process; the first step checks it with
-    ``autograd.grad``."""
-    return _tail_options(step, tail_checked_by_grad=True) if step.framework_may_skip_tail else TapOptions()
+    ``autograd.grad``. Under FSDP2 the tail reaches down over no layer: a layer above h never runs in the weighted
+    pass's forward, so its weights stay sharded there."""
+    if not step.framework_may_skip_tail:
+        return TapOptions()
+    if step.owner == "sharded":
+        return TapOptions(keep_tail=True, tail_layers=0, tail_checked_by_grad=True)
+    return _tail_options(step, tail_checked_by_grad=True)
 
 
 # (owner, norms inside a backward, need) → (how the norms are obtained, how the clipped sum is written)
@@ -281,8 +288,14 @@ TABLE: dict[tuple[Owner, bool, Need], Parts] = {
         _framework(s, m),
     ),
     ("sharded", True, "first step"): lambda s, m: (
-        TappedNorms(s.engine, s.module, taps_only=True, finite_losses=False, record_layers=True),
-        WeightedThroughFramework(m, s.backend.world_size, layers="compare"),
+        TappedNorms(
+            s.engine, s.module, _framework_tail(s), taps_only=True, finite_losses=False, record_layers=True
+        ),
+        WeightedThroughFramework(m, s.backend.world_size, TailCheck(s.engine, s.module), "compare"),
+    ),
+    ("sharded", True, "body"): lambda s, m: (
+        TappedNorms(s.engine, s.module, _framework_tail(s), taps_only=True, finite_losses=False),
+        BodyThroughFramework(m, s.backend.world_size, bool(s.replays), _framework(s, m)),
     ),
     ("sharded", True, "whole"): lambda s, m: (
         TappedNorms(s.engine, s.module, taps_only=True, finite_losses=False, record_layers=bool(s.replays)),

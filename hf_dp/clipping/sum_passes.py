@@ -7,7 +7,7 @@
 - ``WeightedBackward``: ∇(Σ_i c_i L_i) back-propagated through the bare module into ``.grad``.
 - ``WeightedThroughFramework``: W·Σ_i c_i L_i handed to the framework (DeepSpeed, FSDP2), which averages the
   gradients over its W processes, so its backward leaves each process its part of the plain Σ_i c_i g_i.
-- ``BodyThroughFramework``: the same without the tail and with the checkpointed layers replayed (ZeRO-1/2).
+- ``BodyThroughFramework``: the same without the tail and with the checkpointed layers replayed (ZeRO-1/2, FSDP2).
 - ``PartsThroughFramework``: ``FactoredSum`` or ``KeptSum`` handed to the framework as a term linear in each
   parameter (ZeRO-0/1/2): one pass.
 
@@ -200,7 +200,7 @@ class TailCheck:
             losses_of,
             factors,
             batch.units,
-            self.engine.parameters,
+            lambda: self.engine.parameters,
             found.collector.low_precision,
         )
 
@@ -246,8 +246,9 @@ class WeightedThroughFramework:
 
 @dataclass(frozen=True)
 class BodyThroughFramework:
-    """``BodySum`` for a framework whose backward must write the gradients (DeepSpeed ZeRO-1/2, whole parameters):
-    the wrapped model's forward stops at h (checkpointed layers replayed), and the Trainer back-propagates
+    """``BodySum`` for a framework whose backward must write the gradients (DeepSpeed ZeRO-1/2, whole parameters;
+    FSDP2, whose root group holds the tail's unsharded until the backward's end): the wrapped model's forward stops
+    at h (checkpointed layers replayed), and the Trainer back-propagates
 
         W·(⟨h, spread(c) ⊙ ∂(Σ_j L_j)/∂h⟩ + Σ_p ⟨p, Σ_i c_i G_i^p⟩),
 
