@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import warnings
@@ -68,6 +69,14 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if "shared_data" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.requires_shared_data)
+
+
+def pytest_collection_finish(session) -> None:
+    """What the imports and the collection made lives for the whole run: freeze it out of the garbage collector's
+    sweeps. Every ``Trainer.train`` (accelerate's ``free_memory``) and every full automatic collection would
+    otherwise walk its ~570k objects, 0.6 s a time."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture

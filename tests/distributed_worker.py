@@ -331,6 +331,7 @@ def main() -> None:
     argv = sys.argv[1:]
     jobs = json.loads(argv[1]) if argv[:1] == ["--jobs"] else [argv]
     failed = False
+    gc.freeze()  # the imports live as long as the process: no collection walks them (conftest.py)
     for job in jobs:
         cli = parser().parse_args(job)
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import json
 import logging
 import os
@@ -706,6 +707,8 @@ def test_two_nodes_killed_or_hung_at_random_moments_resume_like_the_uninterrupte
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
+    gc.freeze()  # the imports live as long as the process: no collection walks them (conftest.py)
     _zygote()
 elif __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    gc.freeze()
     _worker(json.loads(sys.argv[2]))
