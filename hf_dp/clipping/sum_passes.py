@@ -273,6 +273,11 @@ class BodyThroughFramework:
             (hidden * gradient.to(hidden.dtype)).sum() if hidden.requires_grad else hidden.new_zeros(())
         )
         for param, total in tail.clipped_sums(factors).items():
+            if not param.untyped_storage().nbytes():  # FSDP2 freed it: the first step saw it unsharded
+                raise RuntimeError(
+                    "a tail weight the first step found unsharded is sharded again in the weighted pass (its FSDP "
+                    "unit's reshard_after_forward changed?): keep reshard_after_forward as it was at the first step"
+                )
             surrogate = surrogate + (param * total.to(param.dtype)).sum()
         tail.parts.clear()  # the sums are formed: the per-example gradients may go before the backward
         return MicroStep(found.losses.detach(), surrogate * self.world_size)
