@@ -155,6 +155,11 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="a module class FSDP2 also shards as a unit of its own (transformer_layer_cls_to_wrap)",
     )
+    parser.add_argument(
+        "--fsdp_keep_unsharded",
+        action="store_true",
+        help="FSDP2's reshard_after_forward=False: each unit keeps its weights unsharded from forward to backward",
+    )
     parser.add_argument("--lora", action="store_true", help="peft LoRA (r 4) on every linear layer")
     parser.add_argument(
         "--tail_share",
@@ -254,6 +259,7 @@ def run(cli: argparse.Namespace) -> None:
             "version": 2,
             "transformer_layer_cls_to_wrap": [LAYERS[cli.model], *cli.fsdp_unit],
             "activation_checkpointing": cli.fsdp_checkpointing,
+            "reshard_after_forward": not cli.fsdp_keep_unsharded,
         }
         if cli.fsdp
         else None,

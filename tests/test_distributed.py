@@ -150,10 +150,18 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
         "torchrun_fsdp",
         ("--fsdp", "--checkpointing", "non_reentrant", "--model", "llama"),
     ),
-    # the LM head a unit of its own: sharded again after its forward, so its tail term cannot be formed
+    # the LM head a unit of its own, sharded again after its forward
     "fsdp2_checkpointing_head_unit": (
         "torchrun_fsdp",
         ("--fsdp", "--checkpointing", "non_reentrant", "--model", "llama", "--fsdp_unit", "Linear"),
+    ),
+    # the final norm a unit of its own that keeps its weights unsharded after its forward
+    "fsdp2_checkpointing_norm_unit": (
+        "torchrun_fsdp",
+        (
+            *("--fsdp", "--checkpointing", "non_reentrant", "--model", "llama"),
+            *("--fsdp_unit", "LlamaRMSNorm", "--fsdp_keep_unsharded"),
+        ),
     ),
     "fsdp2_bf16_checkpointing": ("torchrun_fsdp", ("--fsdp", "--bf16", "--checkpointing", "non_reentrant")),
     "fsdp2_bf16": ("torchrun_fsdp", ("--fsdp", "--bf16")),
@@ -502,17 +510,18 @@ def test_fsdp2_matches_one_process_without_noise(runs, model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "skips_tail"), [("fsdp2_checkpointing_llama", True), ("fsdp2_checkpointing_head_unit", False)]
+    "name", ["fsdp2_checkpointing_llama", "fsdp2_checkpointing_head_unit", "fsdp2_checkpointing_norm_unit"]
 )
-def test_fsdp2_skips_the_tail_only_where_its_parameters_stay_unsharded(runs, name, skips_tail):
-    """With checkpointing, FSDP2's weighted pass skips Llama's untied head and final norm, whose weights the root
-    holds unsharded from its forward to its backward. With the head a unit of its own (sharded again after its
-    forward, never gathered by a forward that stops before it) the first step's check refuses the skip, and the
-    whole pass runs. Both equal one process."""
+def test_fsdp2_skips_the_tail_wherever_its_weights_are_sharded(runs, name):
+    """With checkpointing, FSDP2's weighted pass skips Llama's untied head and final norm, writing their clipped
+    sums into the unsharded weights' gradients, which FSDP2 reduce-scatters at the end of the backward. Also where
+    the head is an FSDP unit of its own, which a forward stopped at h never gathers (its weight's storage is freed
+    there, and nothing reads it), and where the final norm is a unit of its own that keeps its weights after its
+    forward. All equal one process."""
     out = runs(name)
     run = assert_world(out, "FSDP")
     assert run["sharded"] and run["checkpointing"]
-    assert run["skips_tail"] is skips_tail and run["replays"] is True and run["tail_layers"] == 0
+    assert run["skips_tail"] is True and run["replays"] is True and run["tail_layers"] == 0
     assert relative_difference(out / "final.pt", runs("reference_llama") / "final.pt") < 1e-4
 
 

@@ -166,13 +166,11 @@ def tail_separable(
     without writing ``.grad`` (a framework's backward cannot run twice): with h cut to a leaf, Σ_i c_i L_i must
     reach no parameter but the tail's, which get Σ_i c_i G_i, and its gradient at h must be spread(c) ⊙
     ∂(Σ_j L_j)/∂h. Same dropout masks as the norm pass (the caller replays its random state). ``params``: the
-    clipped parameters as the modules hold them after the forward; every tail parameter must be among them (FSDP2:
-    unsharded still), or the linear term the weighted pass forms would reach an object no backward reads."""
+    clipped parameters as the modules hold them after the forward; with them, the tail's parameters as its uses
+    held them (FSDP2: the unsharded ones, which its backward gathers again where they were freed)."""
     losses, hidden = forward_from_leaf(tail.boundary, lambda: losses_of(module))
-    trainable = [p for p in params() if p.requires_grad]
-    tail_sums = {id(param): total for param, total in tail.clipped_sums(factors).items()}
-    if not tail_sums.keys() <= {id(p) for p in trainable}:
-        return False
+    tail_sums = tail.clipped_sums(factors)
+    trainable = list({id(p): p for p in [*params(), *tail_sums] if p.requires_grad}.values())
     weighted = (factors.detach().to(losses.dtype) * losses).sum()
     try:
         found = torch.autograd.grad(weighted, [hidden, *trainable], allow_unused=True)
@@ -183,8 +181,11 @@ def tail_separable(
     if not sums_match([hidden], {id(hidden): hidden_gradient}, {id(hidden): at_hidden}, low_precision):
         return False
     autograd_sums = dict(zip([id(p) for p in trainable], found[1:], strict=True))
-    reached = [p for p in trainable if id(p) in tail_sums or autograd_sums[id(p)] is not None]
-    return sums_match(reached, tail_sums, autograd_sums, low_precision)
+    ours = {id(p): total for p, total in tail_sums.items()}
+    compared = [
+        p for p in trainable if id(p) in ours or autograd_sums[id(p)] is not None
+    ]  # the others: both 0
+    return sums_match(compared, ours, autograd_sums, low_precision)
 
 
 def check_engine_sum(

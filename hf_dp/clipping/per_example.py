@@ -281,7 +281,8 @@ def clipped_total(param: torch.Tensor, weighted: Sequence[Weighted], factors: to
     """Σ_e w_e Σ_i c_i G_i^e of one parameter as a fresh tensor, float32 or wider, without the examples whose c_i
     is 0 (0 · inf would be nan)."""
     dropped = factors == 0
-    like = param.detach().to(torch.promote_types(param.dtype, torch.float32))
+    # the parameter's shape and device in float32 or wider, its data unread (FSDP2 frees an unsharded weight's)
+    like = param.new_empty((), dtype=torch.promote_types(param.dtype, torch.float32)).expand(param.shape)
     total = None
     with torch.no_grad():
         for weight, part in weighted:

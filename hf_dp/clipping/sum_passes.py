@@ -26,7 +26,13 @@ from typing import Literal, Protocol
 import torch
 from torch import nn
 
-from hf_dp.clipping.checks import TOLERANCES, check_projections, projections, sums_match, tail_separable
+from hf_dp.clipping.checks import (
+    TOLERANCES,
+    check_projections,
+    projections,
+    sums_match,
+    tail_separable,
+)
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import replay_rng
 from hf_dp.clipping.loss_scale import LossScale
@@ -246,19 +252,21 @@ class WeightedThroughFramework:
 
 @dataclass(frozen=True)
 class BodyThroughFramework:
-    """``BodySum`` for a framework whose backward must write the gradients (DeepSpeed ZeRO-1/2, whole parameters;
-    FSDP2, whose root group holds the tail's unsharded until the backward's end): the wrapped model's forward stops
-    at h (checkpointed layers replayed), and the Trainer back-propagates
-
-        W·(⟨h, spread(c) ⊙ ∂(Σ_j L_j)/∂h⟩ + Σ_p ⟨p, Σ_i c_i G_i^p⟩),
-
-    whose gradient is W times the body's part of Σ_i c_i g_i plus the tail parameters' Σ_i c_i G_i (each a term
-    linear in p); the framework's mean over its W processes leaves the plain sum."""
+    """``BodySum`` for a framework whose backward must write the gradients: the wrapped model's forward stops at h
+    (checkpointed layers replayed), and the Trainer back-propagates W·⟨h, spread(c) ⊙ ∂(Σ_j L_j)/∂h⟩, the body's
+    part of Σ_i c_i g_i times W, while the tail parameters get W·Σ_i c_i G_i; the framework's mean over its W
+    processes leaves the plain sum. DeepSpeed ZeRO-1/2 (whole parameters, reduced by hooks on their gradient
+    accumulation) takes those as terms of the loss, Σ_p ⟨p, W·Σ_i c_i G_i^p⟩, each linear in p. FSDP2
+    (``tail_into_grad``) takes them in the ``.grad`` of the unsharded parameters the norm pass saw, written
+    before the backward: it reduce-scatters a unit's unsharded gradients when its part of the backward ends, and
+    those of units the stopped forward never reached in its end-of-backward callback; no tail weight is read (its
+    storage may be freed)."""
 
     model: nn.Module  # as the framework wrapped it
     world_size: int
     replay: bool  # the checkpointed layers return the norm pass's outputs (checked by the first step)
     whole: WeightedThroughFramework  # when the norm pass found no tail
+    tail_into_grad: bool = False
 
     def __call__(
         self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
@@ -273,12 +281,14 @@ class BodyThroughFramework:
             (hidden * gradient.to(hidden.dtype)).sum() if hidden.requires_grad else hidden.new_zeros(())
         )
         for param, total in tail.clipped_sums(factors).items():
-            if not param.untyped_storage().nbytes():  # FSDP2 freed it: the first step saw it unsharded
-                raise RuntimeError(
-                    "a tail weight the first step found unsharded is sharded again in the weighted pass (its FSDP "
-                    "unit's reshard_after_forward changed?): keep reshard_after_forward as it was at the first step"
-                )
-            surrogate = surrogate + (param * total.to(param.dtype)).sum()
+            if not self.tail_into_grad:
+                surrogate = surrogate + (param * total.to(param.dtype)).sum()
+                continue
+            total = (total * self.world_size).to(param.dtype)
+            if param.grad is None:
+                param.grad = total
+            else:
+                param.grad.add_(total)
         tail.parts.clear()  # the sums are formed: the per-example gradients may go before the backward
         return MicroStep(found.losses.detach(), surrogate * self.world_size)
 
