@@ -182,9 +182,8 @@ def tail_separable(
         return False
     autograd_sums = dict(zip([id(p) for p in trainable], found[1:], strict=True))
     ours = {id(p): total for p, total in tail_sums.items()}
-    compared = [
-        p for p in trainable if id(p) in ours or autograd_sums[id(p)] is not None
-    ]  # the others: both 0
+    # every tail parameter and every one autograd reached (the others are 0 on both sides)
+    compared = [p for p in trainable if id(p) in ours or autograd_sums[id(p)] is not None]
     return sums_match(compared, ours, autograd_sums, low_precision)
 
 

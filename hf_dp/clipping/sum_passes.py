@@ -26,13 +26,7 @@ from typing import Literal, Protocol
 import torch
 from torch import nn
 
-from hf_dp.clipping.checks import (
-    TOLERANCES,
-    check_projections,
-    projections,
-    sums_match,
-    tail_separable,
-)
+from hf_dp.clipping.checks import TOLERANCES, check_projections, projections, sums_match, tail_separable
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import replay_rng
 from hf_dp.clipping.loss_scale import LossScale

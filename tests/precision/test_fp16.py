@@ -93,10 +93,8 @@ def test_fp16_lora_with_checkpointing_is_exact_in_the_one_pass_step_too(monkeypa
     forwards = []
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
         assert relative_error(ours, reference) < TOLERANCE
-    assert forwards == [
-        3,
-        1,
-    ]  # the first also checks the tail reaching down over the layers (a third forward)
+    # the first also checks the tail reaching down over the layers (a third forward)
+    assert forwards == [3, 1]
 
 
 class _TwoLayers(nn.Module):
