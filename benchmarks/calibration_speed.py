@@ -1,5 +1,5 @@
 """σ calibration: hf_dp's bracketed search against Opacus' bisection (``get_noise_multiplier``), same accountant,
-same tolerance (hf_dp.accounting.calibrate_noise_multiplier).
+same tolerance (hf_dp.accounting.calibrate_noise_multiplier), each from an empty RDP memo.
 
 Both search for σ with target − tolerance ≤ ε(σ) ≤ target, tolerance = min(0.005, 0.002·target), over the same
 PRV (or RDP) accountant; each ε evaluation costs 0.1–0.7 s with PRV, so the count of evaluations is the time. Every
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +40,7 @@ from hf_dp.accounting import (  # noqa: E402
     _PRV_CALIBRATION_RELATIVE_ERROR,
     _PRV_MECHANISM_KEY,
     RDP_ORDERS,
+    _rdp_of_one_step,
     calibrate_noise_multiplier,
     compute_epsilon,
 )
@@ -80,6 +82,17 @@ def opacus_sigma(accountant: str, target: float, delta: float, q: float, steps: 
         )
 
 
+def cold(search: Callable[[], float]) -> Callable[[], float]:
+    """``search`` from an empty RDP memo (hf_dp.accounting memoises each (σ, q)'s RDP vector): every round then
+    pays for its evaluations as a fresh run's calibration does."""
+
+    def run() -> float:
+        _rdp_of_one_step.cache_clear()
+        return search()
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -89,8 +102,10 @@ def main(argv: list[str] | None = None) -> dict:
     for accountant, target, delta, q, steps in CASES:
         case = (target, delta, q, steps)
         variants = {
-            "hf_dp": Variant("hf_dp", step=lambda c=case, a=accountant: calibrate_noise_multiplier(*c, a)),
-            "opacus": Variant("opacus", step=lambda c=case, a=accountant: opacus_sigma(a, *c)),
+            "hf_dp": Variant(
+                "hf_dp", step=cold(lambda c=case, a=accountant: calibrate_noise_multiplier(*c, a))
+            ),
+            "opacus": Variant("opacus", step=cold(lambda c=case, a=accountant: opacus_sigma(a, *c))),
         }
         print(f"{accountant} ε={target} δ={delta:.3g} q={q} steps={steps}", flush=True)
         interleaved(variants, args.rounds, warmup=1)

@@ -9,12 +9,16 @@ import dp_accounting
 import pytest
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
-from opacus.accountants import PRVAccountant
+from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV
 
 from hf_dp.accounting import (
+    RDP_ORDERS,
     PrivacyAccountant,
+    _epsilon,
     _fft_length,
     _PRVAccountant,
+    _safe_domain,
     _smallest_sigma,
     calibrate_noise_multiplier,
     compute_epsilon,
@@ -77,6 +81,27 @@ def test_prv_grid_changes_do_not_change_opacus_answer():
     stock.history, ours.history = list(history), list(history)
     expected = stock.get_epsilon(1e-5, eps_error=0.01)
     assert ours.get_epsilon(1e-5, eps_error=0.01) == pytest.approx(expected, rel=1e-7)
+
+
+@pytest.mark.parametrize(
+    "history",
+    [[(1.0, 0.01, 300)], [(1.0, 0.01, 300), (0.8, 0.02, 201)], [(0.5, 1.0, 3)], [(3.0, 1e-4, 10_000)]],
+)
+def test_the_memoised_rdp_and_safe_domain_are_opacus_own(history):
+    # The RDP vector of one step is memoised and scaled by the step count: ε must be exactly what Opacus'
+    # RDPAccountant computes, and the PRV safe domain exactly the one Opacus' PRVAccountant builds.
+    stock = RDPAccountant()
+    stock.history = list(history)
+    for delta in (1e-5, 1e-3):
+        expected = stock.get_epsilon(delta, alphas=list(RDP_ORDERS))
+        assert _epsilon("rdp", history, delta) == expected
+        assert _epsilon("rdp", history, delta) == expected  # again, from the memo
+    prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in history]
+    steps = [k for _, _, k in history]
+    for eps_error, delta_error in ((0.01, 1e-8), (0.5, 1e-9)):
+        ours = _safe_domain(prvs, steps, eps_error, delta_error)
+        opacus = PRVAccountant()._get_domain(prvs, steps, eps_error, delta_error)
+        assert (ours.t_min, ours.t_max, ours.size) == (opacus.t_min, opacus.t_max, opacus.size)
 
 
 def test_prv_is_tighter_than_rdp():
