@@ -625,6 +625,8 @@ class Cell:
     info: dict[str, Any] = field(default_factory=dict)
     keep: list[Any] = field(default_factory=list)
     report: Callable[[], dict[str, Any]] | None = None  # the DPTrainer's privacy_report
+    weighted_pass: Callable[[], dict[str, Any]] | None = None  # what DP's first-step checks left on
+    layer_runs: list[int] = field(default_factory=lambda: [0])  # forwards of the first layer's q_proj
 
     def retire(self, error: str) -> None:
         self.error, self.step = error, None
@@ -688,6 +690,7 @@ def timed_step(cell: Cell, device: str) -> float | None:
 
 def _cell_info(cell: Cell, model: nn.Module) -> None:
     cell.info["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    count_layer_runs(cell, model)
     cell.info["checkpointing_active"] = is_checkpointing(model)
     dtype_probe(model, cell.info)
 
@@ -734,7 +737,40 @@ def build_dp(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cel
     cell.info["clipping_strategy"] = type(strategy).__name__ if strategy is not None else None
     cell.info["norms_in_backward"] = getattr(strategy, "norms_in_backward", None)
     cell.report = trainer.privacy_report
+    cell.weighted_pass = lambda: weighted_pass(strategy)
     return cell
+
+
+def weighted_pass(strategy: Any) -> dict[str, Any]:
+    """What the first step's checks left on for the weighted pass: the tail skip and how many checkpointed layers
+    the tail reaches down over (None where the strategy has no such pass)."""
+    return {key: getattr(strategy, key, None) for key in ("skips_tail", "tail_layers")}
+
+
+def weighted_pass_text(cell: dict[str, Any]) -> str:
+    """The tail skip, and how many times a step the first layer's q_proj ran: 2 in the stock checkpointed step
+    (forward, recomputation), 3 in DP's with the layers replayed, 4 without."""
+    runs = cell.get("layer_runs_per_step")
+    text = "-" if runs is None else f"layer runs {runs:g}×"
+    if cell.get("skips_tail") is not None:
+        below = cell.get("tail_layers")
+        reach = f"tail skipped ({below} layers below it)" if cell["skips_tail"] else "tail run"
+        text = f"{reach}; {text}"
+    return text
+
+
+def count_layer_runs(cell: Cell, model: nn.Module) -> None:
+    """Counts the forwards of the first decoder layer's q_proj (LoRA's wrapper of it under peft) in ``cell.layer_runs``."""
+    q_proj = next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn.q_proj"))
+
+    def counted(*_: Any) -> None:
+        cell.layer_runs[0] += 1
+
+    cell.keep.append(q_proj.register_forward_hook(counted))
+
+
+def layer_runs_per_step(cell: Cell, steps: int) -> dict[str, float | None]:
+    return {"layer_runs_per_step": cell.layer_runs[0] / steps if steps else None}
 
 
 def build_opacus(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
@@ -833,7 +869,7 @@ def run_setting(
         cells[name] = cell
         for _ in range(config.warmup):
             timed_step(cell, device)
-        cell.times, cell.transient = [], []
+        cell.times, cell.transient, cell.layer_runs[0] = [], [], 0
         cell.info["build_and_warmup_s"] = time.perf_counter() - start
         if cell.step is not None and device == "cuda":
             free_memory(device)
@@ -843,6 +879,10 @@ def run_setting(
         rotated = order[r % len(order) :] + order[: r % len(order)] if order else []
         for name in rotated:
             cells[name].times.append(timed_step(cells[name], device))
+    for cell in cells.values():
+        cell.info.update(layer_runs_per_step(cell, sum(1 for t in cell.times if t)))
+        if cell.weighted_pass is not None:
+            cell.info.update(cell.weighted_pass())
     result: dict[str, Any] = {
         "setting": asdict(s),
         "variants": {name: cell.summary() for name, cell in cells.items()},
@@ -868,7 +908,7 @@ def run_setting(
     }
     for cell in cells.values():
         cell.keep.clear()
-        cell.step = cell.report = None
+        cell.step = cell.report = cell.weighted_pass = None
     cells.clear()
     free_memory(device)
     return result
@@ -1268,9 +1308,13 @@ def run_profile(config: Config, record: Record) -> None:
                     )
                     for _ in range(config.warmup):
                         cell.step()
+                    cell.layer_runs[0] = 0
                     result[name] = profiled_step(cell, config.device)
+                result[name].update(layer_runs_per_step(cell, 1))
+                if cell.weighted_pass is not None:
+                    result[name].update(cell.weighted_pass())
                 cell.keep.clear()
-                cell.step = cell.report = None
+                cell.step = cell.report = cell.weighted_pass = None
             except Exception as exc:
                 traceback.print_exc()
                 result[name] = {"error": error_text(exc)}
@@ -1302,7 +1346,7 @@ def setting_lines(name: str, result: dict[str, Any]) -> str:
     for v, r in result["variants"].items():
         lines.append(
             f"  {v:7s} peak {_f(r['peak_mb'], '.0f')} MB, median {_f(r['median_s'])} s, min {_f(r['min_s'])} s"
-            f"{'  ERROR ' + r['error'] if r['error'] else ''}"
+            f"; {weighted_pass_text(r)}{'  ERROR ' + r['error'] if r['error'] else ''}"
         )
     for v, why in result.get("skipped_variants", {}).items():
         lines.append(f"  {v:7s} skipped: {why}")
@@ -1322,7 +1366,8 @@ def profile_lines(name: str, result: dict[str, Any]) -> str:
             continue
         phases = ", ".join(f"{k.removeprefix('hf_dp.')} {v['device_ms']:.1f}" for k, v in r["phases"].items())
         lines.append(
-            f"  {variant}: wall {r['wall_s'] * 1e3:.1f} ms, device {r['device_total_ms']:.1f} ms; {phases}"
+            f"  {variant}: wall {r['wall_s'] * 1e3:.1f} ms, device {r['device_total_ms']:.1f} ms; {phases}; "
+            f"{weighted_pass_text(r)}"
         )
         lines += [
             f"    {op['self_device_ms']:8.2f} ms  x{op['count']:<4d} {op['op']}" for op in r["top_ops"][:8]
@@ -1367,14 +1412,16 @@ def table(data: dict[str, Any]) -> str:
             "",
             f"## {key}: peak MB (resident + step transient) and step seconds",
             "",
-            "| setting | variant | peak MB | median s | min s | first loss | vs stock: peak | time (paired) | error |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| setting | variant | peak MB | median s | min s | first loss | vs stock: peak | time (paired) | "
+            "passes | error |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         if section.get("skipped"):
-            lines.append(f"| - | - | - | - | - | - | - | - | skipped: {section['skipped']} |")
+            lines.append(f"| - | - | - | - | - | - | - | - | - | skipped: {section['skipped']} |")
         for name, r in section["settings"].items():
             if r.get("skipped") or r.get("error"):
-                lines.append(f"| {name} | - | - | - | - | - | - | - | {r.get('skipped') or r.get('error')} |")
+                why = r.get("skipped") or r.get("error")
+                lines.append(f"| {name} | - | - | - | - | - | - | - | - | {why} |")
                 continue
             for v, c in r["variants"].items():
                 rt = r["ratios"].get(f"{v}_vs_stock", {})
@@ -1382,12 +1429,12 @@ def table(data: dict[str, Any]) -> str:
                 lines.append(
                     f"| {name} | {v} | {_f(c['peak_mb'], '.0f')} | {_f(c['median_s'])} | {_f(c['min_s'])} | "
                     f"{_f(c['first_loss'], '.4f')} | {_f(rt.get('peak'), '.2f')} | "
-                    f"{_f(rt.get('time_paired_median'), '.2f')} | {error} |"
+                    f"{_f(rt.get('time_paired_median'), '.2f')} | {weighted_pass_text(c)} | {error} |"
                 )
             for v, why in r.get("skipped_variants", {}).items():
-                lines.append(f"| {name} | {v} | - | - | - | - | - | - | skipped: {why} |")
+                lines.append(f"| {name} | {v} | - | - | - | - | - | - | - | skipped: {why} |")
         if section.get("error"):
-            lines.append(f"| - | - | - | - | - | - | - | - | section error: {section['error']} |")
+            lines.append(f"| - | - | - | - | - | - | - | - | - | section error: {section['error']} |")
     qlora_exact = data["qlora"].get("exactness") or {}
     if qlora_exact:
         lines += [
@@ -1431,7 +1478,8 @@ def table(data: dict[str, Any]) -> str:
                 )
                 ops = "; ".join(f"{op['op']} {op['self_device_ms']:.1f}" for op in r["top_ops"][:6])
                 lines.append(
-                    f"| {name} | {variant} | {r['wall_s'] * 1e3:.1f} | {r['device_total_ms']:.1f} | {phases} | {ops} |"
+                    f"| {name} | {variant} | {r['wall_s'] * 1e3:.1f} | {r['device_total_ms']:.1f} | {phases}; "
+                    f"{weighted_pass_text(r)} | {ops} |"
                 )
     if data["errors"]:
         lines += ["", "Section errors: " + "; ".join(f"{e['section']}: {e['error']}" for e in data["errors"])]

@@ -167,6 +167,12 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="hf_dp.clipping.pipeline.DEEP_TAIL_SHARE: how far the checkpointed weighted pass's tail reaches down",
     )
+    parser.add_argument(
+        "--kept_share",
+        type=float,
+        default=None,
+        help="hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE: when LoRA's kept gradients replace the weighted pass",
+    )
     parser.add_argument("--bf16", action="store_true", help="bf16 (DeepSpeed's bf16 section, or autocast)")
     parser.add_argument("--noise_mechanism", default="independent")
     parser.add_argument("--num_bands", default="auto")
@@ -204,10 +210,12 @@ def parser() -> argparse.ArgumentParser:
 
 def run(cli: argparse.Namespace) -> None:
     torch.manual_seed(0)
-    if cli.tail_share is not None:
-        import hf_dp.clipping.pipeline
+    import hf_dp.clipping.pipeline
 
+    if cli.tail_share is not None:
         hf_dp.clipping.pipeline.DEEP_TAIL_SHARE = cli.tail_share
+    if cli.kept_share is not None:
+        hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE = cli.kept_share
     if cli.model == "llama":
         model = models.llama()
     else:

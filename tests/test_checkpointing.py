@@ -405,6 +405,34 @@ def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: 
     assert_close(second, reference, rtol=1e-9, floor=1e-6)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_frozen_head_is_skipped_from_the_last_layers_output(monkeypatch, reentrant: bool) -> None:
+    """LoRA whose kept gradients do not fit and whose tail reaches down over no layer: no clipped parameter is used
+    after the last checkpointed layer, so the tail starts at that layer's output. After the checked first step the
+    frozen head runs once a step (the norm pass), the layers are replayed, and the sum is brute force's."""
+    monkeypatch.setattr("hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE", 0.0)
+    monkeypatch.setattr("hf_dp.clipping.pipeline._tail_floats", lambda engine: 0)
+    torch.manual_seed(0)
+    model = llama_lora().double().train()
+    batch = models.token_batch()
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
+    base = unwrap_model(model)
+    base.activation_checkpointing_enable({"use_reentrant": reentrant})
+    head_calls, mlp_calls, forwards = [], [], []
+    base.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(len(forwards)))
+    base.model.layers[-1].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(len(forwards)))
+    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
+    steps = checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards, steps=3)
+    for ours in steps:
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert strategy.skips_tail is True and strategy.tail_layers == 0
+    # later steps: the norm pass's forward and the weighted pass's, which stops before the head
+    assert forwards[1:] == [2, 2] and head_calls.count(1) == head_calls.count(2) == 1
+    assert mlp_calls.count(2) == 3  # forward, recomputation, and the replay's recomputation
+
+
 def _tail_reaches(monkeypatch, model: nn.Module, rows: int, layers: int) -> None:
     """Give the tail the budget of exactly ``layers`` of the model's (equal) layers' per-example gradients."""
     numel = sum(p.numel() for p in model.model.layers[0].parameters())

@@ -121,6 +121,18 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ddp_users": ("torchrun", ("--users",)),
     "ddp_checkpointing": ("torchrun", ("--checkpointing", "non_reentrant")),
     "ddp_checkpointing_deep_tail": ("torchrun", ("--checkpointing", "non_reentrant", "--tail_share", "1e9")),
+    # LoRA whose kept gradients do not fit and whose tail reaches over no layer: the tail starts at the last layer
+    "ddp_checkpointing_lora": (
+        "torchrun",
+        (
+            "--model",
+            "llama",
+            "--lora",
+            "--checkpointing",
+            "non_reentrant",
+            *("--kept_share", "0", "--tail_share", "0"),
+        ),
+    ),
     "zero1": ("torchrun", ("--zero", "1")),
     "zero2_bf16": ("torchrun", ("--zero", "2", "--bf16")),
     "zero2_disk": ("torchrun", ("--zero", "2", "--optimizer", "disk")),
@@ -551,6 +563,17 @@ def test_fsdp2_bf16_mixed_precision_is_applied_and_close_to_float32(runs, name):
     ours = flat(out / "final.pt") - initial
     reference = flat(runs("reference") / "final.pt") - initial
     assert 1e-4 < ((ours - reference).norm() / reference.norm()).item() < 2e-2
+
+
+@pytest.mark.slow
+def test_ddp_lora_with_checkpointing_skips_the_frozen_head_and_matches_one_process(runs):
+    """No clipped parameter after the last checkpointed layer (LoRA's frozen final norm and head): after the checked
+    first step the weighted pass stops at that layer's output and replays the layers, and the adapters still take
+    the one-process steps."""
+    reference, out = runs("reference_lora"), runs("ddp_checkpointing_lora")
+    run = assert_world(out, "MULTI_CPU")
+    assert run["checkpointing"] and run["skips_tail"] is True and run["tail_layers"] == 0
+    assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
 
 
 @pytest.mark.slow

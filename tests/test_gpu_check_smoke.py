@@ -98,6 +98,16 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
             assert cell["peak_mb"] is None  # memory is measured on CUDA only
             assert cell["checkpointing_active"] == setting["setting"]["checkpointing"]
             assert cell["mlp_output_dtype"] == "bfloat16"
+        # what the first step's checks left on, and how often a layer runs a step: the stock step's forward (and
+        # recomputation); DP with checkpointing skips the tail and replays the layers (3 runs, not 4)
+        checkpointing = setting["setting"]["checkpointing"]
+        assert variants["stock"]["layer_runs_per_step"] == (2 if checkpointing else 1), name
+        for variant in ("dp", "dp_float32_factors"):
+            flags = {key: variants[variant][key] for key in ("skips_tail", "layer_runs_per_step")}
+            assert flags == {"skips_tail": True, "layer_runs_per_step": 3} if checkpointing else {
+                "skips_tail": None,
+                "layer_runs_per_step": 1,
+            }, (name, variant, flags)
         # the same seeded model and batch: the untrained loss agrees between the stock Trainer and DP
         assert abs(variants["stock"]["first_loss"] - variants["dp"]["first_loss"]) < 1e-3
         assert _finite_positive(setting["ratios"]["dp_vs_stock"]["time_paired_median"])
@@ -129,3 +139,6 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     phases = profiled["full-bf16-ckpt-B2-T16"]["dp"]["phases"]
     assert any(k.endswith("Norms") for k in phases) and any(k.endswith("Sum") for k in phases), phases
     assert "hf_dp.noise" in phases and not profiled["full-bf16-ckpt-B2-T16"]["stock"]["phases"]
+    assert profiled["full-bf16-ckpt-B2-T16"]["dp"]["skips_tail"] is True
+    assert profiled["full-bf16-ckpt-B2-T16"]["dp"]["layer_runs_per_step"] == 3
+    assert "tail skipped" in out.with_suffix(".md").read_text()

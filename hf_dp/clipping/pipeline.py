@@ -211,10 +211,14 @@ def _framework(step: ClippedStep, model: nn.Module) -> WeightedThroughFramework:
 
 def _tail_options(step: ClippedStep, **options: bool) -> TapOptions:
     """The norm pass keeps the tail: on the first step reaching down over as many layers as the budget allows,
-    on later steps over exactly those the first step checked."""
+    on later steps over exactly those the first step checked. In one process and DDP a tail without clipped
+    parameters (LoRA's frozen head) starts at the last checkpointed layer's output."""
+    at_exit = step.owner == "module"
     if step.first_step:
-        return TapOptions(keep_tail=True, tail_floats=_tail_floats(step.engine), **options)
-    return TapOptions(keep_tail=True, tail_layers=step.tail_layers, **options)
+        return TapOptions(
+            keep_tail=True, tail_floats=_tail_floats(step.engine), tail_at_exit=at_exit, **options
+        )
+    return TapOptions(keep_tail=True, tail_layers=step.tail_layers, tail_at_exit=at_exit, **options)
 
 
 def _framework_tail(step: ClippedStep) -> TapOptions:

@@ -35,13 +35,15 @@ from hf_dp.clipping.units import PrivacyUnits
 
 @dataclass
 class TailBoundary:
-    """The tail's input h: the input of its first module's ``call``-th call, and ∂(Σ_i L_i)/∂h from the norm pass
-    (kept only if ``wanted`` by the time the backward reaches h)."""
+    """The tail's input h: the input of its first module's ``call``-th call (``at_output``: the output of the last
+    checkpointed layer's call, where no clipped parameter follows it), and ∂(Σ_i L_i)/∂h from the norm pass (kept
+    only if ``wanted`` by the time the backward reaches h)."""
 
     module: nn.Module
     call: int
     gradient: torch.Tensor | None = None
     wanted: bool = True
+    at_output: bool = False
 
     def watch(self, hidden: torch.Tensor) -> None:
         """Keep h's gradient when the norm pass's backward reaches it."""
@@ -122,18 +124,39 @@ class _ReachedBoundary(Exception):
         self.hidden = hidden
 
 
-def forward_to(boundary: TailBoundary, forward: Callable[[], object]) -> torch.Tensor:
-    """Run ``forward`` until it calls the tail's first module (``boundary.call``-th time) and return that call's
-    input h, without running the tail."""
+def _hook_boundary(boundary: TailBoundary, swap: Callable[[torch.Tensor], torch.Tensor | None]):
+    """A hook on the boundary's module that hands h (its ``call``-th input, or output) to ``swap``, which may return
+    the tensor to go on with; returns the hook's handle."""
     calls = 0
 
-    def stop(module: nn.Module, args: tuple) -> None:
+    def counted() -> bool:
         nonlocal calls
         calls += 1
-        if calls == boundary.call:
-            raise _ReachedBoundary(args[0])
+        return calls == boundary.call
 
-    handle = boundary.module.register_forward_pre_hook(stop)
+    if boundary.at_output:
+
+        def after(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+            return swap(output) if counted() else None
+
+        return boundary.module.register_forward_hook(after)
+
+    def before(module: nn.Module, args: tuple) -> tuple | None:
+        if not counted():
+            return None
+        swapped = swap(args[0])
+        return None if swapped is None else (swapped, *args[1:])
+
+    return boundary.module.register_forward_pre_hook(before)
+
+
+def forward_to(boundary: TailBoundary, forward: Callable[[], object]) -> torch.Tensor:
+    """Run ``forward`` until it reaches the tail's input h (``boundary``) and return h, without running the tail."""
+
+    def stop(hidden: torch.Tensor) -> None:
+        raise _ReachedBoundary(hidden)
+
+    handle = _hook_boundary(boundary, stop)
     try:
         forward()
     except _ReachedBoundary as reached:
@@ -150,18 +173,14 @@ def forward_from_leaf(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``forward`` with the tail's input h replaced by a detached leaf copy; return its output and the leaf,
     so that a gradient towards the leaf runs through the tail alone."""
-    calls = 0
     leaf: torch.Tensor | None = None
 
-    def cut(module: nn.Module, args: tuple) -> tuple | None:
-        nonlocal calls, leaf
-        calls += 1
-        if calls != boundary.call:
-            return None
-        leaf = args[0].detach().requires_grad_(True)
-        return (leaf, *args[1:])
+    def cut(hidden: torch.Tensor) -> torch.Tensor:
+        nonlocal leaf
+        leaf = hidden.detach().requires_grad_(True)
+        return leaf
 
-    handle = boundary.module.register_forward_pre_hook(cut)
+    handle = _hook_boundary(boundary, cut)
     try:
         output = forward()
     finally:

@@ -52,7 +52,8 @@ class TapOptions:
     their B per-example gradients take at most ``tail_floats`` floats (the first step), or over exactly the
     ``tail_layers`` the first step checked (later steps). ``tail_checked_by_grad``: the first step checks
     the tail with ``autograd.grad`` (through a framework, checks.tail_separable), which a reentrant checkpoint
-    refuses, so under one the tail reaches down over no layer."""
+    refuses, so under one the tail reaches down over no layer. ``tail_at_exit``: where no clipped parameter is used
+    after the last checkpointed layer (a frozen final norm and head: LoRA), the tail starts at that layer's output."""
 
     probe: bool = False
     keep_gradients: bool = False
@@ -60,6 +61,7 @@ class TapOptions:
     tail_floats: int = 0
     tail_layers: int | None = None
     tail_checked_by_grad: bool = False
+    tail_at_exit: bool = False
 
 
 class _AgainstIds:
@@ -130,6 +132,9 @@ class NormCollector:
         self._boundary: tuple[int, TailBoundary] | None = None  # (its use's number, the boundary)
         self._layer_calls: list[LayerCall] = []
         self._deep: LayerCall | None = None
+        # the last checkpointed layer call's output, with the number of uses before it: the boundary where no clipped
+        # parameter is used after it (a frozen head and final norm, LoRA)
+        self._exit: tuple[int, TailBoundary] | None = None
         self.reached = 0  # how many checkpointed layers the tail reaches down over
         self._unreachable = False  # the forward lacks the layers ``tail_layers`` asks for: no tail
         self._deep_modules: set[nn.Module] = set()  # the modules inside the layers the tail reaches down over
@@ -194,7 +199,11 @@ class NormCollector:
         """During the forward (``tail_floats`` > 0): note each call of a checkpointed layer and watch its input, a
         candidate for the tail's boundary."""
         options = self.options
-        if not (options.keep_tail and (options.tail_floats or options.tail_layers) and layers):
+        if not (
+            options.keep_tail
+            and (options.tail_floats or options.tail_layers or options.tail_at_exit)
+            and layers
+        ):
             yield
             return
 
@@ -209,7 +218,18 @@ class NormCollector:
                 boundary.watch(hidden)
             self._layer_calls.append(LayerCall(self._calls + 1, boundary, differentiable))
 
+        def leave(layer: nn.Module, args: tuple, output: object) -> None:
+            if not (self.counting and options.tail_at_exit):
+                return
+            self._exit = None
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                calls = sum(1 for c in self._layer_calls if c.boundary.module is layer)
+                boundary = TailBoundary(layer, calls, wanted=False, at_output=True)
+                boundary.watch(output)
+                self._exit = (self._calls, boundary)
+
         handles = [layer.register_forward_pre_hook(enter) for layer in layers]
+        handles += [layer.register_forward_hook(leave) for layer in layers]
         try:
             yield
         finally:
@@ -241,6 +261,8 @@ class NormCollector:
             return
         self.reached = len(reached)
         if not reached:
+            if self._boundary is None and self._exit is not None and self._exit[0] == self._calls:
+                self._exit[1].wanted = True  # no clipped parameter after the last layer: h is its output
             return
         self._deep = reached[-1]
         self._deep.boundary.wanted = True
@@ -272,6 +294,9 @@ class NormCollector:
         if self._deep is not None:
             boundary = self._deep.boundary
             return None if boundary.gradient is None else Tail(boundary, self._tail_parts)
+        if self._boundary is None and self._exit is not None and self._exit[1].wanted:
+            boundary = self._exit[1]
+            return None if boundary.gradient is None else Tail(boundary)
         if self._boundary is None or not self._tail_parts:
             return None
         call, boundary = self._boundary
