@@ -28,6 +28,9 @@ and the table are rewritten after every case and setting, so a run cut short kee
    Peak memory of a variant = what it holds at rest (``memory_allocated`` after its warm-up minus before its
    build) + the most a step allocates above that (``max_memory_allocated`` - ``memory_allocated`` at the
    step's start, peak stats reset before each step), so the other variants' resident memory is not counted.
+   Each variant also reports what its passes did: how many times a step the first layer's q_proj ran (2 for
+   the stock checkpointed step, 3 for DP's with the layers replayed, 4 without) and, for DP, whether the first
+   step's check let the weighted pass skip the tail and how many layers the tail reaches down over.
 3. ``qlora``: first its exactness on the device: the exactness shape's Llama loaded as float32, nf4 and fp4
    (double quantisation, float32 compute), LLM.int8 at threshold 0 and nf4 computing in bf16, prepared as for
    QLoRA, against one backward per example on the same model (a quantised base must be within 2× the float32
