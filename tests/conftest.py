@@ -34,30 +34,30 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-# The longest files first, longest to shortest (seconds on one core, 2026-11-26): pytest -n 2 --dist loadfile then
-# hands out whole files longest first, so neither worker is left with a long file at the end.
+# The longest files first, longest to shortest (seconds under pytest -n 2, 2026-11-27): pytest -n 2 --dist loadfile
+# then hands out whole files longest first, so neither worker is left with a long file at the end.
 LONGEST_FIRST = (
-    "test_distributed.py",  # 438
-    "test_audit.py",  # 290
-    "test_crash_safety.py",  # 163
-    "test_trainer.py",  # 79
-    "test_benchmark_optimizers_smoke.py",  # 69
-    "test_recipe_qlora.py",  # 45
-    "test_privacy_hardening.py",  # 41
-    "test_hub.py",  # 40
-    "test_recipe_glue.py",  # 40
-    "test_trainer_optimizers.py",  # 38
-    "test_example_run_clm.py",  # 38
-    "test_recipe_table2text.py",  # 38
-    "test_recipe_sft_dpo.py",  # 37
-    "test_benchmark_correlated_noise_smoke.py",  # 36
-    "test_real_data.py",  # 31
-    "test_trl.py",  # 30
-    "test_bandmf.py",  # 29
-    "test_notebook.py",  # 27
-    "test_cpu_heap.py",  # 27
-    "test_long_run.py",  # 25
-    "test_lora.py",  # 24
+    "test_distributed.py",  # 342
+    "test_audit.py",  # 339
+    "test_crash_safety.py",  # 174
+    "test_benchmark_optimizers_smoke.py",  # 45
+    "test_recipe_qlora.py",  # 44
+    "test_recipe_glue.py",  # 38
+    "test_example_run_clm.py",  # 34
+    "test_recipe_table2text.py",  # 31
+    "test_cpu_heap.py",  # 28
+    "test_real_data.py",  # 24
+    "test_recipe_sft_dpo.py",  # 23
+    "test_checkpointing.py",  # 22
+    "test_notebook.py",  # 21
+    "test_trainer_optimizers.py",  # 18
+    "test_trainer.py",  # 17
+    "test_accounting.py",  # 17
+    "test_benchmark_smoke.py",  # 15
+    "test_bandmf_strategy.py",  # 14
+    "test_privacy_units.py",  # 12
+    "test_bandmf.py",  # 12
+    "test_gpu_check_smoke.py",  # 11
 )
 
 
