@@ -196,8 +196,8 @@ class NormCollector:
 
     @contextlib.contextmanager
     def watching(self, layers: Sequence[nn.Module]) -> Iterator[None]:
-        """During the forward (``tail_floats`` > 0): note each call of a checkpointed layer and watch its input, a
-        candidate for the tail's boundary."""
+        """During the forward (``tail_floats`` > 0, or ``tail_at_exit``): note each call of a checkpointed layer and
+        watch its input, a candidate for the tail's boundary, and (``tail_at_exit``) the last call's output."""
         options = self.options
         if not (
             options.keep_tail
