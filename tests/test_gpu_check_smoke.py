@@ -104,10 +104,9 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         assert variants["stock"]["layer_runs_per_step"] == (2 if checkpointing else 1), name
         for variant in ("dp", "dp_float32_factors"):
             flags = {key: variants[variant][key] for key in ("skips_tail", "layer_runs_per_step")}
-            assert flags == {"skips_tail": True, "layer_runs_per_step": 3} if checkpointing else {
-                "skips_tail": None,
-                "layer_runs_per_step": 1,
-            }, (name, variant, flags)
+            checkpointed = {"skips_tail": True, "layer_runs_per_step": 3}
+            expected = checkpointed if checkpointing else {"skips_tail": None, "layer_runs_per_step": 1}
+            assert flags == expected, (name, variant, flags)
         # the same seeded model and batch: the untrained loss agrees between the stock Trainer and DP
         assert abs(variants["stock"]["first_loss"] - variants["dp"]["first_loss"]) < 1e-3
         assert _finite_positive(setting["ratios"]["dp_vs_stock"]["time_paired_median"])
