@@ -56,6 +56,8 @@ _ACCOUNTANTS = ("prv", "rdp")
 RDP_ORDERS: tuple[float, ...] = tuple(RDPAccountant.DEFAULT_ALPHAS) + (128, 256, 512, 1024)
 # A short order grid for the cheap RDP estimate that sizes the PRV error (it is not reported).
 _RDP_GUESS_ORDERS = (1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128, 256)
+# Opacus' own orders, with which its PRV accountant bounds the safe domain (``_safe_domain``).
+_DOMAIN_ORDERS = tuple(RDPAccountant.DEFAULT_ALPHAS)
 
 _PRV_RELATIVE_ERROR = 1e-3  # PRV eps_error as a fraction of (an RDP estimate of) the epsilon measured
 _PRV_CALIBRATION_RELATIVE_ERROR = 2.5e-3  # PRV eps_error as a fraction of the target when calibrating
@@ -187,7 +189,7 @@ def _rdp_epsilon(history: History, delta: float, orders: tuple[float, ...]) -> f
     """Opacus' RDP ε at ``delta`` of a (σ, q, steps) history: Σ_phases steps · RDP_a(q, σ), converted at the best
     order a (Balle et al. 2020; ``opacus.accountants.analysis.rdp.get_privacy_spent``), the same arithmetic as
     ``RDPAccountant.get_epsilon``."""
-    rdp = sum([_rdp_of_one_step(sigma, q, tuple(orders)) * steps for sigma, q, steps in history])
+    rdp = sum([_rdp_of_one_step(sigma, q, orders) * steps for sigma, q, steps in history])
     with warnings.catch_warnings():  # "optimal order is the largest alpha": Opacus' hint about its order grid
         warnings.simplefilter("ignore")
         epsilon, _ = get_privacy_spent(orders=list(orders), rdp=rdp, delta=delta)
@@ -200,13 +202,12 @@ def _safe_domain(prvs, num_self_compositions: list[int], eps_error: float, delta
     δ_err/(8k)), k the total step count, and mesh eps_error/√(k·log(12/δ_err)/2). Opacus computes the same two
     RDP bounds without memoising them, which made them most of each PRV evaluation."""
     total = sum(num_self_compositions)
-    orders = tuple(RDPAccountant.DEFAULT_ALPHAS)
     history = [
         (prv.noise_multiplier, prv.sample_rate, k) for prv, k in zip(prvs, num_self_compositions, strict=True)
     ]
-    bound = _rdp_epsilon(history, delta_error / 4, orders)
+    bound = _rdp_epsilon(history, delta_error / 4, _DOMAIN_ORDERS)
     for sigma, q, _ in history:
-        bound = max(bound, _rdp_epsilon([(sigma, q, 1)], delta_error / (8 * total), orders))
+        bound = max(bound, _rdp_epsilon([(sigma, q, 1)], delta_error / (8 * total), _DOMAIN_ORDERS))
     bound = max(bound, eps_error) + 3
     mesh = eps_error / np.sqrt(total * np.log(12 / delta_error) / 2)
     return Domain.create_aligned(-bound, bound, mesh)

@@ -264,13 +264,9 @@ def test_trainer_with_activation_checkpointing_takes_the_same_step(tmp_path, kwa
     torch.testing.assert_close(steps[1], steps[0], rtol=1e-9, atol=1e-13)
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_few_trainable_weights_take_one_pass_after_the_checked_first_step(
-    monkeypatch, reentrant: bool
-) -> None:
-    """LoRA: each example's explicit adapter gradient is kept from the norm pass, so no second pass is needed
-    (the tiny test model's adapters are not small relative to it: the threshold is lifted for the test)."""
-    monkeypatch.setattr("hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE", 1e9)
+def checkpointed_lora(reentrant: bool) -> tuple[nn.Module, dict, float, dict[str, torch.Tensor]]:
+    """The float64 LoRA Llama with checkpointing on, its batch, a clip norm below every example's norm, and brute
+    force's clipped sum at it."""
     torch.manual_seed(0)
     model = llama_lora().double().train()
     batch = models.token_batch()
@@ -278,6 +274,17 @@ def test_few_trainable_weights_take_one_pass_after_the_checked_first_step(
     max_norm = 0.5 * norms.min().item()
     reference, _ = models.brute_force(model, batch, max_norm=max_norm)
     unwrap_model(model).activation_checkpointing_enable({"use_reentrant": reentrant})
+    return model, batch, max_norm, reference
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_few_trainable_weights_take_one_pass_after_the_checked_first_step(
+    monkeypatch, reentrant: bool
+) -> None:
+    """LoRA: each example's explicit adapter gradient is kept from the norm pass, so no second pass is needed
+    (the tiny test model's adapters are not small relative to it: the threshold is lifted for the test)."""
+    monkeypatch.setattr("hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE", 1e9)
+    model, batch, max_norm, reference = checkpointed_lora(reentrant)
     strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
     forwards = []
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
@@ -412,14 +419,8 @@ def test_a_frozen_head_is_skipped_from_the_last_layers_output(monkeypatch, reent
     frozen head runs once a step (the norm pass), the layers are replayed, and the sum is brute force's."""
     monkeypatch.setattr("hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE", 0.0)
     monkeypatch.setattr("hf_dp.clipping.pipeline._tail_floats", lambda engine: 0)
-    torch.manual_seed(0)
-    model = llama_lora().double().train()
-    batch = models.token_batch()
-    _, norms = models.brute_force(model, batch, max_norm=1e9)
-    max_norm = 0.5 * norms.min().item()
-    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
+    model, batch, max_norm, reference = checkpointed_lora(reentrant)
     base = unwrap_model(model)
-    base.activation_checkpointing_enable({"use_reentrant": reentrant})
     head_calls, mlp_calls, forwards = [], [], []
     base.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(len(forwards)))
     base.model.layers[-1].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(len(forwards)))

@@ -223,8 +223,8 @@ class NormCollector:
                 return
             self._exit = None
             if isinstance(output, torch.Tensor) and output.requires_grad:
-                calls = sum(1 for c in self._layer_calls if c.boundary.module is layer)
-                boundary = TailBoundary(layer, calls, wanted=False, at_output=True)
+                call = self._layer_calls[-1].boundary.call  # this call's number, counted by ``enter``
+                boundary = TailBoundary(layer, call, wanted=False, at_output=True)
                 boundary.watch(output)
                 self._exit = (self._calls, boundary)
 
@@ -294,7 +294,7 @@ class NormCollector:
         if self._deep is not None:
             boundary = self._deep.boundary
             return None if boundary.gradient is None else Tail(boundary, self._tail_parts)
-        if self._boundary is None and self._exit is not None and self._exit[1].wanted:
+        if self._exit is not None and self._exit[1].wanted:  # wanted only where no tail use follows (deepen)
             boundary = self._exit[1]
             return None if boundary.gradient is None else Tail(boundary)
         if self._boundary is None or not self._tail_parts:
