@@ -763,7 +763,7 @@ def weighted_pass_text(cell: dict[str, Any]) -> str:
 
 
 def count_layer_runs(cell: Cell, model: nn.Module) -> None:
-    """Counts the forwards of the first decoder layer's q_proj (LoRA's wrapper of it under peft) in ``cell.layer_runs``."""
+    """Counts the forwards of the first decoder layer's q_proj (under peft, LoRA's wrapper of it)."""
     q_proj = next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn.q_proj"))
 
     def counted(*_: Any) -> None:
@@ -772,8 +772,10 @@ def count_layer_runs(cell: Cell, model: nn.Module) -> None:
     cell.keep.append(q_proj.register_forward_hook(counted))
 
 
-def layer_runs_per_step(cell: Cell, steps: int) -> dict[str, float | None]:
-    return {"layer_runs_per_step": cell.layer_runs[0] / steps if steps else None}
+def passes(cell: Cell, steps: int) -> dict[str, Any]:
+    """What ``steps`` timed steps of the cell did: layer runs per step, and DP's tail skip (``weighted_pass``)."""
+    report = {"layer_runs_per_step": cell.layer_runs[0] / steps if steps else None}
+    return report | (cell.weighted_pass() if cell.weighted_pass is not None else {})
 
 
 def build_opacus(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
@@ -883,9 +885,7 @@ def run_setting(
         for name in rotated:
             cells[name].times.append(timed_step(cells[name], device))
     for cell in cells.values():
-        cell.info.update(layer_runs_per_step(cell, sum(1 for t in cell.times if t)))
-        if cell.weighted_pass is not None:
-            cell.info.update(cell.weighted_pass())
+        cell.info.update(passes(cell, sum(1 for t in cell.times if t)))
     result: dict[str, Any] = {
         "setting": asdict(s),
         "variants": {name: cell.summary() for name, cell in cells.items()},
@@ -1313,9 +1313,7 @@ def run_profile(config: Config, record: Record) -> None:
                         cell.step()
                     cell.layer_runs[0] = 0
                     result[name] = profiled_step(cell, config.device)
-                result[name].update(layer_runs_per_step(cell, 1))
-                if cell.weighted_pass is not None:
-                    result[name].update(cell.weighted_pass())
+                result[name].update(passes(cell, 1))
                 cell.keep.clear()
                 cell.step = cell.report = cell.weighted_pass = None
             except Exception as exc:

@@ -125,11 +125,7 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ddp_checkpointing_lora": (
         "torchrun",
         (
-            "--model",
-            "llama",
-            "--lora",
-            "--checkpointing",
-            "non_reentrant",
+            *("--model", "llama", "--lora", "--checkpointing", "non_reentrant"),
             *("--kept_share", "0", "--tail_share", "0"),
         ),
     ),
