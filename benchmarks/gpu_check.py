@@ -20,8 +20,8 @@ and the table are rewritten after every case and setting, so a run cut short kee
    untied head) on B = 8 random sequences of T = 1024 tokens, bf16 autocast with fp32 weights, AdamW, for
    {full, lora (r 16, all linear layers)} x activation checkpointing {on, off}; variants ``stock``
    (``transformers.Trainer.training_step`` + ``optimizer.step()``), ``dp`` (``DPTrainer.train_one_step``,
-   σ = 1, C = 1, noised and accounted), ``dp_float32_factors`` (the same with every linear layer's norm factors
-   widened to float32: the norm GEMMs without tensor cores) and ``opacus`` (Opacus 1.6 ghost clipping,
+   σ = 1, C = 1, noised and accounted), ``dp_chained`` (the same with the weighted pass's checkpointed layers
+   back-propagated as one chain instead of one by one, hf_dp/clipping/layerwise.py) and ``opacus`` (Opacus 1.6 ghost clipping,
    ``make_private(..., grad_sample_mode="ghost")`` + ``DPTensorFastGradientClipping``; skipped with its reason
    if Opacus does not import). All variants of a setting live together: each is built and warmed up (2 steps) in turn, then
    ``--rounds`` rounds time one step of each in rotated order (``torch.cuda.synchronize`` around each step).
@@ -29,8 +29,9 @@ and the table are rewritten after every case and setting, so a run cut short kee
    build) + the most a step allocates above that (``max_memory_allocated`` - ``memory_allocated`` at the
    step's start, peak stats reset before each step), so the other variants' resident memory is not counted.
    Each variant also reports what its passes did: how many times a step the first layer's q_proj ran (2 for
-   the stock checkpointed step, 3 for DP's with the layers replayed, 4 without) and, for DP, whether the first
-   step's check let the weighted pass skip the tail and how many layers the tail reaches down over.
+   the stock checkpointed step, 3 for DP's with the layers replayed or run one by one, 4 without) and, for DP,
+   whether the first step's check let the weighted pass skip the tail, how many layers the tail reaches down
+   over, and whether the layers below it run one by one.
 3. ``qlora``: first its exactness on the device: the exactness shape's Llama loaded as float32, nf4 and fp4
    (double quantisation, float32 compute), LLM.int8 at threshold 0 and nf4 computing in bf16, prepared as for
    QLoRA, against one backward per example on the same model (a quantised base must be within 2× the float32
@@ -745,9 +746,10 @@ def build_dp(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cel
 
 
 def weighted_pass(strategy: Any) -> dict[str, Any]:
-    """What the first step's checks left on for the weighted pass: the tail skip and how many checkpointed layers
-    the tail reaches down over (None where the strategy has no such pass)."""
-    return {key: getattr(strategy, key, None) for key in ("skips_tail", "tail_layers")}
+    """What the first step's checks left on for the weighted pass: the tail skip, how many checkpointed layers
+    the tail reaches down over, and whether the layers below it run one by one (None where the strategy has no
+    such pass)."""
+    return {key: getattr(strategy, key, None) for key in ("skips_tail", "tail_layers", "layerwise")}
 
 
 def weighted_pass_text(cell: dict[str, Any]) -> str:
@@ -757,7 +759,8 @@ def weighted_pass_text(cell: dict[str, Any]) -> str:
     text = "-" if runs is None else f"layer runs {runs:g}×"
     if cell.get("skips_tail") is not None:
         below = cell.get("tail_layers")
-        reach = f"tail skipped ({below} layers below it)" if cell["skips_tail"] else "tail run"
+        reach = f"tail skipped (reaching over {below} layers)" if cell["skips_tail"] else "tail run"
+        reach += ", layer by layer" if cell.get("layerwise") else ""
         text = f"{reach}; {text}"
     return text
 
@@ -799,34 +802,24 @@ def build_opacus(s: Setting, model: nn.Module, rows: list[dict], device: str) ->
     return cell
 
 
-def build_dp_float32_factors(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
-    """``dp`` with every linear layer's factors widened to float32 in its rule (float32 norm GEMMs, no tensor
-    cores): what the low-precision factors buy, paired in the same run."""
-    from hf_dp.clipping import rules
-
-    def float32_factors(x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a, g = keep(x, grad_out)
-        return a.float(), g.float()
-
-    keep = rules._matmul_factors
+def build_dp_chained(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
+    """``dp`` with the weighted pass's checkpointed layers back-propagated as one chain (replayed) instead of one
+    by one (hf_dp/clipping/layerwise.py): what the layer-by-layer pass buys, paired in the same run."""
     cell = build_dp(s, model, rows, device)
-    step = cell.step
+    strategy, step = cell.keep[1].dp.clipping, cell.step
 
-    def widened_step() -> float:
-        rules._matmul_factors = float32_factors
-        try:
-            return step()
-        finally:
-            rules._matmul_factors = keep
+    def chained_step() -> float:
+        strategy.layerwise = False  # the first step's check sets it; later steps chain the layers
+        return step()
 
-    cell.name, cell.step = "dp_float32_factors", widened_step
+    cell.name, cell.step = "dp_chained", chained_step
     return cell
 
 
 BUILDERS = {
     "stock": build_stock,
     "dp": build_dp,
-    "dp_float32_factors": build_dp_float32_factors,
+    "dp_chained": build_dp_chained,
     "opacus": build_opacus,
 }
 
@@ -902,8 +895,8 @@ def run_setting(
         key: value
         for key, value in (
             ("dp_vs_stock", ratio(cells, "dp", "stock")),
-            ("dp_float32_factors_vs_stock", ratio(cells, "dp_float32_factors", "stock")),
-            ("dp_vs_dp_float32_factors", ratio(cells, "dp", "dp_float32_factors")),
+            ("dp_chained_vs_stock", ratio(cells, "dp_chained", "stock")),
+            ("dp_vs_dp_chained", ratio(cells, "dp", "dp_chained")),
             ("opacus_vs_stock", ratio(cells, "opacus", "stock")),
             ("dp_vs_opacus", ratio(cells, "dp", "opacus")),
         )
@@ -929,7 +922,7 @@ def timed_setting(
     """Stock, DP and Opacus on one setting, interleaved; an error is recorded and the next setting runs."""
     start = time.perf_counter()
     try:
-        result = run_setting(s, ["stock", "dp", "dp_float32_factors", "opacus"], build, config)
+        result = run_setting(s, ["stock", "dp", "dp_chained", "opacus"], build, config)
     except Exception as exc:
         traceback.print_exc()
         result = {"setting": asdict(s), "error": error_text(exc)}

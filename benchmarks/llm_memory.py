@@ -12,6 +12,8 @@ Side by side in each setting (``--variants``):
 - ``stock``: ``transformers.Trainer.training_step`` (the model's own loss) + ``optimizer.step()``;
 - ``dp_off``: ``hf_dp.DPTrainer`` with ``disable_dp=True`` through ``train_one_step`` (no clipping, no noise);
 - ``dp``: ``hf_dp.DPTrainer`` (sigma = 1, C = 1) through ``train_one_step``: clipping, noise, accounting;
+- ``dp_chained`` (only when asked for): ``dp`` with the weighted pass's body back-propagated through the layers as
+  one chain (replayed) instead of layer by layer (hf_dp/clipping/layerwise.py): what the layer-by-layer pass buys;
 - ``opacus``: Opacus ghost clipping (``make_private(grad_sample_mode="ghost", poisson_sampling=False)``) in a
   plain loop: per-example next-token losses (``reduction="none"``) fed to ``DPTensorFastGradientClipping``.
 
@@ -79,7 +81,8 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 
-VARIANTS = ("stock", "dp_off", "dp", "opacus")
+VARIANTS = ("stock", "dp_off", "dp", "opacus", "dp_chained")
+DEFAULT_VARIANTS = ("stock", "dp_off", "dp", "opacus")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "llm_memory.json"
 MEMORY_MARKER = "LLM_MEMORY_JSON "
 SEED = 0
@@ -107,6 +110,8 @@ RATIO_PAIRS = (
     ("opacus", "stock"),
     ("dp", "dp_off"),
     ("dp", "opacus"),
+    ("dp_chained", "stock"),
+    ("dp", "dp_chained"),
 )
 # Trainer.train() enables checkpointing through this argument; transformers 5 renamed gradient_checkpointing.
 CKPT_ARG = (
@@ -324,7 +329,7 @@ def build_stock(s: Setting, rows: list[dict], device: str) -> Variant:
     return variant
 
 
-def build_dp(s: Setting, rows: list[dict], device: str, private: bool) -> Variant:
+def build_dp(s: Setting, rows: list[dict], device: str, private: bool, chained: bool = False) -> Variant:
     folder = tempfile.TemporaryDirectory(prefix="llm_memory_")
     privacy: dict[str, Any] = (
         {"noise_multiplier": NOISE_MULTIPLIER, "per_sample_max_grad_norm": MAX_GRAD_NORM}
@@ -340,12 +345,15 @@ def build_dp(s: Setting, rows: list[dict], device: str, private: bool) -> Varian
     trainer.create_optimizer()
     model = _prepare_like_train(trainer)
     batches = micro_batches(trainer, s, rows)  # fixed micro-batches: Poisson sampling lives in the loader
-    name = "dp" if private else "dp_off"
+    name = "dp_chained" if chained else "dp" if private else "dp_off"
 
     def step() -> float:
+        if chained and trainer.dp.clipping is not None:
+            trainer.dp.clipping.layerwise = False  # the first step's check sets it; later steps chain the layers
         loss = trainer.train_one_step(batches)
         # how many checkpointed layers the checked tail reaches down over (docs/clipping.md)
         variant.info["tail_layers"] = getattr(trainer.dp.clipping, "tail_layers", None)
+        variant.info["layerwise"] = getattr(trainer.dp.clipping, "layerwise", None)
         return loss
 
     variant = Variant(name, step=_synced(step, device), keep=[folder, trainer])
@@ -398,6 +406,7 @@ BUILDERS: dict[str, Callable[[Setting, list[dict], str], Variant]] = {
     "dp_off": lambda s, rows, device: build_dp(s, rows, device, private=False),
     "dp": lambda s, rows, device: build_dp(s, rows, device, private=True),
     "opacus": build_opacus,
+    "dp_chained": lambda s, rows, device: build_dp(s, rows, device, private=True, chained=True),
 }
 
 
@@ -755,7 +764,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="names or shell patterns, e.g. full-fp32-ckpt-T512 'lora-*'",
     )
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS))
     default = Shape()
     for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(default, name))

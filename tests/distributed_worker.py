@@ -319,6 +319,7 @@ def run(cli: argparse.Namespace) -> None:
             "skips_tail": getattr(trainer.dp.clipping, "skips_tail", None),
             "replays": getattr(trainer.dp.clipping, "replays", None),
             "tail_layers": getattr(trainer.dp.clipping, "tail_layers", None),
+            "layerwise": getattr(trainer.dp.clipping, "layerwise", None),
             "checkpointing": trainer.model.is_activation_checkpointing,
             "checkpoint_wrapped": any(
                 type(m).__name__.endswith("CheckpointWrapper") for m in trainer.model.modules()

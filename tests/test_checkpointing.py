@@ -19,6 +19,7 @@ from hf_dp.backend import Backend
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.pipeline import clipped_step
 from hf_dp.clipping.plan import Evaluation, Shift, StepPlan
+from hf_dp.clipping.sum_passes import BodySum
 from hf_dp.losses import per_example_loss, unwrap_model
 from tests import models
 from tests.test_clipping_geometry import factored_scales
@@ -289,9 +290,9 @@ def test_few_trainable_weights_take_one_pass_after_the_checked_first_step(
     forwards = []
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-    # the first step checks the taps with two passes and the tail reaching down over the layers with a third (for
-    # steps whose kept gradients would not fit); the second takes one
-    assert forwards == [3, 1]
+    # the first step checks the taps with two passes and the layers one by one (for steps whose kept gradients
+    # would not fit), which needs no forward with the embeddings frozen; the second takes one
+    assert forwards == [2, 1]
 
 
 def test_disk_with_activation_checkpointing_is_refused_before_training(tmp_path) -> None:
@@ -404,10 +405,11 @@ def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: 
     engine = ClippingEngine(model)
     strategy = clipped_step(engine, model, Backend(checkpointing=True))
     first, second = checkpointed_steps(model, batch, max_norm, strategy=strategy, loss_fn=counted_loss)
-    assert strategy.skips_tail
-    # step 1: norm pass, whole weighted pass, the check's forward up to the tail; step 2: norm pass, body only
+    assert strategy.skips_tail and strategy.layerwise
+    # step 1: norm pass, whole weighted pass, the check's forward up to the first layer; step 2: norm pass, the
+    # forward up to the first layer (the embeddings' part)
     assert len(loss_calls) == 5 and head_calls == [1, 2, 4]
-    # a layer runs in the norm pass's forward and backward, and in the weighted pass's backward only (replay.py)
+    # a layer runs in the norm pass's forward and backward, and recomputed in the weighted pass (layerwise.py)
     assert [n for n in mlp_calls if n > 3] == [4, 4, 5]
     assert_close(second, reference, rtol=1e-9, floor=1e-6)
 
@@ -416,7 +418,8 @@ def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: 
 def test_a_frozen_head_is_skipped_from_the_last_layers_output(monkeypatch, reentrant: bool) -> None:
     """LoRA whose kept gradients do not fit and whose tail reaches down over no layer: no clipped parameter is used
     after the last checkpointed layer, so the tail starts at that layer's output. After the checked first step the
-    frozen head runs once a step (the norm pass), the layers are replayed, and the sum is brute force's."""
+    frozen head runs once a step (the norm pass), the weighted pass runs no forward of the model (the embeddings are
+    frozen: the layers are recomputed one by one, layerwise.py), and the sum is brute force's."""
     monkeypatch.setattr("hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE", 0.0)
     monkeypatch.setattr("hf_dp.clipping.pipeline._tail_floats", lambda engine: 0)
     model, batch, max_norm, reference = checkpointed_lora(reentrant)
@@ -428,10 +431,72 @@ def test_a_frozen_head_is_skipped_from_the_last_layers_output(monkeypatch, reent
     steps = checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards, steps=3)
     for ours in steps:
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-    assert strategy.skips_tail is True and strategy.tail_layers == 0
-    # later steps: the norm pass's forward and the weighted pass's, which stops before the head
-    assert forwards[1:] == [2, 2] and head_calls.count(1) == head_calls.count(2) == 1
-    assert mlp_calls.count(2) == 3  # forward, recomputation, and the replay's recomputation
+    assert strategy.skips_tail is True and strategy.tail_layers == 0 and strategy.layerwise
+    # later steps: the norm pass's forward only
+    assert forwards[1:] == [1, 1] and head_calls.count(1) == head_calls.count(2) == 1
+    assert mlp_calls.count(2) == 3  # forward, recomputation, and the weighted pass's recomputation
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_block_whose_attention_reaches_its_output_directly_is_not_run_layer_by_layer(
+    reentrant: bool,
+) -> None:
+    """Each layer's MLP output also adds its attention's output, so the attention reaches the layer's output around
+    the residual point between attention and MLP (layerwise.py): back-propagating the attention from that point
+    alone would miss that path. The first step's check finds the difference and later steps chain the layers
+    (replay.py); every step is brute force's."""
+    torch.manual_seed(0)
+    model = models.llama().double().train()
+    batch = models.token_batch()
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_hook(
+            lambda module, args, output, layer=layer: setattr(layer, "attended", output[0])
+        )
+        layer.mlp.register_forward_hook(
+            lambda module, args, output, layer=layer: output + 0.5 * layer.attended
+        )
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, steps=3):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert strategy.skips_tail is True and strategy.layerwise is False
+
+
+def test_the_layer_by_layer_pass_keeps_each_point_once_and_lets_it_go(monkeypatch) -> None:
+    """Llama's points: the input of each layer's post-attention norm and each layer's output (the input norm of a
+    layer follows no clipped use inside it), the first layer's input (the embeddings precede it), and the two norm
+    weights of each layer; the weighted pass leaves none of them behind."""
+    torch.manual_seed(0)
+    model = models.llama(num_hidden_layers=3).double().train()
+    batch = models.token_batch()
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
+    seen = []
+    original = BodySum.__call__
+
+    def watched(self, losses_of, found, norms, factors, batch):
+        points = found.points
+        seen.append(
+            (
+                sorted((layers.index(layer), type(norm).__name__) for layer, norm in points.gradients),
+                len(points.norm_parts),
+                points.first_input.gradient is not None,
+            )
+        )
+        original(self, losses_of, found, norms, factors, batch)
+        seen.append((points.gradients, points.norm_parts, points.first_input.gradient))
+
+    layers = list(model.model.layers)
+    monkeypatch.setattr(BodySum, "__call__", watched)
+    checkpointed_steps(model, batch, 1.0, strategy=strategy, steps=2)
+    assert strategy.layerwise
+    kept, left = seen
+    names = [(k, "LlamaRMSNorm") for k in range(3)] + [(k, "NoneType") for k in range(3)]
+    assert kept == (sorted(names), 6, True)
+    assert left == ({}, [], None)
 
 
 def _tail_reaches(monkeypatch, model: nn.Module, rows: int, layers: int) -> None:
@@ -470,6 +535,7 @@ def test_the_tail_reaches_down_over_the_last_layers_its_budget_holds(
     (first, second), strategy = framework_steps(model, batch, max_norm, backend, loss_fn=counted_loss)
     reached = 0 if zero_stage and reentrant else reached
     assert strategy.skips_tail and strategy.tail_layers == reached
+    assert strategy.layerwise is (zero_stage is None)  # one process: the layers below the tail one by one
     # step 2: forward 4 is the norm pass (forward and recomputation), forward 5 the weighted pass below the tail
     below = len(model.model.layers) - reached
     assert [[n for n in calls if n > 3] for calls in mlp_calls] == [[4, 4, 5]] * below + [[4, 4]] * reached
@@ -551,8 +617,9 @@ def test_a_loss_that_reads_the_body_below_the_tail_keeps_the_whole_weighted_pass
     monkeypatch, backend: Backend
 ) -> None:
     """A loss term on the first layer's input (the tail reaches down over the second layer only) reaches the body
-    other than through the tail's input: the first step's check finds it, and the whole pass stays exact. (A term on
-    the tail's input itself is in its gradient there, and separable.) In one process and through ZeRO-1."""
+    other than through the tail's input: through ZeRO-1 the first step's check finds it, and the whole pass stays
+    exact. (A term on the tail's input itself is in its gradient there, and separable.) In one process the
+    layer-by-layer pass takes that input's gradient whole, term included (layerwise.py), and is exact."""
     torch.manual_seed(0)
     model = models.llama(num_hidden_layers=2).double().train()
     batch = models.token_batch()
@@ -570,7 +637,9 @@ def test_a_loss_that_reads_the_body_below_the_tail_keeps_the_whole_weighted_pass
     sums, strategy = framework_steps(model, batch, 0.5, backend, loss_fn=loss_fn)
     for ours in sums:
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-    assert strategy.skips_tail is False
+    # in one process the layer below the tail runs on its own from its output, and the embeddings from the first
+    # layer's input, whose kept gradient holds the term's: exact, so the tail is skipped that way
+    assert strategy.skips_tail is strategy.layerwise is (backend.zero_stage is None)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

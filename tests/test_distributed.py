@@ -399,6 +399,8 @@ def test_two_processes_match_one_process_without_noise(runs, name, distributed_t
         assert not run["replays"]
     if "--tail_share" in JOBS[name][1]:  # the tail reaches down over both GPT-2 blocks
         assert run["tail_layers"] == 2
+    # DDP runs the layers below the tail one by one (layerwise.py), the frameworks as one chain
+    assert run["layerwise"] is (checkpointed and distributed_type == "MULTI_CPU")
     assert run["expected_batch_size"] == info(reference)["expected_batch_size"] == 16
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
     # the logged loss is the mean over the whole logical batch, not one process's share
@@ -568,7 +570,7 @@ def test_ddp_lora_with_checkpointing_skips_the_frozen_head_and_matches_one_proce
     the one-process steps."""
     reference, out = runs("reference_lora"), runs("ddp_checkpointing_lora")
     run = assert_world(out, "MULTI_CPU")
-    assert run["checkpointing"] and run["skips_tail"] is True and run["tail_layers"] == 0
+    assert run["checkpointing"] and run["skips_tail"] is True and run["tail_layers"] == 0 and run["layerwise"]
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
 
 

@@ -90,7 +90,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     for name, setting in settings.items():
         assert "error" not in setting and "skipped" not in setting, (name, setting)
         variants = setting["variants"]
-        for variant in ("stock", "dp", "dp_float32_factors"):
+        for variant in ("stock", "dp", "dp_chained"):
             cell = variants[variant]
             assert cell["error"] is None, (name, variant, cell["error"])
             assert len(cell["times_s"]) == 2 and all(_finite_positive(t) for t in cell["times_s"])
@@ -99,13 +99,20 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
             assert cell["checkpointing_active"] == setting["setting"]["checkpointing"]
             assert cell["mlp_output_dtype"] == "bfloat16"
         # what the first step's checks left on, and how often a layer runs a step: the stock step's forward (and
-        # recomputation); DP with checkpointing skips the tail and replays the layers (3 runs, not 4)
+        # recomputation); DP with checkpointing skips the tail and runs the layers one by one (dp) or replays them
+        # as one chain (dp_chained): 3 runs, not 4
         checkpointing = setting["setting"]["checkpointing"]
         assert variants["stock"]["layer_runs_per_step"] == (2 if checkpointing else 1), name
-        for variant in ("dp", "dp_float32_factors"):
-            flags = {key: variants[variant][key] for key in ("skips_tail", "layer_runs_per_step")}
-            checkpointed = {"skips_tail": True, "layer_runs_per_step": 3}
-            expected = checkpointed if checkpointing else {"skips_tail": None, "layer_runs_per_step": 1}
+        for variant in ("dp", "dp_chained"):
+            flags = {
+                key: variants[variant][key] for key in ("skips_tail", "layer_runs_per_step", "layerwise")
+            }
+            checkpointed = {"skips_tail": True, "layer_runs_per_step": 3, "layerwise": variant == "dp"}
+            expected = (
+                checkpointed
+                if checkpointing
+                else {"skips_tail": None, "layer_runs_per_step": 1, "layerwise": False}
+            )
             assert flags == expected, (name, variant, flags)
         # the same seeded model and batch: the untrained loss agrees between the stock Trainer and DP
         assert abs(variants["stock"]["first_loss"] - variants["dp"]["first_loss"]) < 1e-3
@@ -139,5 +146,6 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     assert any(k.endswith("Norms") for k in phases) and any(k.endswith("Sum") for k in phases), phases
     assert "hf_dp.noise" in phases and not profiled["full-bf16-ckpt-B2-T16"]["stock"]["phases"]
     assert profiled["full-bf16-ckpt-B2-T16"]["dp"]["skips_tail"] is True
+    assert profiled["full-bf16-ckpt-B2-T16"]["dp"]["layerwise"] is True
     assert profiled["full-bf16-ckpt-B2-T16"]["dp"]["layer_runs_per_step"] == 3
-    assert "tail skipped" in out.with_suffix(".md").read_text()
+    assert "tail skipped (reaching over 0 layers), layer by layer" in out.with_suffix(".md").read_text()

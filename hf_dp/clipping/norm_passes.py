@@ -22,6 +22,7 @@ from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import ParameterShifter, RngState, replay_rng, rng_state
+from hf_dp.clipping.layerwise import LayerPoints
 from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.replay import LayerReplay
 from hf_dp.clipping.sums import Terms
@@ -60,7 +61,11 @@ class FoundNorms:
     terms: Terms | None = None
     collector: NormCollector | None = None
     replay: LayerReplay | None = None  # the checkpointed layers' outputs (tail kept, or recorded)
+    points: LayerPoints | None = None  # what the layer-by-layer weighted pass needs (layerwise.py)
     tail_exact: bool | None = None  # set by the first step's tail check (sum_passes)
+    layerwise_exact: bool | None = (
+        None  # set by the first step's check of the layer-by-layer pass (sum_passes)
+    )
     replay_exact: bool | None = None  # set by the first step through a framework (sum_passes)
 
 
@@ -134,13 +139,20 @@ class TappedNorms:
     def __call__(self, losses_of: LossFn, batch: Batch, plan: StepPlan) -> FoundNorms:
         state = rng_state()
         replay = LayerReplay(self.module) if self.options.keep_tail or self.record_layers else None
+        points = (
+            LayerPoints(replay.layers, self.engine.layers.owned)
+            if replay and self.options.layerwise
+            else None
+        )
         with (
-            replay.recording() if replay else contextlib.nullcontext(),
+            replay.recording(keep_calls=points is not None) if replay else contextlib.nullcontext(),
             self.engine.norms_in_backward(
                 batch.size, plan.clip_scale, batch.units, self.options, freeze=not self.taps_only
             ) as collector,
             collector.watching(replay.layers if replay else []),
+            points.watching(lambda: collector.counting) if points else contextlib.nullcontext(),
         ):
+            collector.layer_points = points
             losses = losses_of(self.module)
             collector.counting = False  # the backward's recomputations are not uses
             collector.deepen()
@@ -153,4 +165,4 @@ class TappedNorms:
                 "an example's loss overflowed in the forward; with activation checkpointing its zero clip weight "
                 "cannot keep inf out of the weighted backward: train in bf16 or float32, or turn checkpointing off"
             )
-        return FoundNorms(collector.norms(), losses, state, collector=collector, replay=replay)
+        return FoundNorms(collector.norms(), losses, state, collector=collector, replay=replay, points=points)

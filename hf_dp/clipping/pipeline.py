@@ -96,6 +96,7 @@ class ClippedStep:
         self.norms_in_backward = backend.checkpointing or backend.fsdp
         self.skips_tail: bool | None = None  # the weighted pass skips the tail (tail.py): None until checked
         self.tail_layers = 0  # how many checkpointed layers the checked tail reaches down over (tail.py)
+        self.layerwise = False  # the weighted pass runs the layers below the tail one by one (layerwise.py)
         # through a framework, the weighted pass replays the checkpointed layers (replay.py): None until checked
         self.replays: bool | None = None
         self.shifter = ParameterShifter()
@@ -142,6 +143,7 @@ class ClippedStep:
         if found.tail_exact is not None:
             self.skips_tail = found.tail_exact
             self.tail_layers = found.collector.reached
+            self.layerwise = bool(found.layerwise_exact)
         if found.replay_exact is not None:
             self.replays = found.replay_exact
         self.first_step = False
@@ -212,13 +214,22 @@ def _framework(step: ClippedStep, model: nn.Module) -> WeightedThroughFramework:
 def _tail_options(step: ClippedStep, **options: bool) -> TapOptions:
     """The norm pass keeps the tail: on the first step reaching down over as many layers as the budget allows,
     on later steps over exactly those the first step checked. In one process and DDP a tail without clipped
-    parameters (LoRA's frozen head) starts at the last checkpointed layer's output."""
-    at_exit = step.owner == "module"
+    parameters (LoRA's frozen head) starts at the last checkpointed layer's output, and the norm pass keeps what
+    the layer-by-layer weighted pass needs (layerwise.py) on the first step, which checks it, and on later steps
+    if it was exact."""
+    module = step.owner == "module"
+    layerwise = module and (step.first_step or step.layerwise)
     if step.first_step:
         return TapOptions(
-            keep_tail=True, tail_floats=_tail_floats(step.engine), tail_at_exit=at_exit, **options
+            keep_tail=True,
+            tail_floats=_tail_floats(step.engine),
+            tail_at_exit=module,
+            layerwise=layerwise,
+            **options,
         )
-    return TapOptions(keep_tail=True, tail_layers=step.tail_layers, tail_at_exit=at_exit, **options)
+    return TapOptions(
+        keep_tail=True, tail_layers=step.tail_layers, tail_at_exit=module, layerwise=layerwise, **options
+    )
 
 
 def _framework_tail(step: ClippedStep) -> TapOptions:
@@ -256,7 +267,7 @@ TABLE: dict[tuple[Owner, bool, Need], Parts] = {
     ),
     ("module", True, "body"): lambda s, m: (
         TappedNorms(s.engine, s.module, _tail_options(s)),
-        BodySum(s.engine, s.module, s.scale, _whole(s)),
+        BodySum(s.engine, s.module, s.scale, _whole(s), s.layerwise),
     ),
     ("module", True, "whole"): lambda s, m: (_tapped(s), _whole(s)),
     ("framework", False, "one pass"): lambda s, m: (

@@ -25,11 +25,27 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 
 @dataclass
-class _Kept:
+class Kept:
+    """A checkpointed call of the norm pass: its output, the random and autocast state it started from, and
+    (``recording(keep_calls=True)``, layerwise.py) the layer's function and its inputs, detached."""
+
     output: torch.Tensor
     rng: torch.Tensor
     device_rng: tuple[torch.device, torch.Tensor] | None
     autocast: tuple[str, bool, torch.dtype]
+    function: Callable | None = None
+    args: tuple | None = None
+
+    def rerun(self, function: Callable, args: list) -> object:
+        """The layer's forward as the norm pass ran it: same random state (dropout masks) and autocast."""
+        device_type, enabled, dtype = self.autocast
+        devices = [self.device_rng[0]] if self.device_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
+            torch.set_rng_state(self.rng)
+            if self.device_rng is not None:
+                torch.cuda.set_rng_state(self.device_rng[1], self.device_rng[0])
+            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                return function(*args)
 
 
 def _random_state(args: tuple) -> tuple[torch.Tensor, tuple[torch.device, torch.Tensor] | None]:
@@ -44,7 +60,7 @@ class _Replay(torch.autograd.Function):
     """Returns the kept output; its backward recomputes the layer from its inputs and back-propagates."""
 
     @staticmethod
-    def forward(ctx, layer: Callable, kept: _Kept, *args):
+    def forward(ctx, layer: Callable, kept: Kept, *args):
         ctx.layer, ctx.kept = layer, kept
         ctx.tensor_positions = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
@@ -57,15 +73,7 @@ class _Replay(torch.autograd.Function):
         tensors = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         for position, tensor in zip(ctx.tensor_positions, tensors, strict=True):
             args[position] = tensor
-        kept = ctx.kept
-        device_type, enabled, dtype = kept.autocast
-        devices = [kept.device_rng[0]] if kept.device_rng is not None else []
-        with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
-            torch.set_rng_state(kept.rng)
-            if kept.device_rng is not None:
-                torch.cuda.set_rng_state(kept.device_rng[1], kept.device_rng[0])
-            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-                output = ctx.layer(*args)
+        output = ctx.kept.rerun(ctx.layer, args)
         if output.requires_grad:
             torch.autograd.backward(output, grad_output)
         grads = [t.grad if t.requires_grad else None for t in tensors]
@@ -89,7 +97,7 @@ class LayerReplay:
             and getattr(m, "gradient_checkpointing", False)
             and "_gradient_checkpointing_func" in vars(m)
         ]
-        self._kept: list[_Kept] = []
+        self.kept: list[Kept] = []
         self.complete = True  # every call returned one tensor (else the weighted pass runs the layers)
         self.matched: bool | None = (
             None  # set by ``comparing``: the weighted pass's outputs were the kept ones
@@ -109,9 +117,10 @@ class LayerReplay:
             for layer, original in zip(self.layers, originals, strict=True):
                 layer._gradient_checkpointing_func = original
 
-    def recording(self) -> contextlib.AbstractContextManager[None]:
-        """The norm pass: keep each checkpointed call's output, random state and autocast state."""
-        self._kept, self.complete = [], True
+    def recording(self, keep_calls: bool = False) -> contextlib.AbstractContextManager[None]:
+        """The norm pass: keep each checkpointed call's output, random state and autocast state (``keep_calls``:
+        its function and inputs too)."""
+        self.kept, self.complete = [], True
 
         def make(checkpoint: Callable) -> Callable:
             def record(function: Callable, *args):
@@ -119,7 +128,11 @@ class LayerReplay:
                 autocast = _autocast_state(args)
                 output = checkpoint(function, *args)
                 if isinstance(output, torch.Tensor):
-                    self._kept.append(_Kept(output.detach(), rng, device_rng, autocast))
+                    entry = Kept(output.detach(), rng, device_rng, autocast)
+                    if keep_calls:
+                        entry.function = function
+                        entry.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+                    self.kept.append(entry)
                 else:
                     self.complete = False
                 return output
@@ -131,7 +144,7 @@ class LayerReplay:
     def comparing(self, tolerance: float) -> contextlib.AbstractContextManager[None]:
         """A weighted pass that runs the layers (the first step through a framework): ``matched`` tells whether
         each output equals the kept one within ``tolerance`` (relative), so that later passes may replay them."""
-        kept = iter(self._kept)
+        kept = iter(self.kept)
         self.matched = True
 
         def make(checkpoint: Callable) -> Callable:
@@ -156,7 +169,7 @@ class LayerReplay:
 
     def replaying(self) -> contextlib.AbstractContextManager[None]:
         """The weighted pass: each checkpointed call returns its kept output; the layer runs in the backward."""
-        kept = iter(self._kept)
+        kept = iter(self.kept)
 
         def make(checkpoint: Callable) -> Callable:
             def replay(function: Callable, *args):

@@ -31,9 +31,9 @@ from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import replay_rng
 from hf_dp.clipping.loss_scale import LossScale
 from hf_dp.clipping.norm_passes import Batch, FoundNorms
-from hf_dp.clipping.per_example import clipped_total
+from hf_dp.clipping.per_example import PerExampleGradient, clipped_total
 from hf_dp.clipping.replay import LayerReplay
-from hf_dp.clipping.tail import Tail, forward_to
+from hf_dp.clipping.tail import Tail, forward_to, without_dropped
 
 LossFn = Callable[[nn.Module], torch.Tensor]
 
@@ -91,47 +91,86 @@ def _forward_to_tail(
         return forward_to(tail.boundary, lambda: losses_of(module))
 
 
+def _layerwise_usable(found: FoundNorms) -> bool:
+    return found.points is not None and found.replay is not None and found.points.usable(found.replay.kept)
+
+
 @dataclass(frozen=True)
 class BodySum:
+    """``layerwise``: the first step found the layer-by-layer pass exact (layerwise.py)."""
+
     engine: ClippingEngine
     module: nn.Module
     scale: LossScale
     whole: WeightedBackward  # when the norm pass found no tail
+    layerwise: bool = False
 
     def __call__(
         self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
     ) -> None:
         """Σ_i c_i g_i without the tail: the tail's own Σ_i c_i G_i (tail.py), its per-example gradients then let go,
-        and the body's backward from h with spread(c) ⊙ ∂(Σ_j L_j)/∂h."""
+        and the body's backward from h with spread(c) ⊙ ∂(Σ_j L_j)/∂h, or layer by layer with the layers' norm
+        modules' Σ_i c_i G_i."""
         tail = found.collector.tail()
-        if tail is None:
+        layerwise = self.layerwise and _layerwise_usable(found)
+        if tail is None or (
+            self.layerwise and not layerwise
+        ):  # the first step checked the layer-by-layer pass
             self.whole(losses_of, found, norms, factors, batch)
             return
         with torch.no_grad():
             weights = self.scale.weights(factors)
-            for param, part in tail.clipped_parts(factors):
+            for param, part in self._kept_parts(tail, found, factors, layerwise):
                 self.engine.add_to_sum(param, part, weights)
         tail.parts.clear()
+        if layerwise:
+            found.points.norm_parts.clear()
         replay_rng(found.rng)
-        self.body_backward(tail, found.replay, losses_of, factors, batch)
+        self.body_backward(tail, found, losses_of, factors, batch, layerwise)
         self.engine.move_to_low_precision_sums()
 
+    @staticmethod
+    def _kept_parts(
+        tail: Tail, found: FoundNorms, factors: torch.Tensor, layerwise: bool
+    ) -> list[tuple[nn.Parameter, PerExampleGradient]]:
+        parts = tail.clipped_parts(factors)
+        return parts + without_dropped(found.points.norm_parts, factors) if layerwise else parts
+
     def body_backward(
-        self, tail: Tail, replay: LayerReplay | None, losses_of: LossFn, factors: torch.Tensor, batch: Batch
+        self,
+        tail: Tail,
+        found: FoundNorms,
+        losses_of: LossFn,
+        factors: torch.Tensor,
+        batch: Batch,
+        layerwise: bool,
     ) -> None:
-        """The body's part of Σ_i c_i g_i into ``.grad``: the forward to h, the backward from it."""
-        hidden = _forward_to_tail(tail, replay, losses_of, self.module)
-        if hidden.requires_grad:
-            with self.scale.unscaled_gradients(self.engine.parameters):
+        """The body's part of Σ_i c_i g_i into ``.grad``: the forward to h and the backward from it, or layer by
+        layer from the points' kept gradients (layerwise.py)."""
+        with self.scale.unscaled_gradients(self.engine.parameters):
+            if layerwise:
+                points, kept = found.points, found.replay.kept
+                points.backward(
+                    kept, points.below(tail.boundary), factors, batch.units, lambda: losses_of(self.module)
+                )
+                return
+            hidden = _forward_to_tail(tail, found.replay, losses_of, self.module)
+            if hidden.requires_grad:
                 hidden.backward(tail.hidden_gradient(factors, batch.units))
 
     def matches_whole(
-        self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch
+        self,
+        losses_of: LossFn,
+        found: FoundNorms,
+        factors: torch.Tensor,
+        batch: Batch,
+        layerwise: bool = False,
     ) -> bool:
-        """The first step: the clipped sum without the tail equals the whole weighted pass's, now in ``.grad``,
-        for every clipped parameter (checks.py); ``.grad`` is left as the whole pass wrote it."""
+        """The first step: the clipped sum without the tail (``layerwise``: layer by layer) equals the whole
+        weighted pass's, now in ``.grad``, for every clipped parameter (checks.py); ``.grad`` is left as the whole
+        pass wrote it."""
         tail = found.collector.tail()
-        if tail is None:
+        if tail is None or (layerwise and not _layerwise_usable(found)):
             return False
         params = self.engine.parameters
         set_aside = [
@@ -139,13 +178,13 @@ class BodySum:
         ]  # the whole pass's; reentrant checkpointing allows backward() only
         for param in params:
             param.grad = None
-        self.body_backward(tail, found.replay, losses_of, factors, batch)
+        self.body_backward(tail, found, losses_of, factors, batch, layerwise)
         sums = {id(p): None if p.grad is None else p.grad.float() for p in params}
         for param, grad in zip(params, set_aside, strict=True):
             param.grad = grad
         with torch.no_grad():
             weights = self.scale.weights(factors)
-            for param, part in tail.clipped_parts(factors):
+            for param, part in self._kept_parts(tail, found, factors, layerwise):
                 sums[id(param)] = part.accumulate(sums[id(param)], weights, param.float())
         whole = {id(p): p.grad for p in params}
         return sums_match(params, sums, whole, found.collector.low_precision)
@@ -154,7 +193,7 @@ class BodySum:
 @dataclass(frozen=True)
 class WeightedBackward:
     """``check``: the first step, which checks the taps against autograd along random probes and, where the norm
-    pass kept the tail, whether ``BodySum`` would be exact (``found.tail_exact``)."""
+    pass kept the tail, whether ``BodySum`` would be exact (``found.tail_exact``, ``found.layerwise_exact``)."""
 
     engine: ClippingEngine
     module: nn.Module
@@ -175,10 +214,20 @@ class WeightedBackward:
                 params, self.engine.parameter_name, found.collector, self.scale.weights(factors), before
             )
             if found.collector.options.keep_tail:
-                replay_rng(found.rng)
-                body = BodySum(self.engine, self.module, self.scale, self)
-                found.tail_exact = body.matches_whole(losses_of, found, factors, batch)
+                self._check_body(losses_of, found, factors, batch)
         self.engine.move_to_low_precision_sums()
+
+    def _check_body(self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch) -> None:
+        """Whether ``BodySum`` is exact layer by layer (which also checks the tail), else with the layers chained."""
+        body = BodySum(self.engine, self.module, self.scale, self)
+        if found.points is not None:
+            replay_rng(found.rng)
+            found.layerwise_exact = body.matches_whole(losses_of, found, factors, batch, layerwise=True)
+        if not found.layerwise_exact:
+            replay_rng(found.rng)
+            found.tail_exact = body.matches_whole(losses_of, found, factors, batch)
+        else:
+            found.tail_exact = True
 
 
 @dataclass(frozen=True)

@@ -73,18 +73,12 @@ class Tail:
     parts: list[tuple[nn.Parameter, PerExampleGradient]] = field(default_factory=list)
 
     def hidden_gradient(self, factors: torch.Tensor, units: PrivacyUnits | None) -> torch.Tensor:
-        """spread(c) ⊙ ∂(Σ_i L_i)/∂h, exactly 0 on the rows and tokens of units with c_i = 0 (their gradient may
-        not be finite)."""
-        gradient = self.boundary.gradient
-        weights = spread(factors, units, gradient.shape).to(gradient.dtype)
-        return torch.where(weights != 0, gradient * weights, 0.0)
+        """spread(c) ⊙ ∂(Σ_i L_i)/∂h (``weighted_by_units``)."""
+        return weighted_by_units(self.boundary.gradient, factors, units)
 
     def clipped_parts(self, factors: torch.Tensor) -> list[tuple[nn.Parameter, PerExampleGradient]]:
-        """The tail's parts without the examples whose clip factor is 0 (0 · inf would be nan)."""
-        dropped = factors == 0
-        if not dropped.any():
-            return self.parts
-        return [(param, part.without_examples(dropped)) for param, part in self.parts]
+        """The tail's parts without the examples whose clip factor is 0 (``without_dropped``)."""
+        return without_dropped(self.parts, factors)
 
     def clipped_sums(self, factors: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         """Σ_i c_i G_i per tail parameter (all its tail uses), float32 or wider."""
@@ -92,6 +86,16 @@ class Tail:
         for param, part in self.parts:
             uses.setdefault(param, []).append((1.0, part))
         return {param: clipped_total(param, weighted, factors) for param, weighted in uses.items()}
+
+
+def without_dropped(
+    parts: list[tuple[nn.Parameter, PerExampleGradient]], factors: torch.Tensor
+) -> list[tuple[nn.Parameter, PerExampleGradient]]:
+    """Kept per-example gradients without the examples whose clip factor is 0 (0 · inf would be nan)."""
+    dropped = factors == 0
+    if not dropped.any():
+        return parts
+    return [(param, part.without_examples(dropped)) for param, part in parts]
 
 
 def keep_form(part: PerExampleGradient, shape: torch.Size) -> PerExampleGradient:
@@ -103,6 +107,15 @@ def keep_form(part: PerExampleGradient, shape: torch.Size) -> PerExampleGradient
         if explicit_bytes <= factor_bytes:
             return part.explicit(shape)
     return part
+
+
+def weighted_by_units(
+    gradient: torch.Tensor, factors: torch.Tensor, units: PrivacyUnits | None
+) -> torch.Tensor:
+    """spread(c) ⊙ ∂(Σ_i L_i)/∂h, exactly 0 on the rows and tokens of units with c_i = 0 (their gradient may not be
+    finite)."""
+    weights = spread(factors, units, gradient.shape).to(gradient.dtype)
+    return torch.where(weights != 0, gradient * weights, 0.0)
 
 
 def spread(factors: torch.Tensor, units: PrivacyUnits | None, shape: torch.Size) -> torch.Tensor:

@@ -32,6 +32,7 @@ from hf_dp.clipping.hooks import (
     is_checkpointing,
     tap,
 )
+from hf_dp.clipping.layerwise import LayerPoints
 from hf_dp.clipping.per_example import (
     LOW_PRECISION,
     Materialised,
@@ -53,7 +54,8 @@ class TapOptions:
     ``tail_layers`` the first step checked (later steps). ``tail_checked_by_grad``: the first step checks
     the tail with ``autograd.grad`` (through a framework, checks.tail_separable), which a reentrant checkpoint
     refuses, so under one the tail reaches down over no layer. ``tail_at_exit``: where no clipped parameter is used
-    after the last checkpointed layer (a frozen final norm and head: LoRA), the tail starts at that layer's output."""
+    after the last checkpointed layer (a frozen final norm and head: LoRA), the tail starts at that layer's output.
+    ``layerwise``: also what the weighted pass needs to run the layers below the tail one by one (layerwise.py)."""
 
     probe: bool = False
     keep_gradients: bool = False
@@ -62,6 +64,7 @@ class TapOptions:
     tail_layers: int | None = None
     tail_checked_by_grad: bool = False
     tail_at_exit: bool = False
+    layerwise: bool = False
 
 
 class _AgainstIds:
@@ -139,6 +142,7 @@ class NormCollector:
         self._unreachable = False  # the forward lacks the layers ``tail_layers`` asks for: no tail
         self._deep_modules: set[nn.Module] = set()  # the modules inside the layers the tail reaches down over
         self._tail_parts: list[tuple[nn.Parameter, PerExampleGradient]] = []
+        self.layer_points: LayerPoints | None = None  # ``layerwise``: set by the norm pass
 
     def direction(self, param: nn.Parameter) -> torch.Tensor:
         """The probe V_p of a parameter: N(0, I), the same values at every call (one seed; each parameter is checked
@@ -314,6 +318,9 @@ class NormCollector:
             if in_tail:  # kept for the weighted pass, in the form its norm is also computed from
                 part = keep_form(part, param.shape)
                 self._tail_parts.append((param, part))
+            elif self.layer_points is not None and self.layer_points.holds_norm(module):
+                part = keep_form(part, param.shape)
+                self.layer_points.keep_norm_part(param, part)
             if (module, name) in self._site_scales:
                 self.scales[pid] = self._site_scales[module, name]
             if self.options.probe:

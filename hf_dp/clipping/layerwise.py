@@ -1,0 +1,203 @@
+"""Activation checkpointing's weighted pass one layer at a time, each segment from its own kept gradient.
+
+Inside a pre-norm block the residual stream passes through points: the input of each norm module and the block's
+output. A parameter used between two points reaches the loss only through the later one (Llama: q, k, v and o
+through h_mid = h + attn(norm₁(h)); gate, up and down through the output h_mid + mlp(norm₂(h_mid))). Where no
+unit's loss reads another unit's rows or tokens (as for the tail, tail.py), the weighted pass's gradient at a
+point r is spread(c) ⊙ ∂(Σ_j L_j)/∂r, which the norm pass's backward computes anyway. So the norm pass keeps
+∂(Σ_j L_j)/∂r at every point that follows a clipped parameter (B·T·d floats each) and the norm modules'
+per-example gradients G_i (B·d each), and the weighted pass recomputes each layer from its kept input
+(replay.py) and back-propagates each segment from its point's spread(c) ⊙ gradient towards the segment's own
+parameters only. Nothing runs back from a layer into the one below it, so the linear layers that read a norm's
+output (q, k, v, gate, up) skip their input-gradient GEMMs: a fifth of a Llama layer's backward. The norm
+modules' part is Σ_i c_i G_i, as the tail's; the parameters used before the first layer (embeddings) get theirs
+from a forward that stops at the first layer's input and a backward from its kept gradient.
+
+A norm module this does not recognise only merges two segments, which stays exact (the later point's backward
+runs through it). A block whose parameters also reach the loss around its next point is not exact: the first
+step checks the result against the whole weighted pass and uses the layer-by-layer pass only if they agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from hf_dp.clipping.per_example import PerExampleGradient
+from hf_dp.clipping.replay import Kept
+from hf_dp.clipping.rules import is_rms_norm
+from hf_dp.clipping.tail import TailBoundary, forward_to, weighted_by_units
+from hf_dp.clipping.units import PrivacyUnits
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A module whose input is a point of the residual stream: LayerNorm and the RMSNorms."""
+    return isinstance(module, nn.LayerNorm) or is_rms_norm(module)
+
+
+class LayerPoints:
+    """What the norm pass keeps for the layer-by-layer weighted pass: ∂(Σ_j L_j)/∂r at each point of each
+    checkpointed layer (a norm's input, or ``None``: the layer's output) that follows a clipped parameter, at the
+    first layer's input, and the per-example gradients of the layers' norm modules."""
+
+    def __init__(self, layers: Sequence[nn.Module], owned: dict[nn.Module, list[str]]) -> None:
+        self.layers = list(layers)
+        self.owned = owned
+        self._layer_of = {m: layer for layer in self.layers for m in layer.modules()}
+        self.gradients: dict[tuple[nn.Module, nn.Module | None], torch.Tensor] = {}
+        self.first_input: TailBoundary | None = (
+            None  # the first layer's input, where the embeddings' part starts
+        )
+        self.norm_parts: list[tuple[nn.Parameter, PerExampleGradient]] = []
+        self.order: list[nn.Module] = []  # the layers in the order of their calls
+        self._used_before = False  # a clipped parameter was used before the first layer
+        self.complete = True  # every layer was called once
+
+    def holds_norm(self, module: nn.Module) -> bool:
+        """Whether a clipped use is a norm module inside a checkpointed layer (its G_i is kept)."""
+        return module in self._layer_of and is_norm(module)
+
+    def keep_norm_part(self, param: nn.Parameter, part: PerExampleGradient) -> None:
+        self.norm_parts.append((param, part))
+
+    def _keep(self, key: tuple[nn.Module, nn.Module | None], point: torch.Tensor) -> None:
+        def keep(gradient: torch.Tensor) -> None:
+            self.gradients[key] = gradient.detach().clone()
+
+        point.register_hook(keep)
+
+    @contextlib.contextmanager
+    def watching(self, counting: Callable[[], bool]) -> Iterator[None]:
+        """During the norm pass (forward and backward): watch each point that follows a clipped use in its layer,
+        as the first forward (``counting``) found them. A point's gradient arrives through the first forward's
+        tensors (non-reentrant checkpointing) or through the recomputation's (reentrant checkpointing, whose first
+        forward runs without a graph); a Hugging Face layer runs its own hooks outside the checkpoint."""
+        since_point: dict[nn.Module, bool] = {}  # per layer: a clipped use since its last point
+        wanted: set[nn.Module] = (
+            set()
+        )  # the points (norms, or a layer for its output) that follow a clipped use
+
+        def watch(layer: nn.Module, norm: nn.Module | None, hidden: object) -> None:
+            point_wanted = (norm if norm is not None else layer) in wanted
+            if point_wanted and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                self._keep((layer, norm), hidden)
+
+        def enter(layer: nn.Module, args: tuple) -> None:
+            if not counting():
+                return
+            if layer in self.order:
+                self.complete = False
+            self.order.append(layer)
+            since_point[layer] = False
+            hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if len(self.order) == 1 and self._used_before and hidden is not None and hidden.requires_grad:
+                self.first_input = TailBoundary(layer, 1)
+                self.first_input.watch(hidden)
+
+        def used(module: nn.Module, args: tuple) -> None:
+            if not counting():
+                return
+            if module in self._layer_of:
+                since_point[self._layer_of[module]] = True
+            elif not self.order:
+                self._used_before = True
+
+        def point(module: nn.Module, args: tuple) -> None:
+            layer = self._layer_of[module]
+            if counting():
+                if since_point.get(layer):
+                    wanted.add(module)
+                since_point[layer] = False
+            watch(layer, module, args[0] if args else None)
+
+        def leave(layer: nn.Module, args: tuple, output: object) -> None:
+            if counting():
+                if not isinstance(output, torch.Tensor):
+                    self.complete = False
+                if since_point.get(layer):
+                    wanted.add(layer)
+            watch(layer, None, output)
+
+        handles = [layer.register_forward_pre_hook(enter) for layer in self.layers]
+        handles += [layer.register_forward_hook(leave) for layer in self.layers]
+        for module, layer in self._layer_of.items():
+            if is_norm(module):
+                handles.append(module.register_forward_pre_hook(point))
+            elif module in self.owned and module is not layer:
+                handles.append(module.register_forward_pre_hook(used))
+        handles += [m.register_forward_pre_hook(used) for m in self.owned if m not in self._layer_of]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def backward(
+        self,
+        kept: Sequence[Kept],
+        below: int,
+        factors: torch.Tensor,
+        units: PrivacyUnits | None,
+        forward: Callable[[], object],
+    ) -> None:
+        """The weighted pass's part of Σ_i c_i g_i for the first ``below`` layers and what precedes them, into
+        ``.grad``: each layer recomputed from ``kept`` and each segment back-propagated from its point; then the
+        embeddings' part from ``forward`` stopped at the first layer's input. Each gradient is let go once used."""
+        boundary = self.first_input
+        if boundary is not None and boundary.gradient is not None:
+            hidden = forward_to(boundary, forward)
+            gradient, boundary.gradient = boundary.gradient, None
+            if hidden.requires_grad:
+                hidden.backward(weighted_by_units(gradient, factors, units))
+        for layer, entry in reversed(list(zip(self.order[:below], kept[:below], strict=True))):
+            self._layer_backward(layer, entry, factors, units)
+
+    def usable(self, kept: Sequence[Kept]) -> bool:
+        """Every checkpointed layer was called once, returned one tensor, and its call was kept."""
+        return self.complete and len(self.order) == len(kept) and all(k.function is not None for k in kept)
+
+    def below(self, boundary: TailBoundary) -> int:
+        """How many layers lie below the tail's input (tail.py): those the tail does not reach down over."""
+        if not boundary.at_output and boundary.module in self.order:
+            return self.order.index(boundary.module)
+        return len(self.order)
+
+    def _layer_backward(
+        self, layer: nn.Module, entry: Kept, factors: torch.Tensor, units: PrivacyUnits | None
+    ) -> None:
+        segments: list[list[nn.Parameter]] = [[]]
+        points: list[tuple[nn.Module | None, torch.Tensor]] = []
+
+        def used(module: nn.Module, args: tuple) -> None:
+            for name in self.owned[module]:
+                param = getattr(module, name)
+                if param.requires_grad and all(param is not p for p in segments[-1]):
+                    segments[-1].append(param)
+
+        def point(module: nn.Module, args: tuple) -> None:
+            points.append((module, args[0]))
+            segments.append([])
+
+        handles = []
+        for module in layer.modules():
+            if is_norm(module):
+                handles.append(module.register_forward_pre_hook(point))
+            elif module in self.owned and module is not layer:
+                handles.append(module.register_forward_pre_hook(used))
+        try:
+            output = entry.rerun(entry.function, list(entry.args))
+        finally:
+            for handle in handles:
+                handle.remove()
+        points.append((None, output))
+        # segment k (the parameters used before point k and after point k - 1) reaches the loss through point k
+        for (module, tensor), params in reversed(list(zip(points, segments, strict=True))):
+            gradient = self.gradients.pop((layer, module), None)
+            if not params or gradient is None or not tensor.requires_grad:
+                continue
+            torch.autograd.backward(
+                tensor, weighted_by_units(gradient, factors, units), inputs=params, retain_graph=True
+            )
