@@ -71,16 +71,19 @@ def test_fp16_clipped_sum_matches_the_float64_brute_force(case: str) -> None:
     engine = ClippingEngine(model)
     strategy = clipped_step(engine, model, Backend(checkpointing=checkpointing, fp16_loss_scale=FP16.scale))
     # with checkpointing: the checked first step, then the step whose weighted pass skips the LM head (tail.py)
+    # and runs the layers one by one (layerwise.py)
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy):
         assert relative_error(ours, reference) < TOLERANCE
     assert strategy.skips_tail is (True if checkpointing else None)
+    assert strategy.layerwise is checkpointing
     assert engine.nonfinite_examples == 0
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
 
 def test_fp16_lora_with_checkpointing_is_exact_in_the_one_pass_step_too(monkeypatch) -> None:
-    """The first step checks the taps and the tail with three passes; the next keeps the explicit S-scaled adapter gradients
-    of the norm pass and sums them with c_i / S (the threshold is lifted: the tiny model's adapters are large)."""
+    """The first step checks the taps and the layer-by-layer weighted pass (no forward: the embeddings are frozen);
+    the next keeps the explicit S-scaled adapter gradients of the norm pass and sums them with c_i / S (the
+    threshold is lifted: the tiny model's adapters are large)."""
     monkeypatch.setattr("hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE", 1e9)
     torch.manual_seed(0)
     model = llama_lora().train()
@@ -93,8 +96,7 @@ def test_fp16_lora_with_checkpointing_is_exact_in_the_one_pass_step_too(monkeypa
     forwards = []
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
         assert relative_error(ours, reference) < TOLERANCE
-    # the first also checks the tail reaching down over the layers (a third forward)
-    assert forwards == [3, 1]
+    assert strategy.layerwise and forwards == [2, 1]
 
 
 class _TwoLayers(nn.Module):
