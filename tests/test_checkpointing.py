@@ -473,6 +473,25 @@ def test_a_block_whose_attention_reaches_its_output_directly_is_not_run_layer_by
     assert strategy.skips_tail is True and strategy.layerwise is False
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_weight_shared_by_attention_and_mlp_goes_with_its_last_use(reentrant: bool) -> None:
+    """Each layer's up_proj is its q_proj: one weight in two segments (layerwise.py). It is back-propagated from the
+    layer's output only, which reaches its attention use through the residual point too: exact, layer by layer."""
+    torch.manual_seed(0)
+    model = models.llama(intermediate_size=16).double().train()
+    for layer in model.model.layers:
+        layer.mlp.up_proj.weight = layer.self_attn.q_proj.weight
+    batch = models.token_batch()
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, steps=3):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert strategy.skips_tail and strategy.layerwise
+
+
 def test_the_layer_by_layer_pass_keeps_each_point_once_and_lets_it_go(monkeypatch) -> None:
     """Llama's points: the input of each layer's post-attention norm and each layer's output (the input norm of a
     layer follows no clipped use inside it), the first layer's input (the embeddings precede it), and the two norm

@@ -2,7 +2,8 @@
 
 Inside a pre-norm block the residual stream passes through points: the input of each norm module and the block's
 output. A parameter used between two points reaches the loss only through the later one (Llama: q, k, v and o
-through h_mid = h + attn(norm₁(h)); gate, up and down through the output h_mid + mlp(norm₂(h_mid))). Where no
+through h_mid = h + attn(norm₁(h)); gate, up and down through the output h_mid + mlp(norm₂(h_mid))); one used
+in several segments goes with its last (the backward from there runs through the earlier points). Where no
 unit's loss reads another unit's rows or tokens (as for the tail, tail.py), the weighted pass's gradient at a
 point r is spread(c) ⊙ ∂(Σ_j L_j)/∂r, which the norm pass's backward computes anyway. So the norm pass keeps
 ∂(Σ_j L_j)/∂r at every point that follows a clipped parameter (B·T·d floats each) and the norm modules'
@@ -48,9 +49,8 @@ class LayerPoints:
         self.owned = owned
         self._layer_of = {m: layer for layer in self.layers for m in layer.modules()}
         self.gradients: dict[tuple[nn.Module, nn.Module | None], torch.Tensor] = {}
-        self.first_input: TailBoundary | None = (
-            None  # the first layer's input, where the embeddings' part starts
-        )
+        # the first layer's input, where the embeddings' part of the weighted pass starts
+        self.first_input: TailBoundary | None = None
         self.norm_parts: list[tuple[nn.Parameter, PerExampleGradient]] = []
         self.order: list[nn.Module] = []  # the layers in the order of their calls
         self._used_before = False  # a clipped parameter was used before the first layer
@@ -76,9 +76,8 @@ class LayerPoints:
         tensors (non-reentrant checkpointing) or through the recomputation's (reentrant checkpointing, whose first
         forward runs without a graph); a Hugging Face layer runs its own hooks outside the checkpoint."""
         since_point: dict[nn.Module, bool] = {}  # per layer: a clipped use since its last point
-        wanted: set[nn.Module] = (
-            set()
-        )  # the points (norms, or a layer for its output) that follow a clipped use
+        # the points that follow a clipped use: norms (their input), layers (their output)
+        wanted: set[nn.Module] = set()
 
         def watch(layer: nn.Module, norm: nn.Module | None, hidden: object) -> None:
             point_wanted = (norm if norm is not None else layer) in wanted
@@ -171,10 +170,12 @@ class LayerPoints:
         segments: list[list[nn.Parameter]] = [[]]
         points: list[tuple[nn.Module | None, torch.Tensor]] = []
 
-        def used(module: nn.Module, args: tuple) -> None:
+        def used(module: nn.Module, args: tuple) -> None:  # a parameter goes with the segment of its last use
             for name in self.owned[module]:
                 param = getattr(module, name)
-                if param.requires_grad and all(param is not p for p in segments[-1]):
+                if param.requires_grad:
+                    for segment in segments:
+                        segment[:] = [p for p in segment if p is not param]
                     segments[-1].append(param)
 
         def point(module: nn.Module, args: tuple) -> None:
@@ -193,7 +194,8 @@ class LayerPoints:
             for handle in handles:
                 handle.remove()
         points.append((None, output))
-        # segment k (the parameters used before point k and after point k - 1) reaches the loss through point k
+        # segment k (the parameters last used before point k and after point k - 1) reaches the loss through point k:
+        # the backward from it towards them also runs through the earlier points their earlier uses feed
         for (module, tensor), params in reversed(list(zip(points, segments, strict=True))):
             gradient = self.gradients.pop((layer, module), None)
             if not params or gradient is None or not tensor.requires_grad:
