@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
+sys.path[:] = [_REPO_ROOT] + [p for p in sys.path if p != _REPO_ROOT]  # before Opacus' own ``benchmarks``
 
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
