@@ -63,9 +63,8 @@ class FoundNorms:
     replay: LayerReplay | None = None  # the checkpointed layers' outputs (tail kept, or recorded)
     points: LayerPoints | None = None  # what the layer-by-layer weighted pass needs (layerwise.py)
     tail_exact: bool | None = None  # set by the first step's tail check (sum_passes)
-    layerwise_exact: bool | None = (
-        None  # set by the first step's check of the layer-by-layer pass (sum_passes)
-    )
+    # set by the first step's check of the layer-by-layer pass (sum_passes)
+    layerwise_exact: bool | None = None
     replay_exact: bool | None = None  # set by the first step through a framework (sum_passes)
 
 

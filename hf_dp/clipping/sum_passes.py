@@ -113,9 +113,8 @@ class BodySum:
         modules' Σ_i c_i G_i."""
         tail = found.collector.tail()
         layerwise = self.layerwise and _layerwise_usable(found)
-        if tail is None or (
-            self.layerwise and not layerwise
-        ):  # the first step checked the layer-by-layer pass
+        # the first step checked the layer-by-layer pass, not the chained one: without it, the whole pass
+        if tail is None or (self.layerwise and not layerwise):
             self.whole(losses_of, found, norms, factors, batch)
             return
         with torch.no_grad():
