@@ -17,6 +17,7 @@ from torch import nn
 
 from hf_dp.backend import Backend
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
+from hf_dp.clipping.layerwise import LayerPoints
 from hf_dp.clipping.pipeline import clipped_step
 from hf_dp.clipping.plan import Evaluation, Shift, StepPlan
 from hf_dp.clipping.sum_passes import BodySum
@@ -490,6 +491,32 @@ def test_a_weight_shared_by_attention_and_mlp_goes_with_its_last_use(reentrant: 
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, steps=3):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
     assert strategy.skips_tail and strategy.layerwise
+
+
+def test_a_step_that_cannot_run_the_checked_layer_by_layer_pass_runs_the_whole_pass(monkeypatch) -> None:
+    """The first step checked the layer-by-layer pass, not the chained one: a later step whose record cannot be used
+    (a layer called twice, say) runs the whole weighted pass, LM head included, and stays exact."""
+    torch.manual_seed(0)
+    model = models.llama().double().train()
+    batch = models.token_batch()
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    head_calls, forwards = [], []
+    model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(len(forwards)))
+    usable, answers = LayerPoints.usable, []
+
+    def usable_on_the_first_step_only(self, kept) -> bool:
+        answers.append(usable(self, kept) and not answers)
+        return answers[-1]
+
+    monkeypatch.setattr(LayerPoints, "usable", usable_on_the_first_step_only)
+    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert strategy.layerwise and answers == [True, False]
+    assert forwards[1] == 2 and head_calls.count(1) == 2  # the norm pass and the whole weighted pass
 
 
 def test_the_layer_by_layer_pass_keeps_each_point_once_and_lets_it_go(monkeypatch) -> None:
