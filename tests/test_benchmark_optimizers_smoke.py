@@ -3,31 +3,18 @@ every optimizer runs through DPTrainer on the real data, and the outputs have on
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 from hf_dp.optim.registry import dp_optimizer_names
+from tests.benchmark_scripts import load_benchmark
 
 pytestmark = pytest.mark.slow
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    # By file path: Opacus installs a top-level package named ``benchmarks`` into site-packages.
-    spec = importlib.util.spec_from_file_location(f"hf_dp_benchmark_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _finite(x: object) -> bool:
@@ -44,7 +31,7 @@ def _keep_threads() -> Iterator[None]:
 
 def test_optimizers_quick(tmp_path: Path, shared_data: Path) -> None:
     """Every benchmark row (every registered update rule, and adam_bc_scaled, a setting of adam_bc)."""
-    optimizers = _load("optimizers")
+    optimizers = load_benchmark("optimizers")
     names = tuple(optimizers.ROWS)
     assert set(dp_optimizer_names()) <= {row.dp_optimizer for row in optimizers.ROWS.values()}
     returned = optimizers.main(
@@ -84,7 +71,7 @@ def test_optimizers_quick(tmp_path: Path, shared_data: Path) -> None:
 
 def test_optimizer_cost_quick(tmp_path: Path) -> None:
     out = tmp_path / "optimizer_cost.json"
-    cost = _load("optimizer_cost")
+    cost = load_benchmark("optimizer_cost")
     returned = cost.main(["--quick", "--out", str(out)])
     result = json.loads(out.read_text())
     assert returned["times"].keys() == result["times"].keys() == cost.VARIANTS.keys()
@@ -103,7 +90,7 @@ def test_optimizer_cost_quick(tmp_path: Path) -> None:
 
 def test_optimizer_cost_isolated_times_each_variant_in_its_own_process(tmp_path: Path) -> None:
     out = tmp_path / "optimizer_cost_isolated.json"
-    cost = _load("optimizer_cost")
+    cost = load_benchmark("optimizer_cost")
     cost.main(["--quick", "--isolated", "--variants", "adamw", "disk", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["config"]["isolated_processes"] and result["round_orders"] == [["adamw", "disk"]]

@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
+
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_speed.py"
 VARIANTS = ("non_private", "dp_ghost", "dp_per_sample", "opacus_ghost")
-
-
-def _load_script():
-    # By file path: Opacus installs a top-level package named ``benchmarks`` into site-packages.
-    spec = importlib.util.spec_from_file_location("hf_dp_benchmark_step_speed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _finite_positive(x) -> bool:
@@ -30,7 +20,7 @@ def _finite_positive(x) -> bool:
 
 
 def test_step_speed_tiny(tmp_path: Path) -> None:
-    step_speed = _load_script()
+    step_speed = load_benchmark("step_speed")
     out = tmp_path / "step_speed.json"
     tiny = ["--layers", "1", "--width", "32", "--heads", "2", "--vocab", "128", "--seq", "16", "--batch", "4"]
     returned = step_speed.main([*tiny, "--rounds", "1", "--out", str(out), "--memory-variants", "dp_ghost"])

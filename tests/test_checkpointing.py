@@ -97,6 +97,19 @@ def checkpointed_steps(
     return sums
 
 
+def steps_match_brute_force(model, batch, reentrant: bool, steps: int = 3, forwards=None):
+    """Brute force's clipped sum at half the smallest example norm (every example clipped), then ``steps``
+    checkpointed steps of one strategy, each equal to it to 1e-9; the strategy, for what its first step decided."""
+    _, norms = models.brute_force(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, steps=steps, forwards=forwards):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    return strategy
+
+
 def checkpointed_step(model, batch, max_norm, **kwargs) -> dict[str, torch.Tensor]:
     """One micro-batch, one (first, checked) step."""
     return checkpointed_steps(model, batch, max_norm, steps=1, **kwargs)[0]
@@ -464,13 +477,7 @@ def test_a_block_whose_attention_reaches_its_output_directly_is_not_run_layer_by
         layer.mlp.register_forward_hook(
             lambda module, args, output, layer=layer: output + 0.5 * layer.attended
         )
-    _, norms = models.brute_force(model, batch, max_norm=1e9)
-    max_norm = 0.5 * norms.min().item()
-    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
-    model.activation_checkpointing_enable({"use_reentrant": reentrant})
-    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
-    for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, steps=3):
-        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    strategy = steps_match_brute_force(model, batch, reentrant)
     assert strategy.skips_tail is True and strategy.layerwise is False
 
 
@@ -483,13 +490,7 @@ def test_a_weight_shared_by_attention_and_mlp_goes_with_its_last_use(reentrant: 
     for layer in model.model.layers:
         layer.mlp.up_proj.weight = layer.self_attn.q_proj.weight
     batch = models.token_batch()
-    _, norms = models.brute_force(model, batch, max_norm=1e9)
-    max_norm = 0.5 * norms.min().item()
-    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
-    model.activation_checkpointing_enable({"use_reentrant": reentrant})
-    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
-    for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, steps=3):
-        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    strategy = steps_match_brute_force(model, batch, reentrant)
     assert strategy.skips_tail and strategy.layerwise
 
 
@@ -499,10 +500,6 @@ def test_a_step_that_cannot_run_the_checked_layer_by_layer_pass_runs_the_whole_p
     torch.manual_seed(0)
     model = models.llama().double().train()
     batch = models.token_batch()
-    _, norms = models.brute_force(model, batch, max_norm=1e9)
-    max_norm = 0.5 * norms.min().item()
-    reference, _ = models.brute_force(model, batch, max_norm=max_norm)
-    model.activation_checkpointing_enable({"use_reentrant": False})
     head_calls, forwards = [], []
     model.get_output_embeddings().register_forward_hook(lambda *_: head_calls.append(len(forwards)))
     usable, answers = LayerPoints.usable, []
@@ -512,9 +509,7 @@ def test_a_step_that_cannot_run_the_checked_layer_by_layer_pass_runs_the_whole_p
         return answers[-1]
 
     monkeypatch.setattr(LayerPoints, "usable", usable_on_the_first_step_only)
-    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
-    for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
-        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    strategy = steps_match_brute_force(model, batch, reentrant=False, steps=2, forwards=forwards)
     assert strategy.layerwise and answers == [True, False]
     assert forwards[1] == 2 and head_calls.count(1) == 2  # the norm pass and the whole weighted pass
 

@@ -8,24 +8,13 @@ The tolerances are the script's ``TOLERANCE``: fp32 1e-4 (a float32 step against
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-
-
-def _load_script():
-    # By file path: Opacus installs a top-level package named ``benchmarks`` into site-packages.
-    spec = importlib.util.spec_from_file_location("hf_dp_benchmark_gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def _finite_positive(x) -> bool:
@@ -34,7 +23,7 @@ def _finite_positive(x) -> bool:
 
 @pytest.mark.slow
 def test_gpu_check_smoke(tmp_path: Path) -> None:
-    gpu_check = _load_script()
+    gpu_check = load_benchmark("gpu_check")
     out = tmp_path / "gpu_check.json"
     returned = gpu_check.main(["--smoke", "--out", str(out)])
     result = json.loads(out.read_text())

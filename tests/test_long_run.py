@@ -3,28 +3,16 @@ lines leave the hooks, the live tensors and the ledger as they were after warm-u
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
+from tests.benchmark_scripts import load_benchmark
+
 pytestmark = pytest.mark.slow  # a benchmark's quick mode (pyproject.toml)
-
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "long_run.py"
-
-
-def _load() -> ModuleType:
-    # By file path: Opacus installs a top-level package named ``benchmarks`` into site-packages.
-    spec = importlib.util.spec_from_file_location("hf_dp_benchmark_long_run", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -36,7 +24,7 @@ def one_thread() -> Iterator[None]:
 
 
 def test_long_run_keeps_its_counters_and_its_epsilon(tmp_path: Path, one_thread: None) -> None:
-    long_run = _load()
+    long_run = load_benchmark("long_run")
     # 200 steps: a save every 20 (10 saves, 8 of them rotated away), an evaluation every 50, a log every 10; RDP
     # keeps it short (the benchmark's run checks PRV against dp_accounting's PLD)
     config = replace(long_run.QUICK, steps=200, sample_every=20, warmup_step=60, accountant="rdp")

@@ -4,38 +4,18 @@ clipped sums (layerwise.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_flops.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("hf_dp_benchmark_step_flops", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_the_layer_by_layer_pass_skips_exactly_the_input_gradients_below_norms(tmp_path: Path) -> None:
-    step_flops = _load_script()
+    step_flops = load_benchmark("step_flops")
     layers, hidden, intermediate, heads, kv_heads, seq = 2, 64, 176, 4, 2, 32
-    shape = ["--layers", str(layers), "--hidden", str(hidden), "--intermediate", str(intermediate)]
-    shape += [
-        "--heads",
-        str(heads),
-        "--kv-heads",
-        str(kv_heads),
-        "--vocab",
-        "1000",
-        "--seq",
-        "32",
-        "--batch",
-        "8",
-    ]
+    sizes = {"layers": layers, "hidden": hidden, "intermediate": intermediate, "heads": heads}
+    sizes |= {"kv-heads": kv_heads, "vocab": 1000, "seq": seq, "batch": 8}
+    shape = [arg for name, value in sizes.items() for arg in (f"--{name}", str(value))]
     out = tmp_path / "flops.json"
     step_flops.main([*shape, "--out", str(out)])
     variants = json.loads(out.read_text())["variants"]

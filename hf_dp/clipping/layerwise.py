@@ -48,6 +48,7 @@ class LayerPoints:
         self.layers = list(layers)
         self.owned = owned
         self._layer_of = {m: layer for layer in self.layers for m in layer.modules()}
+        self._norms = {m for m in self._layer_of if is_norm(m)}  # the norm modules inside the layers
         self.gradients: dict[tuple[nn.Module, nn.Module | None], torch.Tensor] = {}
         # the first layer's input, where the embeddings' part of the weighted pass starts
         self.first_input: TailBoundary | None = None
@@ -58,7 +59,7 @@ class LayerPoints:
 
     def holds_norm(self, module: nn.Module) -> bool:
         """Whether a clipped use is a norm module inside a checkpointed layer (its G_i is kept)."""
-        return module in self._layer_of and is_norm(module)
+        return module in self._norms
 
     def keep_norm_part(self, param: nn.Parameter, part: PerExampleGradient) -> None:
         self.norm_parts.append((param, part))
@@ -123,7 +124,7 @@ class LayerPoints:
         handles = [layer.register_forward_pre_hook(enter) for layer in self.layers]
         handles += [layer.register_forward_hook(leave) for layer in self.layers]
         for module, layer in self._layer_of.items():
-            if is_norm(module):
+            if module in self._norms:
                 handles.append(module.register_forward_pre_hook(point))
             elif module in self.owned and module is not layer:
                 handles.append(module.register_forward_pre_hook(used))
@@ -184,7 +185,7 @@ class LayerPoints:
 
         handles = []
         for module in layer.modules():
-            if is_norm(module):
+            if module in self._norms:
                 handles.append(module.register_forward_pre_hook(point))
             elif module in self.owned and module is not layer:
                 handles.append(module.register_forward_pre_hook(used))
