@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_benchmark_optimizers_smoke import _finite, _keep_threads, _load  # noqa: F401 (an autouse fixture)
+from tests.benchmark_scripts import load_benchmark
+from tests.test_benchmark_optimizers_smoke import _finite, _keep_threads  # noqa: F401 (an autouse fixture)
 
 pytestmark = pytest.mark.slow
 
 
 def test_correlated_noise_quick(tmp_path: Path, shared_data: Path) -> None:
-    bench = _load("correlated_noise")
+    bench = load_benchmark("correlated_noise")
     returned = bench.main(["--quick", "--task", "mlm", "--seeds", "0", "--out_dir", str(tmp_path)])
     assert set(returned) == {"mlm"}
     result = json.loads((tmp_path / "correlated_noise_mlm.json").read_text())
