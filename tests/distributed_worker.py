@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config  # noqa: E402
 
+import hf_dp.clipping.pipeline  # noqa: E402
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 from hf_dp.checkpoint import COMPLETE_FILE, resume_point  # noqa: E402
 from hf_dp.clipping.geometry import dense_scale, unsharded  # noqa: E402
@@ -208,14 +209,16 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEFAULT_SHARES = (hf_dp.clipping.pipeline.DEEP_TAIL_SHARE, hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE)
+
+
 def run(cli: argparse.Namespace) -> None:
     torch.manual_seed(0)
-    import hf_dp.clipping.pipeline
-
-    if cli.tail_share is not None:
-        hf_dp.clipping.pipeline.DEEP_TAIL_SHARE = cli.tail_share
-    if cli.kept_share is not None:
-        hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE = cli.kept_share
+    # each run of a launch from the defaults: the jobs share one process
+    hf_dp.clipping.pipeline.DEEP_TAIL_SHARE = DEFAULT_SHARES[0] if cli.tail_share is None else cli.tail_share
+    hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE = (
+        DEFAULT_SHARES[1] if cli.kept_share is None else cli.kept_share
+    )
     if cli.model == "llama":
         model = models.llama()
     else:

