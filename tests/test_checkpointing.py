@@ -20,7 +20,7 @@ from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.layerwise import LayerPoints
 from hf_dp.clipping.pipeline import clipped_step
 from hf_dp.clipping.plan import Evaluation, Shift, StepPlan
-from hf_dp.clipping.sum_passes import BodySum
+from hf_dp.clipping.sum_passes import BodySum, BodyThroughFramework
 from hf_dp.losses import per_example_loss, unwrap_model
 from tests import models
 from tests.test_clipping_geometry import factored_scales
@@ -97,14 +97,19 @@ def checkpointed_steps(
     return sums
 
 
-def steps_match_brute_force(model, batch, reentrant: bool, steps: int = 3, forwards=None):
+ONE_PROCESS, ZERO2 = Backend(checkpointing=True), Backend(world_size=2, zero_stage=2, checkpointing=True)
+
+
+def steps_match_brute_force(
+    model, batch, reentrant: bool, steps: int = 3, forwards=None, backend: Backend = ONE_PROCESS
+):
     """Brute force's clipped sum at half the smallest example norm (every example clipped), then ``steps``
     checkpointed steps of one strategy, each equal to it to 1e-9; the strategy, for what its first step decided."""
     _, norms = models.brute_force(model, batch, max_norm=1e9)
     max_norm = 0.5 * norms.min().item()
     reference, _ = models.brute_force(model, batch, max_norm=max_norm)
     model.activation_checkpointing_enable({"use_reentrant": reentrant})
-    strategy = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
+    strategy = clipped_step(ClippingEngine(model), model, backend)
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, steps=steps, forwards=forwards):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
     return strategy
@@ -459,14 +464,16 @@ def test_a_frozen_head_is_skipped_from_the_last_layers_output(monkeypatch, reent
     assert mlp_calls.count(2) == 3  # forward, recomputation, and the weighted pass's recomputation
 
 
+@pytest.mark.parametrize("backend", [ONE_PROCESS, ZERO2], ids=["one_process", "zero2"])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_block_whose_attention_reaches_its_output_directly_is_not_run_layer_by_layer(
-    reentrant: bool,
+    reentrant: bool, backend: Backend
 ) -> None:
     """Each layer's MLP output also adds its attention's output, so the attention reaches the layer's output around
     the residual point between attention and MLP (layerwise.py): back-propagating the attention from that point
-    alone would miss that path. The first step's check finds the difference and later steps chain the layers
-    (replay.py); every step is brute force's."""
+    alone would miss that path. The first step's check finds the difference (through ZeRO-2 layer by layer against
+    the chain, without writing gradients) and later steps chain the layers (replay.py); every step is brute
+    force's."""
     torch.manual_seed(0)
     model = models.llama().double().train()
     batch = models.token_batch()
@@ -477,12 +484,15 @@ def test_a_block_whose_attention_reaches_its_output_directly_is_not_run_layer_by
         layer.mlp.register_forward_hook(
             lambda module, args, output, layer=layer: output + 0.5 * layer.attended
         )
-    strategy = steps_match_brute_force(model, batch, reentrant)
+    strategy = steps_match_brute_force(model, batch, reentrant, backend=backend)
     assert strategy.skips_tail is True and strategy.layerwise is False
 
 
+@pytest.mark.parametrize("backend", [ONE_PROCESS, ZERO2], ids=["one_process", "zero2"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_a_weight_shared_by_attention_and_mlp_goes_with_its_last_use(reentrant: bool) -> None:
+def test_a_weight_shared_by_attention_and_mlp_goes_with_its_last_use(
+    reentrant: bool, backend: Backend
+) -> None:
     """Each layer's up_proj is its q_proj: one weight in two segments (layerwise.py). It is back-propagated from the
     layer's output only, which reaches its attention use through the residual point too: exact, layer by layer."""
     torch.manual_seed(0)
@@ -490,7 +500,7 @@ def test_a_weight_shared_by_attention_and_mlp_goes_with_its_last_use(reentrant: 
     for layer in model.model.layers:
         layer.mlp.up_proj.weight = layer.self_attn.q_proj.weight
     batch = models.token_batch()
-    strategy = steps_match_brute_force(model, batch, reentrant)
+    strategy = steps_match_brute_force(model, batch, reentrant, backend=backend)
     assert strategy.skips_tail and strategy.layerwise
 
 
@@ -548,6 +558,30 @@ def test_the_layer_by_layer_pass_keeps_each_point_once_and_lets_it_go(monkeypatc
     assert left == ({}, [], None)
 
 
+def test_through_zero2_the_layer_by_layer_pass_lets_each_kept_gradient_go_in_the_backward(
+    monkeypatch,
+) -> None:
+    """Through ZeRO-2 each layer's term recomputes the layer in the framework's backward and hands its parameters
+    their gradients there (layerwise.py): once that backward has run, no point's gradient, norm part or first
+    input's gradient is left, the layers ran one by one, and the sum is brute force's."""
+    torch.manual_seed(0)
+    model = models.llama(num_hidden_layers=3).double().train()
+    batch = models.token_batch()
+    kept = []
+    original = BodyThroughFramework.__call__
+
+    def watched(self, losses_of, found, norms, factors, batch):
+        kept.append((found.points, len(found.points.gradients), len(found.points.norm_parts)))
+        return original(self, losses_of, found, norms, factors, batch)
+
+    monkeypatch.setattr(BodyThroughFramework, "__call__", watched)
+    strategy = steps_match_brute_force(model, batch, reentrant=False, steps=3, backend=ZERO2)
+    assert strategy.layerwise and len(kept) == 2  # the steps after the checked first one
+    for points, gradients, norm_parts in kept:
+        assert (gradients, norm_parts) == (6, 6)
+        assert points.gradients == {} and points.norm_parts == [] and points.first_input.gradient is None
+
+
 def _tail_reaches(monkeypatch, model: nn.Module, rows: int, layers: int) -> None:
     """Give the tail the budget of exactly ``layers`` of the model's (equal) layers' per-example gradients."""
     numel = sum(p.numel() for p in model.model.layers[0].parameters())
@@ -584,7 +618,7 @@ def test_the_tail_reaches_down_over_the_last_layers_its_budget_holds(
     (first, second), strategy = framework_steps(model, batch, max_norm, backend, loss_fn=counted_loss)
     reached = 0 if zero_stage and reentrant else reached
     assert strategy.skips_tail and strategy.tail_layers == reached
-    assert strategy.layerwise is (zero_stage is None)  # one process: the layers below the tail one by one
+    assert strategy.layerwise  # one process and ZeRO-2: the layers below the tail one by one
     # step 2: forward 4 is the norm pass (forward and recomputation), forward 5 the weighted pass below the tail
     below = len(model.model.layers) - reached
     assert [[n for n in calls if n > 3] for calls in mlp_calls] == [[4, 4, 5]] * below + [[4, 4]] * reached
@@ -746,11 +780,13 @@ def test_through_zero2_and_fsdp2_the_weighted_pass_skips_the_lm_head_after_the_c
     backend = Backend(world_size=2, zero_stage=None if sharded else 2, fsdp=sharded, checkpointing=True)
     (first, second), strategy = framework_steps(model, batch, max_norm, backend, steps=2)
     assert strategy.skips_tail and strategy.replays
+    assert strategy.layerwise is not sharded  # ZeRO-2: the layers one by one (layerwise.py)
     # step 1: norm pass, the check's forward, the whole weighted pass (3 heads); step 2: the norm pass's only
     assert len(head_calls) == 4
-    # step 1: the norm pass's forward and recomputation, the check's forward, the whole pass's forward and
-    # recomputation; step 2: the norm pass's two and the weighted pass's recomputation in its backward only
-    assert len(mlp_calls) == 5 + 3
+    # step 1: the norm pass's forward and recomputation, the check's forward (and ZeRO-2's recomputation for the
+    # layer-by-layer check), the whole pass's forward and recomputation; step 2: the norm pass's two and the
+    # weighted pass's recomputation in its backward only (replayed, or layer by layer)
+    assert len(mlp_calls) == 5 + (not sharded) + 3
     assert_close(first, reference, rtol=1e-9, floor=1e-6)
     assert_close(second, reference, rtol=1e-9, floor=1e-6)
 

@@ -27,10 +27,11 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from hf_dp.clipping.checks import TOLERANCES, sums_match
 from hf_dp.clipping.per_example import PerExampleGradient
 from hf_dp.clipping.replay import Kept
 from hf_dp.clipping.rules import is_rms_norm
-from hf_dp.clipping.tail import TailBoundary, forward_to, weighted_by_units
+from hf_dp.clipping.tail import TailBoundary, clipped_sums, forward_to, weighted_by_units
 from hf_dp.clipping.units import PrivacyUnits
 
 
@@ -165,13 +166,104 @@ class LayerPoints:
             return self.order.index(boundary.module)
         return len(self.order)
 
-    def _layer_backward(
-        self, layer: nn.Module, entry: Kept, factors: torch.Tensor, units: PrivacyUnits | None
-    ) -> None:
+    def layer_term(
+        self, kept: Sequence[Kept], index: int, factors: torch.Tensor, units: PrivacyUnits | None
+    ) -> torch.Tensor | None:
+        """A zero whose gradient gives the ``index``-th layer's parameters their layer-by-layer part (``backward``'s)
+        when a framework's backward reaches it, so that the framework reduces them as it accumulates them (DeepSpeed
+        ZeRO-1/2); None if the layer has no clipped parameter to give."""
+        layer = self.order[index]
+        params = [p for p in self._segment_parameters(layer) if p.requires_grad]
+        if not params:
+            return None
+        return _LayerGradients.apply(
+            lambda: self._layer_gradients(layer, kept[index], factors, units), *params
+        )
+
+    def embeddings_term(
+        self, factors: torch.Tensor, units: PrivacyUnits | None, forward: Callable[[], object]
+    ) -> torch.Tensor | None:
+        """⟨h₀, spread(c) ⊙ ∂(Σ_j L_j)/∂h₀⟩ at the first layer's input h₀ (``forward`` stopped there), whose gradient is
+        the embeddings' part; None where no clipped parameter precedes the first layer."""
+        boundary = self.first_input
+        if boundary is None or boundary.gradient is None:
+            return None
+        hidden = forward_to(boundary, forward)
+        gradient, boundary.gradient = boundary.gradient, None
+        if not hidden.requires_grad:
+            return None
+        return (hidden * weighted_by_units(gradient, factors, units).to(hidden.dtype)).sum()
+
+    def matches_chain(
+        self,
+        kept: Sequence[Kept],
+        below: int,
+        top: torch.Tensor,
+        factors: torch.Tensor,
+        units: PrivacyUnits | None,
+        low_precision: bool,
+    ) -> bool:
+        """Whether the layer-by-layer pass equals the chained one, checked without writing ``.grad`` (a framework's
+        backward runs once). ``top``: the chained pass's weighted gradient at the top layer's output (the tail's
+        input). From the top, each layer is recomputed from its kept input, made a leaf, and back-propagated whole
+        from the chain's gradient at its output: its parameters must get what its segments give them (its norm
+        modules' Σ_i c_i G_i for theirs), and the gradient at its input is the chain's at the layer below. At the
+        bottom the first layer's input must get spread(c) ⊙ its kept gradient (the embeddings' part)."""
+        chain = top
+        for layer, entry in reversed(list(zip(self.order[:below], kept[:below], strict=True))):
+            kept_top = self.gradients.get((layer, None))
+            if kept_top is not None and not _close(
+                weighted_by_units(kept_top, factors, units), chain, low_precision
+            ):
+                return False
+            points, segments, leaf = self._recomputed(layer, entry, leaf_input=True)
+            if leaf is None:
+                return False
+            norms = [p for p in self._norm_parameters(layer) if p.requires_grad]
+            params = [p for segment in segments for p in segment] + norms
+            found = torch.autograd.grad(
+                points[-1][1], [leaf, *params], chain, retain_graph=True, allow_unused=True
+            )
+            chained = {id(p): g for p, g in zip(params, found[1:], strict=True)}
+            ours = self._segment_gradients(layer, points, segments, factors, units)
+            norm_parts = [(p, part) for p, part in self.norm_parts if any(p is q for q in norms)]
+            ours.update({id(p): total for p, total in clipped_sums(norm_parts, factors).items()})
+            if not sums_match(params, ours, chained, low_precision):
+                return False
+            chain = found[0] if found[0] is not None else torch.zeros_like(leaf)
+        boundary = self.first_input
+        if boundary is None or boundary.gradient is None:
+            return True
+        return _close(weighted_by_units(boundary.gradient, factors, units), chain, low_precision)
+
+    def _segment_parameters(self, layer: nn.Module) -> list[nn.Parameter]:
+        """The clipped parameters a layer's segments may hold, each once: those of its modules but its norms."""
+        found = {
+            id(param): param
+            for module in layer.modules()
+            if module in self.owned and module is not layer and module not in self._norms
+            for param in (getattr(module, name) for name in self.owned[module])
+        }
+        return list(found.values())
+
+    def _norm_parameters(self, layer: nn.Module) -> list[nn.Parameter]:
+        return [
+            getattr(m, name)
+            for m in layer.modules()
+            if m in self._norms and m in self.owned
+            for name in self.owned[m]
+        ]
+
+    def _recomputed(
+        self, layer: nn.Module, entry: Kept, leaf_input: bool = False
+    ) -> tuple[list[tuple[nn.Module | None, torch.Tensor]], list[list[nn.Parameter]], torch.Tensor | None]:
+        """The layer recomputed from its kept call: its points (each norm's input, then the layer's output) and the
+        parameters of the segment below each (a parameter goes with the segment of its last use); with
+        ``leaf_input``, its first input made a leaf that a backward reaches too (None if that is not a tensor)."""
         segments: list[list[nn.Parameter]] = [[]]
         points: list[tuple[nn.Module | None, torch.Tensor]] = []
 
-        def used(module: nn.Module, args: tuple) -> None:  # a parameter goes with the segment of its last use
+        def used(module: nn.Module, args: tuple) -> None:
             for name in self.owned[module]:
                 param = getattr(module, name)
                 if param.requires_grad:
@@ -183,6 +275,9 @@ class LayerPoints:
             points.append((module, args[0]))
             segments.append([])
 
+        args, leaf = list(entry.args), None
+        if leaf_input and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            leaf = args[0] = args[0].detach().requires_grad_(True)
         handles = []
         for module in layer.modules():
             if module in self._norms:
@@ -190,17 +285,80 @@ class LayerPoints:
             elif module in self.owned and module is not layer:
                 handles.append(module.register_forward_pre_hook(used))
         try:
-            output = entry.rerun(entry.function, list(entry.args))
+            output = entry.rerun(entry.function, args)
         finally:
             for handle in handles:
                 handle.remove()
         points.append((None, output))
-        # segment k (the parameters last used before point k and after point k - 1) reaches the loss through point k:
-        # the backward from it towards them also runs through the earlier points their earlier uses feed
+        return points, segments, leaf
+
+    def _weighted_points(
+        self,
+        layer: nn.Module,
+        points: list[tuple[nn.Module | None, torch.Tensor]],
+        segments: list[list[nn.Parameter]],
+        factors: torch.Tensor,
+        units: PrivacyUnits | None,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[nn.Parameter]]]:
+        """Segment k (the parameters last used before point k and after point k - 1) reaches the loss through point
+        k: its point, spread(c) ⊙ the point's kept gradient, and its parameters, from the top, each kept gradient
+        let go. A backward from a point towards its segment also runs through the earlier points its earlier uses
+        feed."""
         for (module, tensor), params in reversed(list(zip(points, segments, strict=True))):
             gradient = self.gradients.pop((layer, module), None)
-            if not params or gradient is None or not tensor.requires_grad:
-                continue
-            torch.autograd.backward(
-                tensor, weighted_by_units(gradient, factors, units), inputs=params, retain_graph=True
-            )
+            if params and gradient is not None and tensor.requires_grad:
+                yield tensor, weighted_by_units(gradient, factors, units), params
+
+    def _layer_backward(
+        self, layer: nn.Module, entry: Kept, factors: torch.Tensor, units: PrivacyUnits | None
+    ) -> None:
+        points, segments, _ = self._recomputed(layer, entry)
+        for tensor, gradient, params in self._weighted_points(layer, points, segments, factors, units):
+            torch.autograd.backward(tensor, gradient, inputs=params, retain_graph=True)
+
+    def _segment_gradients(
+        self,
+        layer: nn.Module,
+        points: list[tuple[nn.Module | None, torch.Tensor]],
+        segments: list[list[nn.Parameter]],
+        factors: torch.Tensor,
+        units: PrivacyUnits | None,
+    ) -> dict[int, torch.Tensor]:
+        """``_layer_backward``'s gradients per parameter id, written nowhere."""
+        sums: dict[int, torch.Tensor] = {}
+        for tensor, gradient, params in self._weighted_points(layer, points, segments, factors, units):
+            found = torch.autograd.grad(tensor, params, gradient, retain_graph=True, allow_unused=True)
+            sums.update({id(p): g for p, g in zip(params, found, strict=True) if g is not None})
+        return sums
+
+    def _layer_gradients(
+        self, layer: nn.Module, entry: Kept, factors: torch.Tensor, units: PrivacyUnits | None
+    ) -> dict[int, torch.Tensor]:
+        points, segments, _ = self._recomputed(layer, entry)
+        return self._segment_gradients(layer, points, segments, factors, units)
+
+
+def _close(ours: torch.Tensor, theirs: torch.Tensor, low_precision: bool) -> bool:
+    tolerance = TOLERANCES.tail.at(low_precision)
+    return float((ours.float() - theirs.float()).norm()) <= tolerance * max(
+        float(theirs.float().norm()), 1e-12
+    )
+
+
+class _LayerGradients(torch.autograd.Function):
+    """A zero whose backward gives each parameter (the inputs after ``gradients_of``) its gradient from
+    ``gradients_of()`` (per parameter id) times the incoming gradient: one layer's at a time."""
+
+    @staticmethod
+    def forward(
+        ctx, gradients_of: Callable[[], dict[int, torch.Tensor]], *params: nn.Parameter
+    ) -> torch.Tensor:
+        ctx.gradients_of, ctx.params = gradients_of, params
+        return params[0].new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        found = ctx.gradients_of()
+        # a zero, not None, where no segment reached a parameter: a framework may count on each one's hook firing
+        gradients = [found.get(id(p), torch.zeros_like(p)) for p in ctx.params]
+        return None, *[g * grad.to(g.dtype) for g in gradients]

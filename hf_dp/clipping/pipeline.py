@@ -146,6 +146,8 @@ class ClippedStep:
             self.layerwise = bool(found.layerwise_exact)
         if found.replay_exact is not None:
             self.replays = found.replay_exact
+            # through a framework the layer-by-layer pass was checked against the chain its layers' replay checks
+            self.layerwise = self.layerwise and self.replays
         self.first_step = False
         if self._guard is not None:
             self._guard.written()
@@ -214,11 +216,11 @@ def _framework(step: ClippedStep, model: nn.Module) -> WeightedThroughFramework:
 def _tail_options(step: ClippedStep, **options: bool) -> TapOptions:
     """The norm pass keeps the tail: on the first step reaching down over as many layers as the budget allows,
     on later steps over exactly those the first step checked. In one process and DDP a tail without clipped
-    parameters (LoRA's frozen head) starts at the last checkpointed layer's output, and the norm pass keeps what
-    the layer-by-layer weighted pass needs (layerwise.py) on the first step, which checks it, and on later steps
-    if it was exact."""
+    parameters (LoRA's frozen head) starts at the last checkpointed layer's output. In one process, DDP and
+    ZeRO-1/2 the norm pass keeps what the layer-by-layer weighted pass needs (layerwise.py) on the first step,
+    which checks it, and on later steps if it was exact."""
     module = step.owner == "module"
-    layerwise = module and (step.first_step or step.layerwise)
+    layerwise = (module or step.framework_has_whole_parameters) and (step.first_step or step.layerwise)
     if step.first_step:
         return TapOptions(
             keep_tail=True,
@@ -293,7 +295,9 @@ TABLE: dict[tuple[Owner, bool, Need], Parts] = {
     ),
     ("framework", True, "body"): lambda s, m: (
         TappedNorms(s.engine, s.module, _framework_tail(s), finite_losses=False),
-        BodyThroughFramework(m, s.backend.world_size, bool(s.replays), _framework(s, m)),
+        BodyThroughFramework(
+            m, s.backend.world_size, bool(s.replays), _framework(s, m), layerwise=s.layerwise
+        ),
     ),
     ("framework", True, "whole"): lambda s, m: (
         TappedNorms(s.engine, s.module, finite_losses=False, record_layers=bool(s.replays)),

@@ -33,7 +33,7 @@ from hf_dp.clipping.loss_scale import LossScale
 from hf_dp.clipping.norm_passes import Batch, FoundNorms
 from hf_dp.clipping.per_example import PerExampleGradient, clipped_total
 from hf_dp.clipping.replay import LayerReplay
-from hf_dp.clipping.tail import Tail, forward_to, without_dropped
+from hf_dp.clipping.tail import Tail, clipped_sums, forward_to, without_dropped
 
 LossFn = Callable[[nn.Module], torch.Tensor]
 
@@ -232,7 +232,8 @@ class WeightedBackward:
 @dataclass(frozen=True)
 class TailCheck:
     """The first step through a framework: whether ``BodyThroughFramework`` would be exact, checked on the bare
-    module without a backward that writes gradients (checks.tail_separable)."""
+    module without a backward that writes gradients (checks.tail_separable), and where the norm pass kept the
+    points, whether it would be exact layer by layer too (``found.layerwise_exact``, layerwise.py)."""
 
     engine: ClippingEngine
     module: nn.Module
@@ -242,15 +243,21 @@ class TailCheck:
         if tail is None:
             return False
         replay_rng(found.rng)
-        return tail_separable(
-            tail,
-            self.module,
-            losses_of,
-            factors,
-            batch.units,
-            lambda: self.engine.parameters,
-            found.collector.low_precision,
+        low_precision = found.collector.low_precision
+        separable = tail_separable(
+            tail, self.module, losses_of, factors, batch.units, lambda: self.engine.parameters, low_precision
         )
+        if separable and _layerwise_usable(found):
+            points = found.points
+            found.layerwise_exact = points.matches_chain(
+                found.replay.kept,
+                points.below(tail.boundary),
+                tail.hidden_gradient(factors, batch.units),
+                factors,
+                batch.units,
+                low_precision,
+            )
+        return separable
 
 
 # How a weighted pass through a framework treats the checkpointed layers: runs them, runs them and compares each
@@ -302,13 +309,16 @@ class BodyThroughFramework:
     (``tail_into_grad``) takes them in the ``.grad`` of the unsharded parameters the norm pass saw, written
     before the backward: it reduce-scatters a unit's unsharded gradients when its part of the backward ends, and
     those of units the stopped forward never reached in its end-of-backward callback; no tail weight is read (its
-    storage may be freed)."""
+    storage may be freed). ``layerwise`` (ZeRO-1/2, where the first step found it exact): the layers below the tail
+    one by one instead (layerwise.py), each layer's parameters given their part by a term whose backward recomputes
+    the layer, and the norm modules' Σ_i c_i G_i as the tail's."""
 
     model: nn.Module  # as the framework wrapped it
     world_size: int
     replay: bool  # the checkpointed layers return the norm pass's outputs (checked by the first step)
     whole: WeightedThroughFramework  # when the norm pass found no tail
     tail_into_grad: bool = False
+    layerwise: bool = False
 
     def __call__(
         self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
@@ -317,12 +327,23 @@ class BodyThroughFramework:
         if tail is None:
             return self.whole(losses_of, found, norms, factors, batch)
         replay_rng(found.rng)
-        hidden = _forward_to_tail(tail, found.replay if self.replay else None, losses_of, self.model)
-        gradient = tail.hidden_gradient(factors, batch.units)
-        surrogate = (
-            (hidden * gradient.to(hidden.dtype)).sum() if hidden.requires_grad else hidden.new_zeros(())
-        )
-        for param, total in tail.clipped_sums(factors).items():
+        parts = tail.parts
+        if self.layerwise and _layerwise_usable(found):
+            points, forward = found.points, lambda: losses_of(self.model)
+            terms = [points.embeddings_term(factors, batch.units, forward)]
+            terms += [
+                points.layer_term(found.replay.kept, k, factors, batch.units)
+                for k in range(points.below(tail.boundary))
+            ]
+            surrogate = sum((t for t in terms if t is not None), factors.new_zeros((), dtype=torch.float32))
+            parts = parts + points.norm_parts
+        else:  # the chained body from h (the layers replayed)
+            hidden = _forward_to_tail(tail, found.replay if self.replay else None, losses_of, self.model)
+            gradient = tail.hidden_gradient(factors, batch.units)
+            surrogate = (
+                (hidden * gradient.to(hidden.dtype)).sum() if hidden.requires_grad else hidden.new_zeros(())
+            )
+        for param, total in clipped_sums(parts, factors).items():
             if not self.tail_into_grad:
                 surrogate = surrogate + (param * total.to(param.dtype)).sum()
                 continue
@@ -332,6 +353,8 @@ class BodyThroughFramework:
             else:
                 param.grad.add_(total)
         tail.parts.clear()  # the sums are formed: the per-example gradients may go before the backward
+        if found.points is not None:
+            found.points.norm_parts.clear()
         surrogate = surrogate * self.world_size
         if self.tail_into_grad:
             surrogate = _EndOfBackward.apply(surrogate, _fsdp2_end_of_backward(self.model))

@@ -82,10 +82,17 @@ class Tail:
 
     def clipped_sums(self, factors: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         """Σ_i c_i G_i per tail parameter (all its tail uses), float32 or wider."""
-        uses: dict[nn.Parameter, list[Weighted]] = {}
-        for param, part in self.parts:
-            uses.setdefault(param, []).append((1.0, part))
-        return {param: clipped_total(param, weighted, factors) for param, weighted in uses.items()}
+        return clipped_sums(self.parts, factors)
+
+
+def clipped_sums(
+    parts: list[tuple[nn.Parameter, PerExampleGradient]], factors: torch.Tensor
+) -> dict[nn.Parameter, torch.Tensor]:
+    """Σ_i c_i G_i per parameter over all its kept uses, float32 or wider."""
+    uses: dict[nn.Parameter, list[Weighted]] = {}
+    for param, part in parts:
+        uses.setdefault(param, []).append((1.0, part))
+    return {param: clipped_total(param, weighted, factors) for param, weighted in uses.items()}
 
 
 def without_dropped(
