@@ -11,7 +11,8 @@ multi-process paths (extra communication, DeepSpeed's two passes), not a speed-u
 
 ``--checkpointing`` measures the 2-process backends with activation checkpointing (non-reentrant) instead, with a
 third configuration per backend: DP with the weighted pass forced to run whole (no tail skip, no layer replay;
-docs/clipping.md), which isolates what those save.
+docs/clipping.md), which isolates what those save; and under DDP and ZeRO-2 a fourth: DP with the layers below the
+tail chained (replayed) instead of one by one (hf_dp/clipping/layerwise.py).
 
     python benchmarks/distributed_scaling.py --checkpointing --seq 512 --out benchmarks/results/distributed_checkpointing.json
 """
@@ -48,10 +49,17 @@ CHECKPOINTED_BACKENDS = {
     "2 processes FSDP2": ("--fsdp",),
 }
 WHOLE = "DP, whole weighted pass"
+CHAINED = "DP, layers chained"
+LAYERWISE_BACKENDS = {"2 processes DDP", "2 processes ZeRO-2"}  # where the layers run one by one
 CHECKPOINTED = {
     f"{backend}, {variant}": ("torchrun", (*flags, "--checkpointing", *extra), variant == "non-private")
     for backend, flags in CHECKPOINTED_BACKENDS.items()
-    for variant, extra in (("non-private", ()), ("DP", ()), (WHOLE, ("--whole_weighted_pass",)))
+    for variant, extra in (
+        ("non-private", ()),
+        ("DP", ()),
+        (WHOLE, ("--whole_weighted_pass",)),
+        *([(CHAINED, ("--chained_layers",))] if backend in LAYERWISE_BACKENDS else []),
+    )
 }
 
 
@@ -95,6 +103,16 @@ def worker(cli: argparse.Namespace) -> None:
 
         def on_step_end(self, args, state, control, **kwargs):
             self.clipping.skips_tail = self.clipping.replays = False
+
+    class ChainedLayers(TrainerCallback):
+        """After each step the clipped step forgets that its first step found the layer-by-layer pass exact, so
+        later weighted passes chain (replay) the layers below the tail."""
+
+        def __init__(self, clipping) -> None:
+            self.clipping = clipping
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.clipping.layerwise = False
 
     class Clock(TrainerCallback):
         def __init__(self) -> None:
@@ -142,6 +160,8 @@ def worker(cli: argparse.Namespace) -> None:
     trainer.add_callback(clock)
     if cli.whole_weighted_pass:
         trainer.add_callback(WholeWeightedPass(trainer.dp.clipping))
+    if cli.chained_layers:
+        trainer.add_callback(ChainedLayers(trainer.dp.clipping))
     trainer.train()
     import resource
 
@@ -208,6 +228,7 @@ def main() -> None:
         "--backends", nargs="+", default=None, help="with --checkpointing: some of DDP ZeRO-2 ZeRO-3 FSDP2"
     )
     parser.add_argument("--whole_weighted_pass", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--chained_layers", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "distributed_scaling.json"))
     cli = parser.parse_args()
     if cli.worker:
@@ -267,6 +288,11 @@ def main() -> None:
                 "DP": ratio(f"{backend}, DP", f"{backend}, non-private"),
                 WHOLE: ratio(f"{backend}, {WHOLE}", f"{backend}, non-private"),
                 f"DP over {WHOLE}": ratio(f"{backend}, DP", f"{backend}, {WHOLE}"),
+                **(
+                    {f"DP over {CHAINED}": ratio(f"{backend}, DP", f"{backend}, {CHAINED}")}
+                    if backend in LAYERWISE_BACKENDS
+                    else {}
+                ),
             }
             for backend in backends
         }

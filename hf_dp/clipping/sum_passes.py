@@ -25,6 +25,7 @@ from typing import Literal, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from hf_dp.clipping.checks import TOLERANCES, check_projections, projections, sums_match, tail_separable
 from hf_dp.clipping.engine import ClippingEngine
@@ -367,10 +368,10 @@ def _fsdp2_end_of_backward(model: nn.Module) -> Callable[[], None]:
     before any unit returned (the tail over every layer, the root's own uses below h) leaves none to queue it, and
     the tail's sums would wait in ``.grad`` for the next backward. (A private method of torch 2.13's FSDP2; the
     two-process tests run through it.)"""
-    state_of = getattr(model, "_get_fsdp_state", None)
-    if state_of is None:  # a model FSDP2 does not shard (the one-process tests of the pass)
+    root = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)  # modules() starts at the top
+    if root is None:  # a model FSDP2 does not shard (the one-process tests of the pass)
         return lambda: None
-    return state_of()._register_root_post_backward_final_callback
+    return root._get_fsdp_state()._register_root_post_backward_final_callback
 
 
 class _EndOfBackward(torch.autograd.Function):
