@@ -177,7 +177,7 @@ class LayerPoints:
         if not params:
             return None
         return _LayerGradients.apply(
-            lambda: self._layer_gradients(layer, kept[index], factors, units), *params
+            lambda scale: self._layer_gradients(layer, kept[index], factors * scale, units), *params
         )
 
     def embeddings_term(
@@ -347,18 +347,18 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor, low_precision: bool) -> boo
 
 class _LayerGradients(torch.autograd.Function):
     """A zero whose backward gives each parameter (the inputs after ``gradients_of``) its gradient from
-    ``gradients_of()`` (per parameter id) times the incoming gradient: one layer's at a time."""
+    ``gradients_of(s)`` (per parameter id), s the incoming gradient (folded into the clip factors): one layer's at a
+    time."""
 
     @staticmethod
     def forward(
-        ctx, gradients_of: Callable[[], dict[int, torch.Tensor]], *params: nn.Parameter
+        ctx, gradients_of: Callable[[torch.Tensor], dict[int, torch.Tensor]], *params: nn.Parameter
     ) -> torch.Tensor:
         ctx.gradients_of, ctx.params = gradients_of, params
         return params[0].new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        found = ctx.gradients_of()
+        found = ctx.gradients_of(grad)
         # a zero, not None, where no segment reached a parameter: a framework may count on each one's hook firing
-        gradients = [found.get(id(p), torch.zeros_like(p)) for p in ctx.params]
-        return None, *[g * grad.to(g.dtype) for g in gradients]
+        return None, *[found.get(id(p), torch.zeros_like(p)) for p in ctx.params]

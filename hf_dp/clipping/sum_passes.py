@@ -368,7 +368,9 @@ def _fsdp2_end_of_backward(model: nn.Module) -> Callable[[], None]:
     before any unit returned (the tail over every layer, the root's own uses below h) leaves none to queue it, and
     the tail's sums would wait in ``.grad`` for the next backward. (A private method of torch 2.13's FSDP2; the
     two-process tests run through it.)"""
-    root = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)  # modules() starts at the top
+    root = next(
+        (m for m in model.modules() if isinstance(m, FSDPModule)), None
+    )  # modules() starts at the top
     if root is None:  # a model FSDP2 does not shard (the one-process tests of the pass)
         return lambda: None
     return root._get_fsdp_state()._register_root_post_backward_final_callback
