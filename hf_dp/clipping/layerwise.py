@@ -17,6 +17,11 @@ from a forward that stops at the first layer's input and a backward from its kep
 A norm module this does not recognise only merges two segments, which stays exact (the later point's backward
 runs through it). A block whose parameters also reach the loss around its next point is not exact: the first
 step checks the result against the whole weighted pass and uses the layer-by-layer pass only if they agree.
+
+Through a framework whose backward must write the gradients (DeepSpeed ZeRO-1/2), each layer is a term of the
+loss, zero in the forward, whose backward recomputes the layer and returns its parameters' gradients
+(``layer_term``); there the first step checks the pass against the chained one without writing gradients
+(``matches_chain``).
 """
 
 from __future__ import annotations
