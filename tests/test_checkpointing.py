@@ -464,6 +464,32 @@ def test_a_frozen_head_is_skipped_from_the_last_layers_output(monkeypatch, reent
     assert mlp_calls.count(2) == 3  # forward, recomputation, and the weighted pass's recomputation
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_through_zero2_lora_runs_the_layers_below_its_tail_one_by_one(monkeypatch, reentrant: bool) -> None:
+    """LoRA through ZeRO-2 whose kept gradients do not fit: the tail reaches down over the top layer (its adapters'
+    per-example gradients), and the layer below runs one by one from the points' kept gradients, its adapters
+    given theirs by the layer's term in the framework's backward (the embeddings are frozen: no forward of the
+    model in the weighted pass). Every step is brute force's. Under a reentrant checkpoint the tail stays at the
+    frozen head, which through a framework keeps the whole weighted pass."""
+    monkeypatch.setattr("hf_dp.clipping.pipeline.KEPT_GRADIENTS_SHARE", 0.0)
+    model, batch, max_norm, reference = checkpointed_lora(reentrant)
+    layer = unwrap_model(model).model.layers[0]
+    numel = sum(p.numel() for p in layer.parameters() if p.requires_grad)
+    monkeypatch.setattr(
+        "hf_dp.clipping.pipeline._tail_floats", lambda engine: batch["input_ids"].shape[0] * numel
+    )
+    forwards = []
+    strategy = clipped_step(ClippingEngine(model), model, ZERO2)
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards, steps=3):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert strategy.skips_tail is strategy.layerwise is (not reentrant)
+    if not reentrant:
+        assert strategy.tail_layers == 1 and forwards[1:] == [
+            1,
+            1,
+        ]  # later steps: the norm pass's forward only
+
+
 @pytest.mark.parametrize("backend", [ONE_PROCESS, ZERO2], ids=["one_process", "zero2"])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_block_whose_attention_reaches_its_output_directly_is_not_run_layer_by_layer(
