@@ -25,7 +25,6 @@ from typing import Literal, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from hf_dp.clipping.checks import TOLERANCES, check_projections, projections, sums_match, tail_separable
 from hf_dp.clipping.engine import ClippingEngine
@@ -368,9 +367,9 @@ def _fsdp2_end_of_backward(model: nn.Module) -> Callable[[], None]:
     before any unit returned (the tail over every layer, the root's own uses below h) leaves none to queue it, and
     the tail's sums would wait in ``.grad`` for the next backward. (A private method of torch 2.13's FSDP2; the
     two-process tests run through it.)"""
-    root = next(
-        (m for m in model.modules() if isinstance(m, FSDPModule)), None
-    )  # modules() starts at the top
+    from torch.distributed.fsdp import FSDPModule  # here: only an FSDP2 run needs torch.distributed
+
+    root = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)  # the outermost first
     if root is None:  # a model FSDP2 does not shard (the one-process tests of the pass)
         return lambda: None
     return root._get_fsdp_state()._register_root_post_backward_final_callback
