@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from hf_dp.clipping.checks import TOLERANCES, sums_match
+from hf_dp.clipping.checks import sums_match, tensors_match
 from hf_dp.clipping.per_example import PerExampleGradient
 from hf_dp.clipping.replay import Kept
 from hf_dp.clipping.rules import is_rms_norm
@@ -182,7 +183,10 @@ class LayerPoints:
         if not params:
             return None
         return _LayerGradients.apply(
-            lambda scale: self._layer_gradients(layer, kept[index], factors * scale, units), *params
+            lambda scale: self._segment_gradients(
+                self._recomputed(layer, kept[index]), factors * scale, units
+            ),
+            *params,
         )
 
     def embeddings_term(
@@ -217,29 +221,29 @@ class LayerPoints:
         chain = top
         for layer, entry in reversed(list(zip(self.order[:below], kept[:below], strict=True))):
             kept_top = self.gradients.get((layer, None))
-            if kept_top is not None and not _close(
+            if kept_top is not None and not tensors_match(
                 weighted_by_units(kept_top, factors, units), chain, low_precision
             ):
                 return False
-            points, segments, leaf = self._recomputed(layer, entry, leaf_input=True)
-            if leaf is None:
+            run = self._recomputed(layer, entry, leaf_input=True)
+            if run.leaf is None:
                 return False
             norms = [p for p in self._norm_parameters(layer) if p.requires_grad]
-            params = [p for segment in segments for p in segment] + norms
+            params = [p for segment in run.segments for p in segment] + norms
             found = torch.autograd.grad(
-                points[-1][1], [leaf, *params], chain, retain_graph=True, allow_unused=True
+                run.points[-1][1], [run.leaf, *params], chain, retain_graph=True, allow_unused=True
             )
             chained = {id(p): g for p, g in zip(params, found[1:], strict=True)}
-            ours = self._segment_gradients(layer, points, segments, factors, units)
+            ours = self._segment_gradients(run, factors, units)
             norm_parts = [(p, part) for p, part in self.norm_parts if any(p is q for q in norms)]
             ours.update({id(p): total for p, total in clipped_sums(norm_parts, factors).items()})
             if not sums_match(params, ours, chained, low_precision):
                 return False
-            chain = found[0] if found[0] is not None else torch.zeros_like(leaf)
+            chain = found[0] if found[0] is not None else torch.zeros_like(run.leaf)
         boundary = self.first_input
         if boundary is None or boundary.gradient is None:
             return True
-        return _close(weighted_by_units(boundary.gradient, factors, units), chain, low_precision)
+        return tensors_match(weighted_by_units(boundary.gradient, factors, units), chain, low_precision)
 
     def _segment_parameters(self, layer: nn.Module) -> list[nn.Parameter]:
         """The clipped parameters a layer's segments may hold, each once: those of its modules but its norms."""
@@ -259,12 +263,9 @@ class LayerPoints:
             for name in self.owned[m]
         ]
 
-    def _recomputed(
-        self, layer: nn.Module, entry: Kept, leaf_input: bool = False
-    ) -> tuple[list[tuple[nn.Module | None, torch.Tensor]], list[list[nn.Parameter]], torch.Tensor | None]:
-        """The layer recomputed from its kept call: its points (each norm's input, then the layer's output) and the
-        parameters of the segment below each (a parameter goes with the segment of its last use); with
-        ``leaf_input``, its first input made a leaf that a backward reaches too (None if that is not a tensor)."""
+    def _recomputed(self, layer: nn.Module, entry: Kept, leaf_input: bool = False) -> _Recomputed:
+        """The layer recomputed from its kept call (``_Recomputed``); with ``leaf_input``, its first input made a
+        leaf that a backward reaches too."""
         segments: list[list[nn.Parameter]] = [[]]
         points: list[tuple[nn.Module | None, torch.Tensor]] = []
 
@@ -295,59 +296,47 @@ class LayerPoints:
             for handle in handles:
                 handle.remove()
         points.append((None, output))
-        return points, segments, leaf
+        return _Recomputed(layer, points, segments, leaf)
 
     def _weighted_points(
-        self,
-        layer: nn.Module,
-        points: list[tuple[nn.Module | None, torch.Tensor]],
-        segments: list[list[nn.Parameter]],
-        factors: torch.Tensor,
-        units: PrivacyUnits | None,
+        self, run: _Recomputed, factors: torch.Tensor, units: PrivacyUnits | None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[nn.Parameter]]]:
         """Segment k (the parameters last used before point k and after point k - 1) reaches the loss through point
         k: its point, spread(c) ⊙ the point's kept gradient, and its parameters, from the top, each kept gradient
         let go. A backward from a point towards its segment also runs through the earlier points its earlier uses
         feed."""
-        for (module, tensor), params in reversed(list(zip(points, segments, strict=True))):
-            gradient = self.gradients.pop((layer, module), None)
+        for (module, tensor), params in reversed(list(zip(run.points, run.segments, strict=True))):
+            gradient = self.gradients.pop((run.layer, module), None)
             if params and gradient is not None and tensor.requires_grad:
                 yield tensor, weighted_by_units(gradient, factors, units), params
 
     def _layer_backward(
         self, layer: nn.Module, entry: Kept, factors: torch.Tensor, units: PrivacyUnits | None
     ) -> None:
-        points, segments, _ = self._recomputed(layer, entry)
-        for tensor, gradient, params in self._weighted_points(layer, points, segments, factors, units):
+        for tensor, gradient, params in self._weighted_points(self._recomputed(layer, entry), factors, units):
             torch.autograd.backward(tensor, gradient, inputs=params, retain_graph=True)
 
     def _segment_gradients(
-        self,
-        layer: nn.Module,
-        points: list[tuple[nn.Module | None, torch.Tensor]],
-        segments: list[list[nn.Parameter]],
-        factors: torch.Tensor,
-        units: PrivacyUnits | None,
+        self, run: _Recomputed, factors: torch.Tensor, units: PrivacyUnits | None
     ) -> dict[int, torch.Tensor]:
         """``_layer_backward``'s gradients per parameter id, written nowhere."""
         sums: dict[int, torch.Tensor] = {}
-        for tensor, gradient, params in self._weighted_points(layer, points, segments, factors, units):
+        for tensor, gradient, params in self._weighted_points(run, factors, units):
             found = torch.autograd.grad(tensor, params, gradient, retain_graph=True, allow_unused=True)
             sums.update({id(p): g for p, g in zip(params, found, strict=True) if g is not None})
         return sums
 
-    def _layer_gradients(
-        self, layer: nn.Module, entry: Kept, factors: torch.Tensor, units: PrivacyUnits | None
-    ) -> dict[int, torch.Tensor]:
-        points, segments, _ = self._recomputed(layer, entry)
-        return self._segment_gradients(layer, points, segments, factors, units)
 
+@dataclass
+class _Recomputed:
+    """A layer recomputed from its kept call: its points (each norm's input, then the layer's output), the
+    parameters of the segment below each (a parameter goes with the segment of its last use), and its first input
+    as a leaf where asked (None if not, or if that is not a tensor)."""
 
-def _close(ours: torch.Tensor, theirs: torch.Tensor, low_precision: bool) -> bool:
-    tolerance = TOLERANCES.tail.at(low_precision)
-    return float((ours.float() - theirs.float()).norm()) <= tolerance * max(
-        float(theirs.float().norm()), 1e-12
-    )
+    layer: nn.Module
+    points: list[tuple[nn.Module | None, torch.Tensor]]
+    segments: list[list[nn.Parameter]]
+    leaf: torch.Tensor | None
 
 
 class _LayerGradients(torch.autograd.Function):
