@@ -8,6 +8,8 @@ from transformers import (
     BertConfig,
     BertForMaskedLM,
     BertForSequenceClassification,
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -90,6 +92,25 @@ def llama(**sizes) -> LlamaForCausalLM:
                 "max_position_embeddings": 32,
                 **sizes,
             }
+        )
+    )
+
+
+def gemma() -> GemmaForCausalLM:
+    """A tiny Gemma: its RMSNorms compute x̂ ⊙ (1 + w), its head is tied to the scaled embeddings."""
+    return GemmaForCausalLM(
+        GemmaConfig(
+            num_hidden_layers=2,
+            hidden_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=32,
+            vocab_size=VOCAB,
+            pad_token_id=PAD,
+            bos_token_id=1,
+            eos_token_id=2,
+            max_position_embeddings=32,
         )
     )
 

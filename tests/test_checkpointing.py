@@ -42,21 +42,27 @@ MODELS = {
     "roberta_classifier": (models.roberta_classifier, lambda: models.classification_batch(2, pad=1)),
     "llama": (models.llama, lambda: models.token_batch()),
     "llama_lora": (llama_lora, lambda: models.token_batch()),
+    "gemma": (models.gemma, lambda: models.token_batch()),  # x̂ ⊙ (1 + w) norms, √d-scaled tied embeddings
 }
 
 
 @pytest.fixture(autouse=True)
 def float64_rms_norm(monkeypatch):
-    """HF's LlamaRMSNorm computes in float32 whatever the model's dtype; in float64 here, so that a float64
-    Llama is float64 throughout and brute force can be compared to 1e-9 (our RMSNorm rule runs the module's
-    own forward, so it follows)."""
+    """HF's LlamaRMSNorm and GemmaRMSNorm compute in float32 whatever the model's dtype; in float64 here, so
+    that a float64 Llama or Gemma is float64 throughout and brute force can be compared to 1e-9 (our RMSNorm
+    rule runs the module's own forward, so it follows)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
+    def gemma_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._norm(hidden_states) * (1.0 + self.weight)
+
     monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
+    monkeypatch.setattr(GemmaRMSNorm, "forward", gemma_forward)
 
 
 def step_sums(strategy, model, losses_of, mask, plan) -> dict[str, torch.Tensor]:

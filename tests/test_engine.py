@@ -16,13 +16,15 @@ MODELS = {
     "bert_mlm": (models.bert_mlm, lambda: models.token_batch(causal=False)),
     "roberta_classifier": (models.roberta_classifier, lambda: models.classification_batch(2, pad=1)),
     "llama": (models.llama, lambda: models.token_batch()),
+    "gemma": (models.gemma, lambda: models.token_batch()),
     "t5": (models.t5, lambda: models.seq2seq_batch()),
     "gpt2_lora": (models.gpt2_lora, lambda: models.token_batch()),
 }
-# float64 is exact up to summation order (~1e-16; T5's attention masking reaches 1e-10). T5LayerNorm
-# computes its variance in float32 whatever the model's dtype, so T5 is compared in float32.
+# float64 is exact up to summation order (~1e-16; T5's attention masking reaches 1e-10). T5LayerNorm and
+# GemmaRMSNorm compute in float32 whatever the model's dtype (Gemma's weight gradient too), so T5 and Gemma are
+# compared in float32.
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 2e-5}
-DTYPE = {"t5": torch.float32}
+DTYPE = {"t5": torch.float32, "gemma": torch.float32}
 
 
 def engine_clipped_sum(model, batch, max_norm, mode, dtype=torch.float64):
@@ -401,3 +403,36 @@ def test_a_registered_rule_for_a_users_module_is_exact(monkeypatch) -> None:
     assert calls and rules.rule_for(model[1]) is gain_rule
     torch.testing.assert_close(norms, ref_norms.to(norms), rtol=1e-9, atol=1e-12)
     assert_close({n: p.grad for n, p in model.named_parameters()}, reference, rtol=1e-9, floor=1e-9)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+def test_an_rms_norms_rule_runs_the_norm_once_a_call_after_its_first(monkeypatch, name: str) -> None:
+    """x̂ comes from one run of the module with the weight that makes it the identity on x̂ (1 for x̂ ⊙ w, 0 for
+    Gemma's x̂ ⊙ (1 + w)), found once per module; the rule's G_i equals Σ_t ∂y_t ⊙ x̂_t from the module's math."""
+    from hf_dp.clipping import rules
+
+    norm = getattr(models, name)().model.norm.double()
+    norm.weight.data.normal_()
+    forward, runs = type(norm).forward, []
+    monkeypatch.setattr(type(norm), "forward", lambda self, x: runs.append(x.shape) or forward(self, x))
+    x, grad_out = torch.randn(3, 5, 16, dtype=torch.float64), torch.randn(3, 5, 16, dtype=torch.float64)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    wide = x.float()  # both modules normalise in float32 whatever the model's dtype
+    x_hat = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).double()
+    expected = (grad_out * x_hat).sum(dim=1)
+    assert rules.rule_for(norm) is rules.rms_norm_rule
+    for call in range(2):
+        runs.clear()
+        gradient = rules.rms_norm_rule(norm, x, grad_out)["weight"].grads
+        assert len(runs) == (2 if call == 0 else 1)  # the first call also probes which weight is the identity
+        torch.testing.assert_close(gradient, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_scaled_word_embeddings_rule_counts_its_scale() -> None:
+    """Gemma's embedding multiplies the looked-up rows by √d in its own forward: a matcher picks the scaled rule
+    over the nn.Embedding rule its class inherits, else the first step's check refuses the model."""
+    from hf_dp.clipping import rules
+
+    embedding = models.gemma().model.embed_tokens
+    assert rules.rule_for(embedding) is rules.scaled_embedding_rule
+    assert rules.rule_for(nn.Embedding(4, 2)) is rules.embedding_rule

@@ -219,8 +219,9 @@ def check_engine_sum(
         if error > tolerance * max(ref.norm().item(), 1e-3 * largest, 1e-12):
             raise UnsupportedModuleError(
                 f"parameter {names.get(pid, '?')} gets gradient from outside the forward of the module that owns "
-                f"it (engine {ours.norm().item():.4g} vs autograd {ref.norm().item():.4g}), so its per-example "
-                "norm would be wrong: freeze it or call it through its module"
+                f"it, or that module's rule does not match its forward (engine {ours.norm().item():.4g} vs "
+                f"autograd {ref.norm().item():.4g}), so its per-example norm would be wrong: freeze it, call it "
+                "through its module or register a rule for the module (docs/clipping.md)"
             )
     missing = [
         names.get(pid, "?") for pid, g in reference.items() if pid not in parts and g is not None and g.any()

@@ -9,6 +9,7 @@ with ``@register_rule(MyModule)`` (docs/clipping.md has an example).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -65,6 +66,27 @@ def embedding_rule(
     return {"weight": OuterProductSum(left=ids, right=g, rows=module.num_embeddings)}
 
 
+def is_scaled_embedding(module: nn.Module) -> bool:
+    """An embedding whose forward multiplies the looked-up rows by ``embed_scale`` (Gemma's and BART's
+    ``…ScaledWordEmbedding``): the plain embedding rule would miss the scale."""
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).__name__.endswith("ScaledWordEmbedding")
+        and hasattr(module, "embed_scale")
+    )
+
+
+def scaled_embedding_rule(
+    module: nn.Embedding, ids: torch.Tensor, grad_out: torch.Tensor
+) -> dict[str, PerExampleGradient]:
+    """y_t = s·E[x_t]:  G_i(E) = Σ_t onehot(x_t) ⊗ s·∂y_t, with s as the forward multiplies by it (a tensor scale
+    in the weight's dtype), so the product is autograd's."""
+    scale = module.embed_scale
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(module.weight.dtype)
+    return embedding_rule(module, ids, grad_out * scale)
+
+
 def layer_norm_rule(
     module: nn.LayerNorm, x: torch.Tensor, grad_out: torch.Tensor
 ) -> dict[str, PerExampleGradient]:
@@ -88,17 +110,32 @@ def _forward_with_weight(module: nn.Module, weight: torch.Tensor, x: torch.Tenso
         return module.forward(x)
 
 
+# Per RMSNorm module, the weight w₀ whose forward returns x̂ itself: 1 for y = x̂ ⊙ w, 0 for y = x̂ ⊙ (1 + w).
+_IDENTITY_WEIGHT: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+
+
+def _identity_weight(module: nn.Module, zero: torch.Tensor, x: torch.Tensor) -> float:
+    """Found once per module, on a row of ones (whose x̂ is not 0): with w = 0, x̂ ⊙ w is 0 and x̂ ⊙ (1 + w) is not."""
+    if module not in _IDENTITY_WEIGHT:
+        shape = zero.shape
+        with torch.no_grad():
+            offset = bool(_forward_with_weight(module, zero, x.new_ones((1, *shape))).any())
+        _IDENTITY_WEIGHT[module] = 0.0 if offset else 1.0
+    return _IDENTITY_WEIGHT[module]
+
+
 def rms_norm_rule(
     module: nn.Module, x: torch.Tensor, grad_out: torch.Tensor
 ) -> dict[str, PerExampleGradient]:
     """y = x̂ ⊙ w (Llama, T5, torch) or x̂ ⊙ (1 + w) (Gemma), x̂ = x / rms(x) (Zhang & Sennrich 2019):
-    G_i(w) = Σ_t ∂y_t ⊙ x̂_t. x̂ comes from the module itself run with w = 0 or w = 1, so it carries
-    exactly the module's own precision choices (HF norms compute the variance in float32)."""
+    G_i(w) = Σ_t ∂y_t ⊙ x̂_t. x̂ comes from the module itself run with the weight that makes it the identity on
+    x̂ (1 or 0, found once per module), so it carries exactly the module's own precision choices (HF norms
+    compute the variance in float32)."""
     weight = module.weight
     # DeepSpeed ZeRO-3 leaves a partitioned weight of shape (0,) outside the forward; ds_shape is its real one
     shape, like = getattr(weight, "ds_shape", weight.shape), {"dtype": weight.dtype, "device": weight.device}
-    with_zero = _forward_with_weight(module, torch.zeros(shape, **like), x)
-    x_hat = with_zero if with_zero.any() else _forward_with_weight(module, torch.ones(shape, **like), x)
+    zero = torch.zeros(shape, **like)
+    x_hat = _forward_with_weight(module, zero + _identity_weight(module, zero, x), x)
     g = wide(grad_out)
     return {"weight": Materialised((g * wide(x_hat)).reshape(g.shape[0], -1, g.shape[-1]).sum(dim=1))}
 
@@ -141,14 +178,17 @@ def register_rule(*module_types: type, when: Callable[[nn.Module], bool] | None 
 
 
 def rule_for(module: nn.Module) -> Rule | None:
-    """The registered rule of the module's type (the nearest class in its MRO), else of the first matcher that
-    accepts it; None means the torch.func fallback. A sparse Embedding has no rule."""
+    """The rule registered for the module's own type, else the first matcher's that accepts it, else the nearest
+    base class's in its MRO (a matcher can thus refine a subclass whose forward differs, like a scaled
+    embedding); None means the torch.func fallback. A sparse Embedding has no rule."""
     if isinstance(module, nn.Embedding) and module.sparse:
         return None
-    for cls in type(module).__mro__:
-        if cls in _RULES:
-            return _RULES[cls]
-    return next((rule for when, rule in _MATCHERS if when(module)), None)
+    if type(module) in _RULES:
+        return _RULES[type(module)]
+    matched = next((rule for when, rule in _MATCHERS if when(module)), None)
+    if matched is not None:
+        return matched
+    return next((_RULES[cls] for cls in type(module).__mro__ if cls in _RULES), None)
 
 
 register_rule(nn.Linear)(linear_rule)
@@ -156,6 +196,7 @@ register_rule(Conv1D)(conv1d_rule)
 register_rule(nn.Embedding)(embedding_rule)
 register_rule(nn.LayerNorm)(layer_norm_rule)
 register_rule(when=is_rms_norm)(rms_norm_rule)
+register_rule(when=is_scaled_embedding)(scaled_embedding_rule)
 
 
 def functorch_per_example_grads(
