@@ -17,11 +17,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from hf_dp.clipping.rules import Rule, rule_for
-
-
-class UnsupportedModuleError(ValueError):
-    """A trainable parameter cannot be clipped per example."""
+from hf_dp.clipping.rules import Rule, UnsupportedModuleError, rule_for
 
 
 def _is_batch_norm(module: nn.Module) -> bool:

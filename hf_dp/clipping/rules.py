@@ -23,6 +23,10 @@ from hf_dp.clipping.per_example import LOW_PRECISION, Materialised, OuterProduct
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
 
 
+class UnsupportedModuleError(ValueError):
+    """A trainable parameter cannot be clipped per example."""
+
+
 def _as_sequence(x: torch.Tensor) -> torch.Tensor:
     """(B, ..., d) -> (B, T, d) with every middle dimension folded into T; (B, d) -> (B, 1, d)."""
     return x.reshape(x.shape[0], -1, x.shape[-1])
@@ -59,6 +63,12 @@ def embedding_rule(
     module: nn.Embedding, ids: torch.Tensor, grad_out: torch.Tensor
 ) -> dict[str, PerExampleGradient]:
     """y_t = E[x_t]:  G_i(E) = Σ_t onehot(x_t) ⊗ ∂y_t; the padding_idx row gets no gradient, as in autograd."""
+    if ids.is_floating_point() or ids.shape != grad_out.shape[: ids.dim()]:
+        raise UnsupportedModuleError(
+            f"{type(module).__name__} looks up rows its input does not name (its input: {ids.dtype} of shape "
+            f"{tuple(ids.shape)}, as a learned positional embedding that makes its own positions): register a rule "
+            "for it with hf_dp.clipping.rules.register_rule, or freeze it"
+        )
     ids = ids.reshape(ids.shape[0], -1)
     g = wide(grad_out.reshape(ids.shape[0], ids.shape[1], -1))
     if module.padding_idx is not None:
