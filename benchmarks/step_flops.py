@@ -1,13 +1,16 @@
-"""Multiply-adds of one training step with activation checkpointing, counted by torch's ``FlopCounterMode``.
+"""What one training step with activation checkpointing costs a device, counted on CPU without timing noise.
 
-What the GEMMs of a step cost, without a GPU and without timing noise: the stock ``transformers.Trainer`` step,
-``DPTrainer``'s (``dp``: the weighted pass runs the checkpointed layers one by one, hf_dp/clipping/layerwise.py)
-and the same with the layers back-propagated as one chain (``dp_chained``, replay.py). A Llama of
-benchmarks/llm_memory.py's kind (GQA, untied head, random weights) on B random sequences of T tokens, fp32, full
-fine-tuning, AdamW; each variant takes its first step (DP's checks), then one counted step. The counter sees
-matrix products (mm, addmm, bmm, attention) forward and backward, recomputation included, not elementwise ops.
-Per token, as multiply-adds (FLOPs / 2), with the ratios to the stock step: the floor the time bar meets on a
-device where GEMMs dominate.
+Three counts of the same step, by torch dispatch modes: the multiply-adds of the matrix products (torch's
+``FlopCounterMode``: mm, addmm, bmm, attention, forward and backward, recomputation included), the bytes every
+other operator reads and writes (its tensor inputs and outputs; views move none, and a factory its output only),
+which is what the memory-bound elementwise kernels of a device stream, the number of those operator calls
+(kernel launches), and the host reads of a tensor value (``.item()``, ``bool(t)``: each one a device
+synchronisation). Variants: the stock ``transformers.Trainer`` step, ``DPTrainer``'s (``dp``: the weighted pass
+runs the checkpointed layers one by one, hf_dp/clipping/layerwise.py) and the same with the layers
+back-propagated as one chain (``dp_chained``, replay.py). A Llama of benchmarks/llm_memory.py's kind (GQA, untied
+head, random weights) on B random sequences of T tokens, fp32, full fine-tuning, AdamW; each variant takes its
+first step (DP's checks), then one counted step. Per token, with the ratios to the stock step: the floors the
+time bar meets on a device where GEMMs, or memory traffic, dominate.
 
     .venv/bin/python benchmarks/step_flops.py --out benchmarks/results/step_flops.json
     .venv/bin/python benchmarks/step_flops.py --hidden 2048 --intermediate 5632 --heads 16 --kv-heads 4 \
@@ -26,6 +29,9 @@ from typing import Any
 _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 sys.path[:] = [_REPO_ROOT] + [p for p in sys.path if p != _REPO_ROOT]  # before Opacus' own ``benchmarks``
 
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from benchmarks import llm_memory  # noqa: E402
@@ -34,18 +40,65 @@ VARIANTS = ("stock", "dp", "dp_chained")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "step_flops.json"
 
 
+_FACTORIES = {"empty", "empty_like", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_empty"}
+_FACTORIES |= {"new_zeros", "new_ones", "new_full", "arange", "randn", "rand", "normal", "empty_strided"}
+_HOST_READ = torch.ops.aten._local_scalar_dense.default
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default  # a view its schema does not mark as one
+
+
+def _bytes(tensors: list) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class Traffic(TorchDispatchMode):
+    """Every operator but the matrix products ``products`` counts: bytes read and written (none for a view; a
+    factory's output only), calls, host reads of a tensor value; by operator name."""
+
+    def __init__(self, products: set) -> None:
+        super().__init__()
+        self.products = products
+        self.bytes: dict[str, int] = {}
+        self.calls = 0
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is _HOST_READ:
+            self.host_reads += 1
+        view = func is _UNSAFE_VIEW or any(
+            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
+        )
+        if view or func.overloadpacket in self.products:
+            return out
+        name = func.overloadpacket.__name__
+        moved = _bytes(tree_leaves(out)) + (0 if name in _FACTORIES else _bytes(tree_leaves((args, kwargs))))
+        self.bytes[name] = self.bytes.get(name, 0) + moved
+        self.calls += 1
+        return out
+
+
 def count(name: str, setting: llm_memory.Setting, rows: list[dict]) -> dict[str, Any]:
-    """One variant: built, its first step taken, then one step counted; multiply-adds per token, by operator."""
+    """One variant: built, its first step taken, then one step counted: multiply-adds per token by operator, the
+    other operators' bytes per token (the largest by operator), their calls and the host reads."""
     variant = llm_memory.build_variant(name, setting, rows, "cpu")
     if variant.error:
         return {"error": variant.error}
     variant.step()
     counter = FlopCounterMode(display=False)
-    with counter:
+    traffic = Traffic(set(counter.flop_registry))
+    with counter, traffic:
         variant.step()
     tokens = setting.batch * setting.seq
     by_op = {str(op): flops / 2 / tokens for op, flops in counter.get_flop_counts()["Global"].items()}
-    result: dict[str, Any] = {"macs_per_token": counter.get_total_flops() / 2 / tokens, "by_op": by_op}
+    largest = sorted(traffic.bytes.items(), key=lambda item: -item[1])[:12]
+    result: dict[str, Any] = {
+        "macs_per_token": counter.get_total_flops() / 2 / tokens,
+        "by_op": by_op,
+        "other_bytes_per_token": sum(traffic.bytes.values()) / tokens,
+        "other_bytes_by_op": {op: moved / tokens for op, moved in largest},
+        "other_calls": traffic.calls,
+        "host_reads": traffic.host_reads,
+    }
     result |= {key: variant.info.get(key) for key in ("tail_layers", "layerwise") if key in variant.info}
     return result
 
@@ -54,24 +107,28 @@ def markdown(result: dict[str, Any]) -> str:
     s = result["setting"]
     shape = s["shape"]
     lines = [
-        "# Multiply-adds of one checkpointed step (`benchmarks/step_flops.py`)",
+        "# What one checkpointed step costs a device (`benchmarks/step_flops.py`)",
         "",
         f"Llama {shape['layers']} × {shape['hidden']} (intermediate {shape['intermediate']}, {shape['heads']} heads, "
         f"{shape['kv_heads']} KV heads, vocabulary {shape['vocab']}), B {s['batch']}, T {s['seq']}, fp32, full "
-        "fine-tuning with activation checkpointing; torch's FlopCounterMode over one step after the first.",
+        "fine-tuning with activation checkpointing; one step after the first, counted by torch dispatch modes: the "
+        "matrix products' multiply-adds (FlopCounterMode), the other operators' bytes read and written, their calls, "
+        "and the host reads of a tensor value (device synchronisations).",
         "",
-        "| variant | multiply-adds per token | / stock | tail over layers | layer by layer |",
-        "|---|---|---|---|---|",
+        "| variant | multiply-adds per token | / stock | other operators' bytes per token | / stock | "
+        "their calls | / stock | host reads | tail over layers | layer by layer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    stock = result["variants"]["stock"].get("macs_per_token")
+    stock = result["variants"]["stock"]
     for name, v in result["variants"].items():
         if "error" in v:
-            lines.append(f"| {name} | error: {v['error'].splitlines()[0]} | | | |")
+            lines.append(f"| {name} | error: {v['error'].splitlines()[0]} | | | | | | | | |")
             continue
-        macs = v["macs_per_token"]
+        macs, moved, calls = v["macs_per_token"], v["other_bytes_per_token"], v["other_calls"]
         lines.append(
-            f"| {name} | {macs / 1e6:.1f}M | {macs / stock:.3f} | {v.get('tail_layers', '-')} | "
-            f"{v.get('layerwise', '-')} |"
+            f"| {name} | {macs / 1e6:.1f}M | {macs / stock['macs_per_token']:.3f} | {moved / 1e3:.1f} kB | "
+            f"{moved / stock['other_bytes_per_token']:.3f} | {calls} | {calls / stock['other_calls']:.2f} | "
+            f"{v['host_reads']} | {v.get('tail_layers', '-')} | {v.get('layerwise', '-')} |"
         )
     return "\n".join(lines) + "\n"
 

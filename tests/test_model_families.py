@@ -37,8 +37,8 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {}, True),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}, True),  # fused qkv and gate_up projections
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8}, True),  # post-norms, soft-capping
-    # q_norm and k_norm follow all three projections, so k and v reach the loss around q_norm's input: chained
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8}, False),
+    # q_norm and k_norm (per head) follow all three projections: no points, their weights go with the attention's
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8}, True),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, True),  # norms after attention and MLP
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}, True),  # scaled residuals and logits
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}, True),

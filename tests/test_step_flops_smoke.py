@@ -1,6 +1,6 @@
 """benchmarks/step_flops.py on a tiny Llama: the layer-by-layer weighted pass does exactly the chained pass's
 multiply-adds less the input gradients of q, k, v, gate and up in every layer below the tail, plus the norm weights'
-clipped sums (layerwise.py)."""
+clipped sums (layerwise.py); the other operators' traffic is counted too."""
 
 from __future__ import annotations
 
@@ -29,4 +29,8 @@ def test_the_layer_by_layer_pass_skips_exactly_the_input_gradients_below_norms(t
     norm_sums = 2 * layers * hidden / seq
     assert abs((chained["macs_per_token"] - dp["macs_per_token"]) - (skipped - norm_sums)) < 1e-9 * skipped
     assert stock["macs_per_token"] < dp["macs_per_token"]
+    # the other operators' traffic: DP's passes stream more than the stock step, and the layer-by-layer pass less
+    # than the chained one (the input gradients' elementwise work below the points goes too)
+    assert stock["other_bytes_per_token"] < dp["other_bytes_per_token"] < chained["other_bytes_per_token"]
+    assert stock["other_calls"] < dp["other_calls"] and stock["host_reads"] > 0
     assert out.with_suffix(".md").read_text().count("| dp") == 2

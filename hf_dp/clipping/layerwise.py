@@ -1,6 +1,6 @@
 """Activation checkpointing's weighted pass one layer at a time, each segment from its own kept gradient.
 
-Inside a pre-norm block the residual stream passes through points: the input of each norm module and the block's
+Inside a pre-norm block the residual stream passes through points: the input of each of its norms and the block's
 output. A parameter used between two points reaches the loss only through the later one (Llama: q, k, v and o
 through h_mid = h + attn(norm₁(h)); gate, up and down through the output h_mid + mlp(norm₂(h_mid))); one used
 in several segments goes with its last (the backward from there runs through the earlier points). Where no
@@ -14,9 +14,10 @@ output (q, k, v, gate, up) skip their input-gradient GEMMs: a fifth of a Llama l
 modules' part is Σ_i c_i G_i, as the tail's; the parameters used before the first layer (embeddings) get theirs
 from a forward that stops at the first layer's input and a backward from its kept gradient.
 
-A norm module this does not recognise only merges two segments, which stays exact (the later point's backward
-runs through it). A block whose parameters also reach the loss around its next point is not exact: the first
-step checks the result against the whole weighted pass and uses the layer-by-layer pass only if they agree.
+A norm module this does not recognise, or one narrower than the stream (a per-head q_norm, whose weight then goes
+with its segment), only merges two segments, which stays exact (the later point's backward runs through it). A
+block whose parameters also reach the loss around its next point is not exact: the first step checks the result
+against the whole weighted pass and uses the layer-by-layer pass only if they agree.
 
 Through a framework whose backward must write the gradients (DeepSpeed ZeRO-1/2), each layer is a term of the
 loss, zero in the forward, whose backward recomputes the layer and returns its parameters' gradients
@@ -42,8 +43,22 @@ from hf_dp.clipping.units import PrivacyUnits
 
 
 def is_norm(module: nn.Module) -> bool:
-    """A module whose input is a point of the residual stream: LayerNorm and the RMSNorms."""
+    """LayerNorm and the RMSNorms: where one normalises the residual stream, its input is a point."""
     return isinstance(module, nn.LayerNorm) or is_rms_norm(module)
+
+
+def _width(norm: nn.Module) -> int:
+    """How many features a norm normalises together."""
+    shape = getattr(norm, "normalized_shape", None)
+    return shape[-1] if shape else norm.weight.shape[-1]
+
+
+def _stream_norms(layer: nn.Module) -> set[nn.Module]:
+    """A layer's norms of the residual stream: the widest. Narrower ones normalise an attention head (Qwen 3's
+    and Gemma 3's q_norm and k_norm); their input is no point, and their weights go with their segment."""
+    norms = [m for m in layer.modules() if is_norm(m)]
+    widest = max((_width(m) for m in norms), default=0)
+    return {m for m in norms if _width(m) == widest}
 
 
 class LayerPoints:
@@ -55,7 +70,7 @@ class LayerPoints:
         self.layers = list(layers)
         self.owned = owned
         self._layer_of = {m: layer for layer in self.layers for m in layer.modules()}
-        self._norms = {m for m in self._layer_of if is_norm(m)}  # the norm modules inside the layers
+        self._norms = set().union(*(_stream_norms(layer) for layer in self.layers))  # the layers' points
         self.gradients: dict[tuple[nn.Module, nn.Module | None], torch.Tensor] = {}
         # the first layer's input, where the embeddings' part of the weighted pass starts
         self.first_input: TailBoundary | None = None
@@ -65,7 +80,7 @@ class LayerPoints:
         self.complete = True  # every layer was called once
 
     def holds_norm(self, module: nn.Module) -> bool:
-        """Whether a clipped use is a norm module inside a checkpointed layer (its G_i is kept)."""
+        """Whether a clipped use is a norm of the residual stream inside a checkpointed layer (its G_i is kept)."""
         return module in self._norms
 
     def keep_norm_part(self, param: nn.Parameter, part: PerExampleGradient) -> None:
