@@ -342,6 +342,23 @@ def test_an_embedding_that_makes_its_own_positions_is_refused_naming_it() -> Non
         engine.clipped_backward(losses, 1.0)
 
 
+def test_an_moe_layer_that_flattens_the_batch_is_refused_naming_it() -> None:
+    """Mixtral's router and experts take the tokens of all examples as rows of one dimension."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    sizes = {"num_hidden_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
+    sizes |= {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2}
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=models.VOCAB, pad_token_id=models.PAD, **sizes))
+    engine = ClippingEngine(model)
+    batch = models.token_batch()
+    rows = batch["input_ids"].shape[0]
+    with (
+        pytest.raises(UnsupportedModuleError, match=rf"mlp.gate.* no batch dimension of {rows}: .*MoE router"),
+        engine.record(rows),
+    ):
+        per_example_loss(model, batch)
+
+
 def test_lora_only_adapters_are_clipped() -> None:
     model = models.gpt2_lora()
     engine = ClippingEngine(model)

@@ -160,7 +160,9 @@ def check_batch_dimension(layers: Layers, module: nn.Module, x: torch.Tensor | N
     if x is not None and x.dim() > 0 and x.shape[0] != rows:
         raise UnsupportedModuleError(
             f"{layers.where(module)} has trainable parameters but its input of shape {tuple(x.shape)} has no batch "
-            f"dimension of {rows} (it is shared by all examples, like T5's relative_attention_bias): freeze it"
+            f"dimension of {rows}: it is shared by all examples (like T5's relative_attention_bias) or takes the "
+            "rows of all examples flattened into one dimension (like an MoE router or expert, or OPT's layers), so "
+            "its per-example gradients cannot be told apart: freeze it"
         )
 
 
