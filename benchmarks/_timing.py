@@ -42,7 +42,8 @@ class Variant:
     first_loss: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    keep: list[Any] = field(default_factory=list)  # objects (trainers, temporary folders) that must outlive it
+    # objects (trainers, temporary folders) that must outlive it
+    keep: list[Any] = field(default_factory=list)
 
 
 def build(name: str, builder: Callable[[], Variant]) -> Variant:
@@ -140,7 +141,9 @@ def environment(**extra: Any) -> dict[str, Any]:
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "load_average_1_5_15min": list(os.getloadavg()),
         "allocator_env": {
-            k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k in ("LD_PRELOAD", "HF_DP_KEEP_CPU_HEAP")
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith("MALLOC_") or k in ("LD_PRELOAD", "HF_DP_KEEP_CPU_HEAP")
         },
         **extra,
     }

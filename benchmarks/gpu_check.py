@@ -601,7 +601,8 @@ def wide_factors_check(config: Config) -> dict[str, Any]:
             ),
         }
         errors = {
-            name: float((ours.double() - truth).norm() / truth.norm()) for name, (ours, truth) in pairs.items()
+            name: float((ours.double() - truth).norm() / truth.norm())
+            for name, (ours, truth) in pairs.items()
         }
         probe = wide_bmm(part.left[:1].transpose(1, 2), part.right[:1])
         result[str(dtype).removeprefix("torch.")] = {

@@ -349,7 +349,9 @@ def build_dp(s: Setting, rows: list[dict], device: str, private: bool, chained: 
 
     def step() -> float:
         if chained and trainer.dp.clipping is not None:
-            trainer.dp.clipping.layerwise = False  # the first step's check sets it; later steps chain the layers
+            trainer.dp.clipping.layerwise = (
+                False  # the first step's check sets it; later steps chain the layers
+            )
         loss = trainer.train_one_step(batches)
         # how many checkpointed layers the checked tail reaches down over (docs/clipping.md)
         variant.info["tail_layers"] = getattr(trainer.dp.clipping, "tail_layers", None)

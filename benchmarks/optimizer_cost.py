@@ -192,7 +192,8 @@ def run_isolated(names: list[str], cfg: Config) -> tuple[dict[str, _timing.Varia
                 child, variant = json.loads(out.read_text())["times"][name], variants[name]
                 variant.times.append(child["times_s"][0])
                 variant.info.update(
-                    evaluations_per_step=child["evaluations_per_step"], scaled_clipping=child["scaled_clipping"]
+                    evaluations_per_step=child["evaluations_per_step"],
+                    scaled_clipping=child["scaled_clipping"],
                 )
                 variant.error = variant.error or child["error"]
             _timing.print_round(r, cfg.rounds, order, variants)

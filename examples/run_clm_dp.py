@@ -44,9 +44,13 @@ class ModelArguments:
 @dataclass
 class DataTrainingArguments:
     train_file: str | None = field(default=None, metadata={"help": "A .txt, .csv or .json(l) file."})
-    validation_file: str | None = field(default=None, metadata={"help": "Default: the last rows of train_file."})
+    validation_file: str | None = field(
+        default=None, metadata={"help": "Default: the last rows of train_file."}
+    )
     text_column_name: str = field(default="text", metadata={"help": "The column holding the text."})
-    block_size: int = field(default=64, metadata={"help": "Tokens per record (longer records are truncated)."})
+    block_size: int = field(
+        default=64, metadata={"help": "Tokens per record (longer records are truncated)."}
+    )
     max_train_samples: int | None = field(default=None)
     max_eval_samples: int | None = field(default=None)
     validation_split_percentage: int = field(default=5)

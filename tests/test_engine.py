@@ -331,14 +331,21 @@ def test_an_embedding_that_makes_its_own_positions_is_refused_naming_it() -> Non
     shape (the encoder hands it floats): the embedding rule would read the wrong rows."""
     from transformers import BartConfig, BartForConditionalGeneration
 
-    sizes = {"encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 2, "decoder_attention_heads": 2}
+    sizes = {
+        "encoder_layers": 1,
+        "decoder_layers": 1,
+        "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2,
+    }
     sizes |= {"encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_position_embeddings": 32}
     config = BartConfig(vocab_size=models.VOCAB, d_model=16, pad_token_id=models.PAD, **sizes)
     model = BartForConditionalGeneration(config).double().eval()
     engine = ClippingEngine(model)
     with engine.record(4):
         losses = per_example_loss(model, models.seq2seq_batch())
-    with pytest.raises(UnsupportedModuleError, match="BartLearnedPositionalEmbedding looks up rows its input does not"):
+    with pytest.raises(
+        UnsupportedModuleError, match="BartLearnedPositionalEmbedding looks up rows its input does not"
+    ):
         engine.clipped_backward(losses, 1.0)
 
 
@@ -353,7 +360,9 @@ def test_an_moe_layer_that_flattens_the_batch_is_refused_naming_it() -> None:
     batch = models.token_batch()
     rows = batch["input_ids"].shape[0]
     with (
-        pytest.raises(UnsupportedModuleError, match=rf"mlp.gate.* no batch dimension of {rows}: .*MoE router"),
+        pytest.raises(
+            UnsupportedModuleError, match=rf"mlp.gate.* no batch dimension of {rows}: .*MoE router"
+        ),
         engine.record(rows),
     ):
         per_example_loss(model, batch)

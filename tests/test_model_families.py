@@ -77,7 +77,9 @@ def float64_throughout(model: nn.Module, monkeypatch) -> None:
 
 @pytest.mark.parametrize("backend", ["one process", "zero2"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_checkpointed_step_of_each_family_matches_brute_force(monkeypatch, family: str, backend: str) -> None:
+def test_a_checkpointed_step_of_each_family_matches_brute_force(
+    monkeypatch, family: str, backend: str
+) -> None:
     config_class, model_class, fields, layerwise = FAMILIES[family]
     config = getattr(transformers, config_class)(**SIZES, **fields)
     torch.manual_seed(0)
