@@ -1,6 +1,7 @@
 """The decoder families people fine-tune, each tiny and in float64: a checkpointed DP step (the checked first step,
 then the tail skipped and the layers run one by one where the check allowed it) equals brute force, one backward
-per example, in one process and through ZeRO-2's framework backward."""
+per example, in one process and as ZeRO-2 takes the step (what it hands DeepSpeed, back-propagated as its backward
+would)."""
 
 from __future__ import annotations
 
