@@ -14,6 +14,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     RobertaConfig,
     RobertaForSequenceClassification,
     T5Config,
@@ -148,6 +150,21 @@ def gpt2_lora() -> nn.Module:
             r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], lora_dropout=0.0, fan_in_fan_out=True
         ),
     )
+
+
+def mixtral() -> MixtralForCausalLM:
+    """A tiny Mixtral: its MoE layers (router and experts) take the rows of all examples flattened."""
+    sizes = {"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
+    sizes |= {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2}
+    return MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, pad_token_id=PAD, **sizes))
+
+
+def mixtral_lora_attention() -> nn.Module:
+    """The tiny Mixtral with its MoE layers frozen: LoRA on the attention projections only."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    return get_peft_model(mixtral(), LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
 
 
 def token_batch(

@@ -19,12 +19,13 @@ MODELS = {
     "gemma": (models.gemma, lambda: models.token_batch()),
     "t5": (models.t5, lambda: models.seq2seq_batch()),
     "gpt2_lora": (models.gpt2_lora, lambda: models.token_batch()),
+    "mixtral_lora_attention": (models.mixtral_lora_attention, lambda: models.token_batch()),
 }
 # float64 is exact up to summation order (~1e-16; T5's attention masking reaches 1e-10). T5LayerNorm and
 # GemmaRMSNorm compute in float32 whatever the model's dtype (Gemma's weight gradient too), so T5 and Gemma are
-# compared in float32.
+# compared in float32; so is Mixtral, whose experts' grouped GEMM takes no float64.
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 2e-5}
-DTYPE = {"t5": torch.float32, "gemma": torch.float32}
+DTYPE = {"t5": torch.float32, "gemma": torch.float32, "mixtral_lora_attention": torch.float32}
 
 
 def engine_clipped_sum(model, batch, max_norm, mode, dtype=torch.float64):
@@ -350,12 +351,9 @@ def test_an_embedding_that_makes_its_own_positions_is_refused_naming_it() -> Non
 
 
 def test_an_moe_layer_that_flattens_the_batch_is_refused_naming_it() -> None:
-    """Mixtral's router and experts take the tokens of all examples as rows of one dimension."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    sizes = {"num_hidden_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
-    sizes |= {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2}
-    model = MixtralForCausalLM(MixtralConfig(vocab_size=models.VOCAB, pad_token_id=models.PAD, **sizes))
+    """Mixtral's router and experts take the tokens of all examples as rows of one dimension (frozen, they train
+    with LoRA on the attention: ``mixtral_lora_attention`` above)."""
+    model = models.mixtral()
     engine = ClippingEngine(model)
     batch = models.token_batch()
     rows = batch["input_ids"].shape[0]
