@@ -77,44 +77,29 @@ def roberta_classifier(num_labels: int = 2) -> RobertaForSequenceClassification:
     return RobertaForSequenceClassification(config)
 
 
+# A tiny decoder's config fields (Llama's names, which most decoder families share).
+DECODER_SIZES = {
+    "num_hidden_layers": 2,
+    "hidden_size": 16,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 32,
+    "vocab_size": VOCAB,
+    "pad_token_id": PAD,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "max_position_embeddings": 32,
+}
+
+
 def llama(**sizes) -> LlamaForCausalLM:
     """A tiny Llama (GQA); ``sizes`` override its LlamaConfig fields."""
-    return LlamaForCausalLM(
-        LlamaConfig(
-            **{
-                "num_hidden_layers": 2,
-                "hidden_size": 16,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "intermediate_size": 32,
-                "vocab_size": VOCAB,
-                "pad_token_id": PAD,
-                "bos_token_id": 1,
-                "eos_token_id": 2,
-                "max_position_embeddings": 32,
-                **sizes,
-            }
-        )
-    )
+    return LlamaForCausalLM(LlamaConfig(**{**DECODER_SIZES, **sizes}))
 
 
 def gemma() -> GemmaForCausalLM:
     """A tiny Gemma: its RMSNorms compute x̂ ⊙ (1 + w), its head is tied to the scaled embeddings."""
-    return GemmaForCausalLM(
-        GemmaConfig(
-            num_hidden_layers=2,
-            hidden_size=16,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            pad_token_id=PAD,
-            bos_token_id=1,
-            eos_token_id=2,
-            max_position_embeddings=32,
-        )
-    )
+    return GemmaForCausalLM(GemmaConfig(**DECODER_SIZES, head_dim=8))
 
 
 def t5(freeze_relative_bias: bool = True) -> T5ForConditionalGeneration:
@@ -154,9 +139,7 @@ def gpt2_lora() -> nn.Module:
 
 def mixtral() -> MixtralForCausalLM:
     """A tiny Mixtral: its MoE layers (router and experts) take the rows of all examples flattened."""
-    sizes = {"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
-    sizes |= {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2}
-    return MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, pad_token_id=PAD, **sizes))
+    return MixtralForCausalLM(MixtralConfig(**DECODER_SIZES, num_local_experts=4, num_experts_per_tok=2))
 
 
 def mixtral_lora_attention() -> nn.Module:

@@ -17,18 +17,6 @@ from tests import models
 from tests.test_checkpointing import ONE_PROCESS, ZERO2, checkpointed_steps
 from tests.test_engine import assert_close
 
-SIZES = {
-    "num_hidden_layers": 2,
-    "hidden_size": 16,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "intermediate_size": 32,
-    "vocab_size": models.VOCAB,
-    "pad_token_id": models.PAD,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "max_position_embeddings": 32,
-}
 # name: (config class, model class, config fields beyond SIZES, whether its blocks run layer by layer)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, True),
@@ -82,7 +70,7 @@ def test_a_checkpointed_step_of_each_family_matches_brute_force(
     monkeypatch, family: str, backend: str
 ) -> None:
     config_class, model_class, fields, layerwise = FAMILIES[family]
-    config = getattr(transformers, config_class)(**SIZES, **fields)
+    config = getattr(transformers, config_class)(**models.DECODER_SIZES, **fields)
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config)
     float64_throughout(model, monkeypatch)
