@@ -77,6 +77,17 @@ def roberta_classifier(num_labels: int = 2) -> RobertaForSequenceClassification:
     return RobertaForSequenceClassification(config)
 
 
+def modernbert_classifier(num_labels: int = 3) -> nn.Module:
+    """A tiny ModernBERT: its classification head normalises the pooled (B, d) output (a LayerNorm without
+    positions)."""
+    from transformers import ModernBertConfig, ModernBertForSequenceClassification
+
+    sizes = {"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32}
+    sizes |= {"global_attn_every_n_layers": 1, "local_attention": 8, "max_position_embeddings": 32}
+    config = ModernBertConfig(vocab_size=VOCAB, pad_token_id=PAD, num_labels=num_labels, **sizes)
+    return ModernBertForSequenceClassification(config)
+
+
 # A tiny decoder's config fields (Llama's names, which most decoder families share).
 DECODER_SIZES = {
     "num_hidden_layers": 2,

@@ -15,6 +15,7 @@ MODELS = {
     "bert_classifier": (models.bert_classifier, lambda: models.classification_batch(3)),
     "bert_mlm": (models.bert_mlm, lambda: models.token_batch(causal=False)),
     "roberta_classifier": (models.roberta_classifier, lambda: models.classification_batch(2, pad=1)),
+    "modernbert_classifier": (models.modernbert_classifier, lambda: models.classification_batch(3)),
     "llama": (models.llama, lambda: models.token_batch()),
     "gemma": (models.gemma, lambda: models.token_batch()),
     "t5": (models.t5, lambda: models.seq2seq_batch()),
@@ -348,6 +349,34 @@ def test_an_embedding_that_makes_its_own_positions_is_refused_naming_it() -> Non
         UnsupportedModuleError, match="BartLearnedPositionalEmbedding looks up rows its input does not"
     ):
         engine.clipped_backward(losses, 1.0)
+
+
+def test_a_float_input_of_batch_one_is_refused_not_spread_over_the_examples() -> None:
+    """Position ids of batch 1 are spread over the B examples (their embedding's output is broadcast); DeBERTa's
+    relative embeddings, a float (1, 2k, d) that its attention repeats per example itself, are not: the projection
+    that reads them is refused in one line instead of the model's forward failing on the spread shape."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    config = DebertaV2Config(
+        **models._ENCODER,
+        num_labels=3,
+        pad_token_id=models.PAD,
+        max_position_embeddings=32,
+        relative_attention=True,
+        position_buckets=8,
+        max_relative_positions=16,
+        pos_att_type=["p2c", "c2p"],
+    )
+    model = DebertaV2ForSequenceClassification(config).double().eval()
+    engine = ClippingEngine(model)
+    batch = models.classification_batch(3)
+    with (
+        pytest.raises(
+            UnsupportedModuleError, match=r"pos_key_proj .* input of shape \(1, 16, 16\) has no batch"
+        ),
+        engine.record(batch["input_ids"].shape[0]),
+    ):
+        per_example_loss(model, batch)
 
 
 def test_an_moe_layer_that_flattens_the_batch_is_refused_naming_it() -> None:

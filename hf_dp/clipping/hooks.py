@@ -130,14 +130,16 @@ class ForwardHooks:
 
     def _expand_broadcast_batch(self, module: nn.Module, args: tuple, kwargs: dict):
         """HF models pass position_ids of batch size 1 and broadcast the output; expand the input to B
-        instead, which leaves the forward unchanged but keeps each example's output gradient apart."""
+        instead, which leaves the forward unchanged but keeps each example's output gradient apart. Only ids: a
+        float input of batch 1 (DeBERTa's relative embeddings, ModernBERT's unpadded tokens) is no broadcast the
+        model would leave unchanged, and is refused (``check_batch_dimension``)."""
         receiver = self.receiver
         if receiver is None or not receiver.on or not torch.is_grad_enabled():
             return None
         if not args or not isinstance(args[0], torch.Tensor):
             return None
         x = args[0]
-        if x.dim() > 0 and x.shape[0] == 1 and receiver.rows > 1:
+        if x.dim() > 0 and x.shape[0] == 1 and receiver.rows > 1 and not x.is_floating_point():
             return (x.expand(receiver.rows, *x.shape[1:]), *args[1:]), kwargs
         return None
 

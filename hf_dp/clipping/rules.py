@@ -105,11 +105,15 @@ def layer_norm_rule(
     x_hat = torch.nn.functional.layer_norm(wide(x), shape, eps=module.eps)
     g = wide(grad_out)
     reduce = tuple(range(1, g.dim() - len(shape)))
+
+    def per_example(t: torch.Tensor) -> Materialised:  # a (B, d) input has no positions to sum over
+        return Materialised(t.sum(dim=reduce) if reduce else t)  # (sum(dim=()) would sum everything)
+
     parts: dict[str, PerExampleGradient] = {}
     if module.weight is not None:
-        parts["weight"] = Materialised((g * x_hat).sum(dim=reduce))
+        parts["weight"] = per_example(g * x_hat)
     if module.bias is not None:
-        parts["bias"] = Materialised(g.sum(dim=reduce))
+        parts["bias"] = per_example(g)
     return parts
 
 
