@@ -40,18 +40,11 @@ VARIANTS = ("stock", "dp", "dp_chained")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "step_flops.json"
 
 
-_FACTORIES = {
-    "empty",
-    "empty_like",
-    "zeros",
-    "zeros_like",
-    "ones",
-    "ones_like",
-    "full",
-    "full_like",
-    "new_empty",
-}
-_FACTORIES |= {"new_zeros", "new_ones", "new_full", "arange", "randn", "rand", "normal", "empty_strided"}
+# operators that read no tensor input's data (their bytes are their output's)
+_FACTORIES = {"empty", "empty_like", "empty_strided", "new_empty", "zeros", "zeros_like", "new_zeros", "ones"}
+_FACTORIES.update(
+    ("ones_like", "new_ones", "full", "full_like", "new_full", "arange", "randn", "rand", "normal")
+)
 _HOST_READ = torch.ops.aten._local_scalar_dense.default
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default  # a view its schema does not mark as one
 

@@ -88,6 +88,22 @@ def modernbert_classifier(num_labels: int = 3) -> nn.Module:
     return ModernBertForSequenceClassification(config)
 
 
+def deberta_classifier(num_labels: int = 3) -> nn.Module:
+    """A tiny DeBERTa-v2 with disentangled attention over relative embeddings shared by all examples."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    relative = {"relative_attention": True, "position_buckets": 8, "max_relative_positions": 16}
+    config = DebertaV2Config(
+        **_ENCODER,
+        **relative,
+        num_labels=num_labels,
+        pad_token_id=PAD,
+        max_position_embeddings=32,
+        pos_att_type=["p2c", "c2p"],
+    )
+    return DebertaV2ForSequenceClassification(config)
+
+
 # A tiny decoder's config fields (Llama's names, which most decoder families share).
 DECODER_SIZES = {
     "num_hidden_layers": 2,

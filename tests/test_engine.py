@@ -355,19 +355,7 @@ def test_a_float_input_of_batch_one_is_refused_not_spread_over_the_examples() ->
     """Position ids of batch 1 are spread over the B examples (their embedding's output is broadcast); DeBERTa's
     relative embeddings, a float (1, 2k, d) that its attention repeats per example itself, are not: the projection
     that reads them is refused in one line instead of the model's forward failing on the spread shape."""
-    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
-
-    config = DebertaV2Config(
-        **models._ENCODER,
-        num_labels=3,
-        pad_token_id=models.PAD,
-        max_position_embeddings=32,
-        relative_attention=True,
-        position_buckets=8,
-        max_relative_positions=16,
-        pos_att_type=["p2c", "c2p"],
-    )
-    model = DebertaV2ForSequenceClassification(config).double().eval()
+    model = models.deberta_classifier().double().eval()
     engine = ClippingEngine(model)
     batch = models.classification_batch(3)
     with (

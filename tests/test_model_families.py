@@ -5,6 +5,8 @@ would)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -17,7 +19,7 @@ from tests import models
 from tests.test_checkpointing import ONE_PROCESS, ZERO2, checkpointed_steps
 from tests.test_engine import assert_close
 
-# name: (config class, model class, config fields beyond SIZES, whether its blocks run layer by layer)
+# name: (config class, model class, fields beyond models.DECODER_SIZES, whether its layers run one by one)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, True),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8}, True),  # x̂ ⊙ (1 + w), √d-scaled embeddings
@@ -55,12 +57,11 @@ def float64_throughout(model: nn.Module, monkeypatch) -> None:
             x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
             return x_hat * (1.0 + self.weight) if offset else self.weight * x_hat
 
-        norm = next(m for m in model.modules() if type(m) is cls)
-        x = torch.randn(3, 4, norm.weight.shape[0])
+        probe = copy.deepcopy(next(m for m in model.modules() if type(m) is cls)).float()
+        x = torch.randn(3, 4, probe.weight.shape[0])
         with torch.no_grad():
-            norm.weight.normal_()
-            expected = cls.forward(norm.float(), x)
-            torch.testing.assert_close(forward(norm, x), expected, rtol=1e-5, atol=1e-6)
+            probe.weight.normal_()  # Gemma's start at 0, which would hide a missing 1 + w
+            torch.testing.assert_close(forward(probe, x), cls.forward(probe, x), rtol=1e-5, atol=1e-6)
         monkeypatch.setattr(cls, "forward", forward)
 
 

@@ -128,11 +128,11 @@ def _forward_with_weight(module: nn.Module, weight: torch.Tensor, x: torch.Tenso
 _IDENTITY_WEIGHT: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
 
 
-def _identity_weight(module: nn.Module, zero: torch.Tensor, x: torch.Tensor) -> float:
+def _identity_weight(module: nn.Module, shape: torch.Size, like: dict, x: torch.Tensor) -> float:
     """Found once per module, on a row of ones (whose x̂ is not 0): with w = 0, x̂ ⊙ w is 0 and x̂ ⊙ (1 + w) is not."""
     if module not in _IDENTITY_WEIGHT:
-        shape = zero.shape
         with torch.no_grad():
+            zero = torch.zeros(shape, **like)
             offset = bool(_forward_with_weight(module, zero, x.new_ones((1, *shape))).any())
         _IDENTITY_WEIGHT[module] = 0.0 if offset else 1.0
     return _IDENTITY_WEIGHT[module]
@@ -148,8 +148,8 @@ def rms_norm_rule(
     weight = module.weight
     # DeepSpeed ZeRO-3 leaves a partitioned weight of shape (0,) outside the forward; ds_shape is its real one
     shape, like = getattr(weight, "ds_shape", weight.shape), {"dtype": weight.dtype, "device": weight.device}
-    zero = torch.zeros(shape, **like)
-    x_hat = _forward_with_weight(module, zero + _identity_weight(module, zero, x), x)
+    identity = torch.full(shape, _identity_weight(module, shape, like, x), **like)
+    x_hat = _forward_with_weight(module, identity, x)
     g = wide(grad_out)
     return {"weight": Materialised((g * wide(x_hat)).reshape(g.shape[0], -1, g.shape[-1]).sum(dim=1))}
 
