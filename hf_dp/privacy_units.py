@@ -54,8 +54,33 @@ def dataset_units(args, dataset, row_unit: str, trainer_name: str) -> DatasetUni
         raise ValueError(
             f"privacy_unit_column={column!r}: the rows of train_dataset have no such key"
         ) from None
-    unit_of_row, count = units_of_column(list(values))
+    values = list(values)
+    require_unit_ids(column, values)
+    unit_of_row, count = units_of_column(values)
     return DatasetUnits("user", unit_of_row, count)
+
+
+def require_unit_ids(column: str, values: list[Any]) -> None:
+    """Check that every row of ``privacy_unit_column`` names its user. A missing id (None, or NaN, which equals
+    nothing, not even itself) is refused: None rows would all form one unit and NaN rows one unit each, so a
+    real user's rows would span several units and the guarantee would not cover that user."""
+    missing = [i for i, value in enumerate(values) if _is_missing(value)]
+    if missing:
+        raise ValueError(
+            f"privacy_unit_column={column!r} has no id in {len(missing)} of {len(values)} rows of train_dataset "
+            f"(None or NaN; first: row {missing[0]}), so a user's rows would span several units; give each of "
+            "those rows its user's id or drop them"
+        )
+
+
+def _is_missing(value: Any) -> bool:
+    """None, or a value unequal to itself: NaN (Python, numpy, torch), NaT, or pandas' NA."""
+    if value is None:
+        return True
+    try:
+        return bool(value != value)
+    except TypeError:  # pandas' NA: NA != NA is NA, whose truth value is ambiguous
+        return True
 
 
 def micro_batch_units(inputs: dict[str, Any], unit_of_row: torch.Tensor | None) -> PrivacyUnits | None:

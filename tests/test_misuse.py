@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datasets
+import pandas
 import pytest
 import torch
 from trl import DPOTrainer, SFTTrainer
@@ -11,7 +12,7 @@ from hf_dp import DPTrainerMixin
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.loss_contract import require_per_example
 from tests import models
-from tests.trainer_utils import make_args, make_trainer
+from tests.trainer_utils import TokenRows, make_args, make_trainer
 
 
 def test_a_model_with_no_trainable_parameters_is_refused(tmp_path):
@@ -41,3 +42,27 @@ def test_a_loss_of_the_wrong_length_says_how_many_units_and_rows():
         require_per_example(torch.zeros(5), 3, "MyTrainer.compute_per_example_loss", pairs)
     with pytest.raises(ValueError, match=r"returned \(\); .* 4 units \(no mean over the batch\)"):
         require_per_example(torch.zeros(()), 4, "MyTrainer.compute_loss")
+
+
+def user_rows(missing: object, at: tuple[int, ...] = (5, 9, 20)) -> dict[str, list]:
+    """32 token rows of 16 users, two rows each, with ``missing`` for the user id of the rows ``at``."""
+    users: list[object] = [i // 2 for i in range(32)]
+    for i in at:
+        users[i] = missing
+    return {"input_ids": TokenRows(32).rows, "user_id": users}
+
+
+@pytest.mark.parametrize(
+    "dataset",
+    [
+        datasets.Dataset.from_dict(user_rows(None)),  # None: today one unit of all the rows without an id
+        datasets.Dataset.from_pandas(pandas.DataFrame(user_rows(float("nan")))),  # NaN: today a unit per row
+    ],
+    ids=["None", "NaN"],
+)
+def test_a_privacy_unit_column_with_missing_ids_is_refused(tmp_path, dataset):
+    with pytest.raises(
+        ValueError, match=r"privacy_unit_column='user_id' has no id in 3 of 32 rows .*first: row 5"
+    ):
+        make_trainer(tmp_path, dataset=dataset, noise_multiplier=1.0, privacy_unit_column="user_id")
+
