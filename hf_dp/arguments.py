@@ -176,6 +176,7 @@ class DPTrainingArguments(TrainingArguments):
                 f"{type(self.dp_optimizer_kwargs).__name__}"
             )
         self.dp_optimizer_kwargs = dict(self.dp_optimizer_kwargs or {})
+        self._validate_schedule()
         self._validate_privacy()
         super().__post_init__()
         compat.check_fields(self)
@@ -225,6 +226,14 @@ class DPTrainingArguments(TrainingArguments):
         except ValueError:
             return False
         return True
+
+    def _validate_schedule(self) -> None:
+        """Check that ``learning_rate`` is finite (nan or inf turns every weight into nan)."""
+        if not math.isfinite(self.learning_rate):
+            raise ValueError(
+                f"DPTrainingArguments: learning_rate={self.learning_rate} would turn every weight into nan; "
+                "set a finite learning_rate"
+            )
 
     def _validate_privacy(self) -> None:
         def fail(message: str) -> None:

@@ -66,3 +66,8 @@ def test_a_privacy_unit_column_with_missing_ids_is_refused(tmp_path, dataset):
     ):
         make_trainer(tmp_path, dataset=dataset, noise_multiplier=1.0, privacy_unit_column="user_id")
 
+
+@pytest.mark.parametrize("learning_rate", [float("nan"), float("inf")])
+def test_a_learning_rate_that_is_not_finite_is_refused(tmp_path, learning_rate):
+    with pytest.raises(ValueError, match=rf"learning_rate={learning_rate} .* set a finite learning_rate"):
+        make_args(tmp_path, learning_rate=learning_rate, noise_multiplier=1.0)
