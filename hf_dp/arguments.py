@@ -228,11 +228,17 @@ class DPTrainingArguments(TrainingArguments):
         return True
 
     def _validate_schedule(self) -> None:
-        """Check that ``learning_rate`` is finite (nan or inf turns every weight into nan)."""
+        """Check that the run trains at all: ``learning_rate`` finite (nan or inf turns every weight into nan) and
+        ``max_steps`` not 0 (the Trainer would take no step, while σ is planned for ``num_train_epochs``)."""
         if not math.isfinite(self.learning_rate):
             raise ValueError(
                 f"DPTrainingArguments: learning_rate={self.learning_rate} would turn every weight into nan; "
                 "set a finite learning_rate"
+            )
+        if self.max_steps == 0:
+            raise ValueError(
+                "DPTrainingArguments: max_steps=0 trains no step, while σ would be planned for num_train_epochs; "
+                "set max_steps >= 1, or leave it at -1 to train num_train_epochs"
             )
 
     def _validate_privacy(self) -> None:

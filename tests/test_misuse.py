@@ -71,3 +71,13 @@ def test_a_privacy_unit_column_with_missing_ids_is_refused(tmp_path, dataset):
 def test_a_learning_rate_that_is_not_finite_is_refused(tmp_path, learning_rate):
     with pytest.raises(ValueError, match=rf"learning_rate={learning_rate} .* set a finite learning_rate"):
         make_args(tmp_path, learning_rate=learning_rate, noise_multiplier=1.0)
+
+
+def test_max_steps_0_is_refused_and_minus_1_trains_the_epochs(tmp_path):
+    # at max_steps=0 train() returned after no step, while σ was calibrated for num_train_epochs × steps per epoch
+    with pytest.raises(
+        ValueError, match=r"max_steps=0 trains no step.*max_steps >= 1.*-1 to train num_train_epochs"
+    ):
+        make_args(tmp_path, max_steps=0, noise_multiplier=1.0)
+    trainer = make_trainer(tmp_path, max_steps=-1, num_train_epochs=2, noise_multiplier=1.0)
+    assert trainer.planned_steps == 2 * trainer.steps_per_epoch
