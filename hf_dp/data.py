@@ -2,7 +2,9 @@
 
 Each micro-batch carries a (B,) mask of real examples under ``EXAMPLE_MASK_KEY``; an empty micro-batch
 (small Poisson batches have them) becomes one placeholder example with mask 0, so every step runs the same
-code path and every process runs every pass. The loader is not passed through ``accelerator.prepare``: the
+code path and every process runs every pass. The loader's first micro-batch also carries ``ALONE_KEY``: a few of
+its examples collated alone, for the first step's check that no example's loss depends on the rest of its batch
+(``clipping.checks.check_examples_alone``). The loader is not passed through ``accelerator.prepare``: the
 sampler itself splits each global logical batch across processes.
 
 User-level sampling (``unit_of_row`` given): the sampler draws units (e.g. users), at most ``k`` rows each
@@ -29,6 +31,12 @@ from hf_dp.sampling import (
 
 EXAMPLE_MASK_KEY = "hf_dp_example_mask"
 UNIT_KEY = "hf_dp_unit"
+ALONE_KEY = (
+    "hf_dp_alone"  # [(row, that row's example collated alone)], in the loader's first micro-batch only
+)
+ALONE_SAMPLE = (
+    2  # examples checked alone: the same count on every process (a sharded forward is a collective)
+)
 
 
 class EpochDataLoader(DataLoader):
@@ -76,12 +84,19 @@ class MaskingCollator:
         self.collator = collator
         self.dataset = dataset
         self.by_unit = isinstance(dataset, UnitDataset)
+        self.alone_pending = (
+            not self.by_unit
+        )  # users' rows form units: their check is the unit's, not a row's
 
     def __call__(self, examples: list) -> dict[str, Any]:
         if not self.by_unit:
             real = len(examples)
-            batch = dict(self.collator(examples if real else [self.dataset[0]]))
+            examples = examples if real else [self.dataset[0]]
+            batch = dict(self.collator(examples))
             batch[EXAMPLE_MASK_KEY] = torch.ones(real) if real else torch.zeros(1)
+            if self.alone_pending:
+                batch[ALONE_KEY] = self.alone(examples, batch)
+                self.alone_pending = False
             return batch
         if not examples:
             batch = dict(self.collator([self.dataset[0][0]]))
@@ -95,11 +110,66 @@ class MaskingCollator:
         batch[EXAMPLE_MASK_KEY] = torch.ones(len(local))
         return batch
 
+    def alone(self, examples: list, batch: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+        """``ALONE_SAMPLE`` rows with the fewest real tokens, each with its example as it would be alone (repeated
+        when the batch is smaller): the row cut to its attended tokens, or, without an attention mask, its
+        example collated by itself (the training's random stream untouched). Only rows whose attended tokens are
+        one span (padding at either end) are cut; none is checked when the batch carries a square (B, ·, T, T)
+        mask, which has no row of its own to cut."""
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            if any(_square(value, mask.shape[1]) for value in batch.values()):
+                return []
+            kept = mask.bool()
+            spans = [row for row in range(mask.shape[0]) if _one_span(kept[row])]
+            if not spans:
+                return []
+            alone = {row: _cut_row(batch, row, kept[row]) for row in spans}
+        else:
+            with torch.random.fork_rng(devices=[]):
+                alone = {row: dict(self.collator([example])) for row, example in enumerate(examples)}
+        order = sorted(alone, key=lambda row: _length(alone[row]))
+        return [(row, alone[row]) for row in (order[i % len(order)] for i in range(ALONE_SAMPLE))]
+
+
+def _one_span(kept: torch.Tensor) -> bool:
+    """Whether the True entries of a (T,) mask are contiguous (and there is one)."""
+    where = kept.nonzero()
+    return len(where) > 0 and int(where[-1]) - int(where[0]) + 1 == len(where)
+
+
+def _square(value: Any, length: int) -> bool:
+    return (
+        isinstance(value, torch.Tensor) and value.dim() >= 3 and value.shape[-1] == value.shape[-2] == length
+    )
+
+
+def _cut_row(batch: dict[str, Any], row: int, kept: torch.Tensor) -> dict[str, Any]:
+    """Row ``row`` of ``batch`` on its ``kept`` positions: (B, T, ...) tensors cut along T, (B, ...) ones to the row."""
+    rows, length = batch["attention_mask"].shape
+    cut = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (rows, length):
+            cut[key] = value[row : row + 1, kept]
+        elif isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+            cut[key] = value[row : row + 1]
+        else:
+            cut[key] = value
+    return cut
+
+
+def _length(batch: dict[str, Any]) -> int:
+    """The sequence length of a collated batch (its widest 2-D tensor), 0 for none."""
+    return max(
+        (v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), default=0
+    )
+
 
 def split_dp_keys(inputs: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
     """(model inputs, mask, unit_of_row): ``unit_of_row`` is the batch's ``UNIT_KEY`` (None without one), and
     then the mask is per unit; a batch without a mask is all real (one per row, or one per unit)."""
     inputs = dict(inputs)
+    inputs.pop(ALONE_KEY, None)
     mask = inputs.pop(EXAMPLE_MASK_KEY, None)
     unit_of_row = inputs.pop(UNIT_KEY, None)
     if mask is None and unit_of_row is not None:
@@ -128,6 +198,8 @@ def units_of_column(values: Sequence[Hashable]) -> tuple[list[int], int]:
     first appearance, so equal ids share a unit."""
     if isinstance(values, torch.Tensor | np.ndarray):  # their elements hash by identity, not value
         values = values.tolist()
+    # a torch-formatted dataset's column is a list of 0-d tensors, which also hash by identity
+    values = [v.item() if isinstance(v, torch.Tensor | np.ndarray) and v.ndim == 0 else v for v in values]
     ids: dict[Hashable, int] = {}
     unit_of_row = [ids.setdefault(v, len(ids)) for v in values]
     return unit_of_row, len(ids)

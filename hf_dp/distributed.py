@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hf_dp.backend import Backend
 from hf_dp.losses import unwrap_model
@@ -35,6 +36,17 @@ def sum_across_processes(tensors: list[torch.Tensor]) -> None:
         for t in group:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def reshard_after_forward_only(model: nn.Module) -> None:
+    """FSDP2 keeps its root unit's parameters unsharded from a forward until that forward's backward; after a
+    forward without one (a first-step check under no_grad) every unit is resharded here, or the update rule would
+    meet whole tensors where it keeps shards."""
+    from torch.distributed.fsdp import FSDPModule  # here: only an FSDP2 run needs it
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def join_process_group(args) -> None:

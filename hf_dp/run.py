@@ -30,13 +30,13 @@ from hf_dp.accounting import PrivacyAccountant
 from hf_dp.backend import Backend
 from hf_dp.budget import PrivacyBudgetCallback
 from hf_dp.checkpoint import RunPrivacyState, newest_complete, public_ledger, resume_argument, resume_point
-from hf_dp.clipping.checks import check_records_apart
+from hf_dp.clipping.checks import ExamplesAlone, check_examples_alone, check_records_apart
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.pipeline import clipped_step, several_evaluations_refused
 from hf_dp.clipping.plan import StepPlanner
 from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.data import EpochDataLoader, dp_dataloader
-from hf_dp.distributed import lost_process
+from hf_dp.distributed import lost_process, reshard_after_forward_only
 from hf_dp.loss_contract import MicroBatch
 from hf_dp.mechanism import GaussianMechanism, noise_mechanism_of
 from hf_dp.optim.registry import make_dp_optimizer
@@ -76,6 +76,7 @@ class PrivateRun:
         self.optimizer: torch.optim.Optimizer | None = None  # the DP update rule, before accelerate wraps it
         self.update_rule: UpdateRule = (args.dp_optimizer, dict(args.dp_optimizer_kwargs))
         self.records_checked = False  # packed records were checked not to read each other
+        self.examples_checked = False  # examples were checked to give the same loss in a batch as alone
         self._accounted = False  # this logical batch's release is in the ledger
         self._trained = False
 
@@ -206,20 +207,46 @@ class PrivateRun:
         )
         optimizer.register_step_pre_hook(lambda opt, *_: self.release(opt))
 
-    def clip(self, losses_of, micro: MicroBatch, model: nn.Module, base: nn.Module) -> torch.Tensor:
+    def clip(
+        self,
+        losses_of,
+        micro: MicroBatch,
+        model: nn.Module,
+        base: nn.Module,
+        alone: ExamplesAlone | None = None,
+    ) -> torch.Tensor:
         """One micro-batch's clipped sum under the logical batch's plan (opened here at its first micro-batch);
         returns what the Trainer's backward must back-propagate (a zero when ``.grad`` already holds the sum).
-        ``base``: the transformers model under its wrappers, whose input embeddings the records check perturbs."""
+        ``base``: the transformers model under its wrappers, whose input embeddings the records check perturbs.
+        ``alone``: some of the micro-batch's examples alone, checked once to give the losses they give in it."""
+        if alone is not None and not self.examples_checked:
+            self.check_examples_alone(losses_of, alone, model, base)
         if micro.units is not None and not micro.units.per_row and not self.records_checked:
             check_records_apart(
                 base.get_input_embeddings(), self.clipping.module or model, losses_of, micro.units
             )
             self.records_checked = True
+            if self.backend.fsdp:
+                reshard_after_forward_only(model)
         step = self.clipping.run(losses_of, micro.mask, self.planner.current, model, micro.units)
         micro.losses = step.losses
         if step.backward is not None:
             return step.backward
         return torch.zeros((), device=micro.mask.device, requires_grad=True)
+
+    def check_examples_alone(
+        self, losses_of, alone: ExamplesAlone, model: nn.Module, base: nn.Module
+    ) -> None:
+        """Each sampled example's loss, and on an unsharded model its gradient norm, in the batch equal those of
+        the example alone (``checks.check_examples_alone``)."""
+        sharded = self.backend.framework_owns_gradients or self.backend.fsdp
+        module = (self.clipping.module or model) if sharded else base
+        params = [] if sharded else [p for p in base.parameters() if p.requires_grad]
+        low_precision = bool(self.args.bf16 or self.args.fp16)
+        check_examples_alone(module, losses_of, alone, params, low_precision)
+        self.examples_checked = True
+        if self.backend.fsdp:
+            reshard_after_forward_only(model)
 
     def release(self, optimizer: torch.optim.Optimizer) -> None:
         """Before the update: nothing but the clipped step wrote ``.grad``; then noise and one ledger step per

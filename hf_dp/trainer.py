@@ -17,8 +17,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_dp import checkpoint
 from hf_dp.arguments import DPTrainingArguments, check_trainer_call
+from hf_dp.clipping.checks import ExamplesAlone, batch_dependence_cause
 from hf_dp.clipping.units import PrivacyUnits
-from hf_dp.data import count_drawn_examples, split_dp_keys
+from hf_dp.data import ALONE_KEY, count_drawn_examples, split_dp_keys
 from hf_dp.distributed import backend_of, shard_on_cpu, uses_checkpointing, weights_on_each_node
 from hf_dp.hub import add_privacy_to_trainer_card
 from hf_dp.loss_contract import MicroBatch, per_example_under_dp
@@ -48,6 +49,7 @@ class DPTrainerMixin:
         check_trainer_call(type(self), DPTrainerMixin, args, kwargs)
         self.dp: PrivateRun | None = None  # None: evaluation and prediction need no privacy machinery
         self._micro_batch: MicroBatch | None = None
+        self._alone: ExamplesAlone | None = None  # the first micro-batch's examples alone, checked once
         self._drawn_examples = 0  # real examples in the logical batch in progress, over all processes
         super().__init__(*args, **kwargs)
         self._optimizer_passed_in = self.optimizer  # optimizers=(optimizer, scheduler), or None
@@ -124,13 +126,16 @@ class DPTrainerMixin:
         """The parent's ``training_step``, whose ``compute_loss`` runs the clipped step; returns the micro-batch's
         share of the logged loss. ``num_items_in_batch`` is dropped: normalising by the tokens of the whole
         logical batch would mix examples."""
+        alone = inputs.get(ALONE_KEY)
         inputs, mask, unit_of_row = split_dp_keys(inputs)
         micro = MicroBatch.of(mask, self.privacy_units(inputs, unit_of_row), self.args.device)
         self._micro_batch = micro
+        if alone and micro.units is None:
+            self._alone = self._examples_alone(alone, inputs)
         try:
             super().training_step(model, inputs, None)
         finally:
-            self._micro_batch = None
+            self._micro_batch, self._alone = None, None
         return micro.logged_loss(type(self).__name__, self.args.world_size, self._drawn_examples)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
@@ -164,7 +169,31 @@ class DPTrainerMixin:
     def _clipped_step(self, model: nn.Module, inputs: dict[str, Any], micro: MicroBatch) -> torch.Tensor:
         """The clipped step on this micro-batch; returns what the parent's training_step back-propagates."""
         losses_of = micro.per_example_losses(self.compute_loss, inputs, f"{type(self).__name__}.compute_loss")
-        return self.dp.clip(losses_of, micro, model, unwrap_model(self.model))
+        return self.dp.clip(losses_of, micro, model, unwrap_model(self.model), self._alone)
+
+    def _examples_alone(
+        self, alone: list[tuple[int, dict[str, Any]]], inputs: dict[str, Any]
+    ) -> ExamplesAlone:
+        """The loader's examples alone (data.ALONE_KEY), each with its own per-example loss function."""
+        source = f"{type(self).__name__}.compute_loss"
+
+        def losses_alone(example: dict[str, Any]):
+            micro = MicroBatch.of(torch.ones(1), None, self.args.device)
+            losses_of = micro.per_example_losses(self.compute_loss, self._prepare_inputs(example), source)
+
+            def run(module: nn.Module) -> torch.Tensor:
+                outer, self._micro_batch = self._micro_batch, micro
+                try:
+                    return losses_of(module)
+                finally:
+                    self._micro_batch = outer
+
+            return run
+
+        rows = [row for row, _ in alone]
+        return ExamplesAlone(
+            rows, [losses_alone(example) for _, example in alone], batch_dependence_cause(inputs)
+        )
 
     def train_one_step(self, micro_batches: list[dict[str, Any]]) -> float:
         """One logical batch outside ``Trainer.train`` (benchmarks, audits): every micro-batch's clipped step, the

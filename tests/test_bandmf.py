@@ -145,7 +145,8 @@ class NoiseProbeTrainer(DPTrainer):
     seen: list[list[int]]
 
     def compute_per_example_loss(self, model, inputs):
-        self.seen.append(inputs["row"].tolist())
+        if model.training:  # not the first step's check of examples alone (in eval mode)
+            self.seen.append(inputs["row"].tolist())
         return (model(inputs["x"]) ** 2).sum(-1)
 
 

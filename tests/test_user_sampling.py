@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import pickle
+import types
 from collections import Counter
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from scipy import stats
 from transformers import default_data_collator
 
 from hf_dp.data import (
+    ALONE_KEY,
     EXAMPLE_MASK_KEY,
     UNIT_KEY,
     MaskingCollator,
@@ -256,6 +258,14 @@ def test_collator_marks_each_row_with_its_local_unit():
 
 def test_collator_without_units_is_unchanged():
     collate = MaskingCollator(default_data_collator, DATA)
+    first = collate(
+        [DATA[2], DATA[4]]
+    )  # the first also carries two examples alone (no attention mask: collated)
+    assert [(row, set(alone)) for row, alone in first[ALONE_KEY]] == [
+        (0, {"x", "labels"}),
+        (1, {"x", "labels"}),
+    ]
+    assert split_dp_keys(first)[0].keys() == {"x", "labels"}
     batch = collate([DATA[2], DATA[4]])
     assert set(batch) == {"x", "labels", EXAMPLE_MASK_KEY} and batch[EXAMPLE_MASK_KEY].tolist() == [1.0, 1.0]
     empty = collate([])
@@ -328,6 +338,8 @@ def test_units_of_column():
     assert units_of_column([7, 7, 3, 9, 3]) == ([0, 0, 1, 2, 1], 3)
     assert units_of_column(torch.tensor([5, 5, 2])) == ([0, 0, 1], 2)  # by value, not tensor identity
     assert units_of_column(np.array(["a", "b", "a"])) == ([0, 1, 0], 2)
+    # a torch-formatted dataset's column: one 0-d tensor per row
+    assert units_of_column([torch.tensor(5), torch.tensor(5), torch.tensor(2)]) == ([0, 0, 1], 2)
     unit_of_row, n = units_of_column(["u3", "u1", "u3"])
     assert UnitPoissonBatchSampler(unit_of_row, 0.5, 1, SamplerConfig(2)).num_samples == n == 2
 
@@ -374,3 +386,15 @@ def test_dp_dataloader_validation(kwargs, match):
     options = dict(plan=PLAN, sampling_key=0, args=loader_args(), unit_of_row=UNITS, max_rows_per_unit=2)
     with pytest.raises(ValueError, match=match):
         dp_dataloader(DATA, default_data_collator, **(options | kwargs))
+
+
+def test_a_torch_formatted_dataset_numbers_its_users_by_value(tmp_path):
+    """``datasets``' torch format hands the id column over as 0-d tensors: 6 rows of 3 users are 3 units."""
+    import datasets
+
+    from hf_dp.privacy_units import dataset_units
+
+    rows = datasets.Dataset.from_dict({"input_ids": [[5, 6]] * 6, "user_id": [1, 1, 2, 2, 3, 3]})
+    args = types.SimpleNamespace(privacy_unit_column="user_id", rows_are_blocks=None)
+    for dataset in (rows, rows.with_format("torch")):
+        assert dataset_units(args, dataset, "example", "DPTrainer").count == 3

@@ -27,15 +27,18 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 @dataclass(frozen=True)
 class Tolerance:
     """A relative error allowed between two computations: ``float32`` when all ran in float32 or wider,
-    ``low_precision`` when one ran in bf16/fp16, and at least ``eps_multiple`` machine epsilons of the dtypes
-    involved."""
+    ``low_precision`` when one ran in bf16/fp16, ``float64`` (where set) when every dtype involved is float64,
+    and at least ``eps_multiple`` machine epsilons of the dtypes involved."""
 
     float32: float
     low_precision: float
     eps_multiple: float = 0.0
+    float64: float | None = None
 
     def at(self, low_precision: bool, dtypes: Sequence[torch.dtype] = ()) -> float:
         chosen = self.low_precision if low_precision else self.float32
+        if self.float64 is not None and dtypes and all(d == torch.float64 for d in dtypes):
+            chosen = self.float64
         return max([chosen] + [self.eps_multiple * torch.finfo(d).eps for d in dtypes])
 
 
@@ -52,6 +55,9 @@ class Tolerances:
     engine_sum: Tolerance = Tolerance(float32=1e-3, low_precision=1e-3, eps_multiple=4)
     # relative change of a record's loss that counts as "moved" when another record's embeddings are perturbed
     records_apart: Tolerance = Tolerance(float32=1e-5, low_precision=1e-5)
+    # an example's loss and gradient norm in its batch vs alone: the same arithmetic on other shapes (GEMM
+    # blocking, padded softmax); what the batch may not change (positions shifted by padding: percents)
+    examples_alone: Tolerance = Tolerance(float32=1e-5, low_precision=2e-2, float64=1e-10)
 
 
 TOLERANCES = Tolerances()
@@ -96,6 +102,99 @@ def check_records_apart(
                 "use_cache=False"
             )
     replay_rng(state)
+
+
+@dataclass(frozen=True)
+class ExamplesAlone:
+    """A few rows of the first micro-batch, each with the loss function of its example alone, and what most
+    likely makes them differ, read off the batch."""
+
+    rows: list[int]
+    losses: list[LossFn]
+    cause: str
+
+
+def batch_dependence_cause(inputs: dict) -> str:
+    """The likely reason an example's loss depends on its batch, from the micro-batch's own tensors."""
+    mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
+    if mask is None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        return (
+            "the batch has no attention_mask, so every example attends to the padding its batch adds: pass the "
+            "collator's attention_mask (tokenizer(..., return_attention_mask=True), DataCollatorWithPadding)"
+        )
+    if (
+        isinstance(mask, torch.Tensor)
+        and mask.dim() == 2
+        and "position_ids" not in inputs
+        and bool((mask[:, 0] == 0).any())
+    ):
+        return (
+            "rows are padded on the left and no position_ids are passed, so the model counts an example's "
+            "positions from its batch's padded start: pad on the right (tokenizer.padding_side='right') or pass "
+            "position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)"
+        )
+    return (
+        "something in the model or the loss mixes the examples of a batch (batch statistics such as BatchNorm, "
+        "a loss normalised over the batch, positions or padding the batch sets): make each example's loss its "
+        "own, as if it were alone"
+    )
+
+
+def check_examples_alone(
+    module: nn.Module,
+    losses_of: LossFn,
+    alone: ExamplesAlone,
+    params: Sequence[nn.Parameter],
+    low_precision: bool,
+) -> None:
+    """Per-example clipping bounds a step's sensitivity by C only if example i's gradient g_i is a function of
+    example i alone: adding an example to D must change no other example's term. Checked once, on the first
+    micro-batch: each sampled example's loss in the batch, and its gradient norm ‖∇_θ L_i‖ over ``params``
+    where given (an unsharded model), equal those of the example alone, in eval mode (dropout's masks differ
+    with the batch's shape). Every process raises if one differs. RNG and train/eval modes are left as they
+    were."""
+    state, modes = rng_state(), {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        with torch.set_grad_enabled(bool(params)):
+            in_batch = losses_of(module)
+            found = [_loss_and_norm(in_batch[row], params, retain=True) for row in alone.rows]
+            reference = [_loss_and_norm(losses(module)[0], params, retain=False) for losses in alone.losses]
+    finally:
+        for m, training in modes.items():
+            m.training = training
+        replay_rng(state)
+    tolerance = TOLERANCES.examples_alone.at(low_precision, [in_batch.dtype] + [p.dtype for p in params])
+    differ = [
+        (row, ours, theirs)
+        for row, ours_pair, theirs_pair in zip(alone.rows, found, reference, strict=True)
+        for ours, theirs in zip(ours_pair, theirs_pair, strict=True)
+        if abs(ours - theirs) > tolerance * (1 + abs(theirs))
+    ]
+    failed = torch.tensor(float(bool(differ)), device=in_batch.device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+    if differ:
+        row, ours, theirs = differ[0]
+        raise ValueError(
+            f"example {row} of the first batch gives {ours:.6g} in its batch but {theirs:.6g} alone (its loss or "
+            f"gradient norm), so one example's gradient depends on the rest of the batch and clipping does not "
+            f"bound its influence: {alone.cause}"
+        )
+    if failed:
+        raise ValueError(
+            "on another process an example's loss in its batch differs from its loss alone; that process "
+            "names the cause"
+        )
+
+
+def _loss_and_norm(loss: torch.Tensor, params: Sequence[nn.Parameter], retain: bool) -> tuple[float, ...]:
+    """(L, ‖∇_θ L‖ over ``params``), or (L,) without params, in float64."""
+    if not params:
+        return (float(loss.detach().double()),)
+    grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))
+    return float(loss.detach().double()), float(norm)
 
 
 def projections(params: Sequence[nn.Parameter], collector: NormCollector) -> dict[int, float]:
