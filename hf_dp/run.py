@@ -237,11 +237,13 @@ class PrivateRun:
     def check_examples_alone(
         self, losses_of, alone: ExamplesAlone, model: nn.Module, base: nn.Module
     ) -> None:
-        """Each sampled example's loss, and on an unsharded model its gradient norm, in the batch equal those of
-        the example alone (``checks.check_examples_alone``)."""
+        """Each sampled example's loss, and its gradient norm where the model is whole and its activations fit
+        (no sharding, no activation checkpointing: eval mode turns the checkpointing off), in the batch equal
+        those of the example alone (``checks.check_examples_alone``)."""
         sharded = self.backend.framework_owns_gradients or self.backend.fsdp
         module = (self.clipping.module or model) if sharded else base
-        params = [] if sharded else [p for p in base.parameters() if p.requires_grad]
+        norms = not (sharded or self.backend.checkpointing)
+        params = [p for p in base.parameters() if p.requires_grad] if norms else []
         low_precision = bool(self.args.bf16 or self.args.fp16)
         check_examples_alone(module, losses_of, alone, params, low_precision)
         self.examples_checked = True

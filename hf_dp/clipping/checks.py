@@ -150,7 +150,7 @@ def check_examples_alone(
     """Per-example clipping bounds a step's sensitivity by C only if example i's gradient g_i is a function of
     example i alone: adding an example to D must change no other example's term. Checked once, on the first
     micro-batch: each sampled example's loss in the batch, and its gradient norm ‖∇_θ L_i‖ over ``params``
-    where given (an unsharded model), equal those of the example alone, in eval mode (dropout's masks differ
+    where given, equal those of the example alone, in eval mode (dropout's masks differ
     with the batch's shape). Every process raises if one differs. RNG and train/eval modes are left as they
     were."""
     state, modes = rng_state(), {m: m.training for m in module.modules()}
