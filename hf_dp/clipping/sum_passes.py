@@ -31,7 +31,7 @@ from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import replay_rng
 from hf_dp.clipping.loss_scale import LossScale
 from hf_dp.clipping.norm_passes import Batch, FoundNorms
-from hf_dp.clipping.per_example import PerExampleGradient, clipped_total
+from hf_dp.clipping.per_example import Dropped, PerExampleGradient, clipped_total
 from hf_dp.clipping.replay import LayerReplay
 from hf_dp.clipping.tail import Tail, clipped_sums, forward_to, without_dropped
 
@@ -75,12 +75,11 @@ class KeptSum:
         self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
     ) -> None:
         """Σ_i (c_i / S)(S G_i) from the kept explicit G_i, without the overflowed examples."""
-        overflowed = ~torch.isfinite(norms)
+        overflowed = Dropped.where(~torch.isfinite(norms))
         weights = self.scale.weights(factors)
         with torch.no_grad():
             for param, part in found.collector.kept_gradients():
-                part = part.without_examples(overflowed) if overflowed.any() else part
-                self.engine.add_to_sum(param, part, weights)
+                self.engine.add_to_sum(param, overflowed.apply(part), weights)
 
 
 def _forward_to_tail(
@@ -132,8 +131,9 @@ class BodySum:
     def _kept_parts(
         tail: Tail, found: FoundNorms, factors: torch.Tensor, layerwise: bool
     ) -> list[tuple[nn.Parameter, PerExampleGradient]]:
-        parts = tail.clipped_parts(factors)
-        return parts + without_dropped(found.points.norm_parts, factors) if layerwise else parts
+        dropped = Dropped.where(factors == 0)
+        parts = tail.clipped_parts(factors, dropped)
+        return parts + without_dropped(found.points.norm_parts, factors, dropped) if layerwise else parts
 
     def body_backward(
         self,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.geometry import ClippingFn, clip_factors
-from hf_dp.clipping.per_example import LOW_PRECISION, PerExampleGradient, Weighted
+from hf_dp.clipping.per_example import LOW_PRECISION, Dropped, PerExampleGradient, Weighted
 
 # per parameter id: the parameter and its weighted per-example parts (uses, evaluations)
 Terms = dict[int, tuple[nn.Parameter, list[Weighted]]]
@@ -68,14 +68,14 @@ class SumWriter:
         )
         self.low_precision[param] = part.accumulate(wide, weights, like)
 
-    def add_terms(self, terms: Terms, weights: torch.Tensor, overflowed: torch.Tensor) -> None:
+    def add_terms(self, terms: Terms, weights: torch.Tensor, overflowed: torch.Tensor | Dropped) -> None:
         """Σ_e w_e Σ_i weights_i G_i^e for every parameter's weighted parts, without the ``overflowed`` examples'
-        rows (0 · inf would be nan)."""
+        rows (0 · inf would be nan), decided once for all the parameters."""
+        if not isinstance(overflowed, Dropped):
+            overflowed = Dropped.where(overflowed)
         for param, weighted in terms.values():
             for weight, part in weighted:
-                if overflowed.any():
-                    part = part.without_examples(overflowed)
-                self.add(param, part, weights if weight == 1 else weight * weights)
+                self.add(param, overflowed.apply(part), weights if weight == 1 else weight * weights)
 
     def move_from_gradients(self, params: list[nn.Parameter]) -> None:
         """After autograd wrote a micro-batch's clipped sum into a bf16/fp16 ``.grad``: add it to the float32 sum."""
