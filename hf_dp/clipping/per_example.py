@@ -153,7 +153,8 @@ class OuterProductSum:
 
     def squared_norm(self, materialise: bool) -> torch.Tensor:
         if materialise or not self.gram_is_cheaper():
-            return torch.cat([g.pow(2).sum(dim=(1, 2)) for g in self.materialise_chunks()])
+            chunks = [g.pow(2).sum(dim=(1, 2)) for g in self.materialise_chunks()]
+            return chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # one chunk: no copy
         return self.inner(self)
 
     def materialise(self, start: int, stop: int) -> torch.Tensor:
@@ -338,7 +339,8 @@ def combined_squared_norm(
         terms = scaled
     if len(terms) == 1:
         weight, part = terms[0]
-        return weight * weight * part.squared_norm(materialise)
+        squared = part.squared_norm(materialise)
+        return squared if weight == 1 else weight * weight * squared  # × 1 would be one more launch
     parts = [part for _, part in terms]
     by_grams = not materialise and all(
         isinstance(a, OuterProductSum) and isinstance(b, OuterProductSum) and a.gram_is_cheaper(b)
