@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,32 @@ _FACTORIES.update(
 )
 _HOST_READ = torch.ops.aten._local_scalar_dense.default
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default  # a view its schema does not mark as one
+# operators whose output size depends on tensor values: on a device each waits for the device like a host read
+_SIZED_BY_VALUES = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
+
+
+def _sized_by_values(func, args: tuple, kwargs: dict) -> bool:
+    """A value-sized operator, boolean-mask indexing, or ``repeat_interleave`` of counts without ``output_size``."""
+    name = func.overloadpacket.__name__
+    if name in _SIZED_BY_VALUES:
+        return True
+    if name in ("index", "index_put", "index_put_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+    if name == "repeat_interleave" and isinstance(args[0], torch.Tensor) and args[0].dtype != torch.bool:
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+    return False
+
+
+def _python_stack() -> list[str]:
+    """The caller's frames as ``file:line in function``, without torch's own and this module's."""
+    frames = traceback.extract_stack()[:-2]
+    return [
+        f"{Path(f.filename).name}:{f.lineno} in {f.name}"
+        for f in frames
+        if "/torch/" not in f.filename and not f.filename.endswith("step_flops.py")
+    ]
 
 
 def _bytes(tensors: list) -> int:
@@ -55,19 +82,32 @@ def _bytes(tensors: list) -> int:
 
 class Traffic(TorchDispatchMode):
     """Every operator but the matrix products ``products`` counts: bytes read and written (none for a view; a
-    factory's output only), calls, host reads of a tensor value; by operator name."""
+    factory's output only), calls, host reads of a tensor value, and operators whose output size depends on tensor
+    values (``value_sized``: boolean-mask indexing, ``nonzero``; each a device synchronisation too); by operator
+    name. With ``stacks`` each host read also records the Python stack that asked for it (``host_read_stacks``,
+    innermost frame last), and each value-sized operator its stack (``value_sized_stacks``)."""
 
-    def __init__(self, products: set) -> None:
+    def __init__(self, products: set, stacks: bool = False) -> None:
         super().__init__()
         self.products = products
         self.bytes: dict[str, int] = {}
         self.calls = 0
         self.host_reads = 0
+        self.stacks = stacks
+        self.host_read_stacks: list[list[str]] = []
+        self.value_sized = 0
+        self.value_sized_stacks: list[list[str]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is _HOST_READ:
             self.host_reads += 1
+            if self.stacks:
+                self.host_read_stacks.append(_python_stack())
+        elif _sized_by_values(func, args, kwargs or {}):
+            self.value_sized += 1
+            if self.stacks:
+                self.value_sized_stacks.append(_python_stack())
         view = func is _UNSAFE_VIEW or any(
             r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -109,14 +110,37 @@ class GaussianMechanism:
         if self.sum_across_processes is not None:
             self.sum_across_processes(totals)
         std = self.sum_noise_std(plan)
+        owned = [_owned_part(total) for total in totals]  # FSDP: this process's shard; its key is its own
+        if std > 0:
+            self._add_noise(params, totals, owned, std, plan)
+        _divide_all(owned, self.expected_batch_size)
         for p, total in zip(params, totals, strict=True):
-            if std > 0:
-                owned = _owned_part(total)  # FSDP: this process's shard; its key is its own
-                noise = self.noise_for(owned, std)
-                scale = plan.clip_scale.get(p) if plan.clip_scale else None
-                owned.add_(noise if scale is None else noise / owned_scale(scale, total).to(noise))
-            total.div_(self.expected_batch_size)
             p.grad = total if total.dtype == p.dtype else total.to(p.dtype)
+
+    def _add_noise(
+        self,
+        params: list[nn.Parameter],
+        totals: list[torch.Tensor],
+        owned: list[torch.Tensor],
+        std: float,
+        plan: StepPlan,
+    ) -> None:
+        """Each owned sum += its noise (over s_j in a scaled geometry). The noise is drawn parameter by parameter in
+        their order, as ever (the same stream, the same values), and added a bucket of at most
+        ``_NOISE_BUCKET_FLOATS`` at a time: one launch a bucket on CUDA, the drawn noise alive a bucket at a time."""
+        parts: list[torch.Tensor] = []
+        noises: list[torch.Tensor] = []
+        floats = 0
+        for p, total, part in zip(params, totals, owned, strict=True):
+            noise = self.noise_for(part, std)
+            scale = plan.clip_scale.get(p) if plan.clip_scale else None
+            parts.append(part)
+            noises.append(noise if scale is None else noise / owned_scale(scale, total).to(noise))
+            floats += part.numel()
+            if floats >= _NOISE_BUCKET_FLOATS:
+                _add_all(parts, noises)
+                parts, noises, floats = [], [], 0
+        _add_all(parts, noises)
 
     def noise_for(self, owned: torch.Tensor, std: float) -> torch.Tensor:
         """The noise added to one owned clipped sum (in the plan's scaled space): fresh N(0, std²)."""
@@ -241,6 +265,38 @@ def noise_mechanism_of(name: str) -> type[GaussianMechanism]:
     if name not in NOISE_MECHANISMS:
         raise ValueError(f"noise_mechanism={name!r} is unknown; use one of {list(NOISE_MECHANISMS)}")
     return NOISE_MECHANISMS[name]
+
+
+# Drawn noise waits for its addition in buckets of at most this many floats (256 MB in float32) beyond the last draw.
+_NOISE_BUCKET_FLOATS = 64 * 1024 * 1024
+
+
+def _add_all(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> None:
+    """t += o for each pair, as ``t.add_(o)`` adds them one at a time; one launch on CUDA for tensors of one dtype."""
+    if tensors:
+        torch._foreach_add_(tensors, others)
+
+
+def _divide_all(tensors: list[torch.Tensor], divisor: float) -> None:
+    """t /= divisor for each t, bit for bit as ``t.div_(divisor)`` divides them one at a time, in one launch per
+    dtype on CUDA. There a division by a host scalar is a product with its reciprocal formed in the tensor's opmath
+    type (ATen's BinaryDivTrueKernel.cu), which ``_foreach_div_`` would not do, so the reciprocal is formed here
+    the same way and multiplied; on CPU ``_foreach_div_`` divides each tensor with ``div_``; other devices one by
+    one."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for (device, dtype), group in groups.items():
+        if device.type == "cpu":
+            torch._foreach_div_(group, divisor)
+        elif device.type == "cuda" and dtype in (torch.float32, torch.float64):
+            inverse = (
+                1.0 / divisor if dtype == torch.float64 else float(np.float32(1.0) / np.float32(divisor))
+            )
+            torch._foreach_mul_(group, inverse)
+        else:
+            for t in group:
+                t.div_(divisor)
 
 
 def _owned_part(total: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,12 @@ _CHUNKS = 2
 _CHUNKED_ABOVE = 1 << 16
 
 
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """``torch.promote_types(dtype, torch.float32)`` without a call through torch's dispatcher (one per parameter and
+    step in the release): float64 and complex dtypes as they are, every other dtype float32."""
+    return dtype if dtype == torch.float64 or dtype.is_complex else torch.float32
+
+
 def _stream(key: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64DXSM(key))
 
@@ -50,7 +56,7 @@ class GaussianNoise:
 
     def sample(self, shape: torch.Size, std: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """One N(0, std²) tensor of ``shape``, drawn and scaled in at least float32, then cast to ``dtype``."""
-        work = torch.promote_types(dtype, torch.float32)
+        work = at_least_float32(dtype)
         if self.secure_mode:
             pair = _stream(secrets.randbits(128)).standard_normal((2, *shape))
             return torch.from_numpy(pair.sum(axis=0) * (std / math.sqrt(2.0))).to(device=device, dtype=dtype)

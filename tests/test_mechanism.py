@@ -120,3 +120,38 @@ def test_secrets_are_fresh_derived_keys_differ_and_round_trip():
     assert RunSecret.from_dict(a.to_dict()) == a
     assert RunSecret.draw(5) == RunSecret.draw(5) and RunSecret.draw(5).source == "insecure_dp_seed"
     assert RunSecret.draw(5).key != 5  # the seed is hashed, not used as the key
+
+
+def _release_one_at_a_time(mechanism: GaussianMechanism, params: list, plan: StepPlan) -> None:
+    """The release as it was written before the noise was added in buckets: draw, add, divide, one by one."""
+    std = mechanism.sum_noise_std(plan)
+    for p in params:
+        total = p.grad.double() if p.dtype == torch.float64 else p.grad.float()
+        total.add_(mechanism.noise_for(total, std))
+        total.div_(mechanism.expected_batch_size)
+        p.grad = total.to(p.dtype)
+
+
+@pytest.mark.parametrize("bucket", [1, 1000, 64 * 1024 * 1024])
+def test_the_bucketed_release_equals_the_one_at_a_time_release_bit_for_bit(monkeypatch, bucket):
+    """Noise drawn in the parameters' order from the same stream, added by ``_foreach_add_`` a bucket at a time and
+    divided by ``_foreach_div_``: the same ĝ to the last bit, whatever the bucket size, float32 and float64."""
+    import hf_dp.mechanism
+
+    monkeypatch.setattr(hf_dp.mechanism, "_NOISE_BUCKET_FLOATS", bucket)
+    shapes = [(3, 5), (70_000,), (1,), (200, 300), (7,)]
+    dtypes = [torch.float32, torch.float64, torch.float32, torch.float32, torch.float64]
+    grads = [
+        torch.randn(s, generator=torch.Generator().manual_seed(k)).to(d)
+        for k, (s, d) in enumerate(zip(shapes, dtypes, strict=True))
+    ]
+    ours, theirs = (
+        [nn.Parameter(torch.zeros(s, dtype=d)) for s, d in zip(shapes, dtypes, strict=True)] for _ in range(2)
+    )
+    for p, q, g in zip(ours, theirs, grads, strict=True):
+        p.grad, q.grad = g.clone(), g.clone()
+    plan = StepPlan(clip_norm=0.7)
+    _mechanism().release(ours, plan, ClippedSums())
+    _release_one_at_a_time(_mechanism(), theirs, plan)
+    for p, q in zip(ours, theirs, strict=True):
+        assert p.grad.dtype == q.grad.dtype and torch.equal(p.grad, q.grad)

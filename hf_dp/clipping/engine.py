@@ -20,9 +20,9 @@ from torch import nn
 from hf_dp.clipping.bookkeeping import EvaluationGradients, Recording, combined_terms, norms_of
 from hf_dp.clipping.geometry import ClippingFn, ClippingMode, ClipScales, scales_by_id
 from hf_dp.clipping.hooks import ForwardHooks, Layers, UnsupportedModuleError, assign_parameters
-from hf_dp.clipping.per_example import PerExampleGradient
+from hf_dp.clipping.per_example import Dropped, PerExampleGradient
 from hf_dp.clipping.quantized import check_quantized_base
-from hf_dp.clipping.sums import ClippedSums, SumWriter, Terms
+from hf_dp.clipping.sums import Clipped, ClippedSums, SumWriter, Terms
 from hf_dp.clipping.taps import NormCollector, TapOptions
 from hf_dp.clipping.units import PrivacyUnits
 
@@ -187,11 +187,17 @@ class ClippingEngine:
         """c_i at ``clip_norm`` with this engine's clipping function (0 for a non-finite norm, counted)."""
         return self.sums.clip_factors(norms, clip_norm)
 
+    def clip(
+        self, norms: torch.Tensor, clip_norm: float, mask: torch.Tensor, losses: torch.Tensor | None = None
+    ) -> Clipped:
+        """c_i · mask_i and what the sums leave out, from one host read for the micro-batch (``SumWriter.clip``)."""
+        return self.sums.clip(norms, clip_norm, mask, losses)
+
     def add_to_sum(self, param: nn.Parameter, part: PerExampleGradient, weights: torch.Tensor) -> None:
         """The clipped sum += Σ_i w_i G_i: in ``.grad``, or for a bf16/fp16 parameter in its float32 sum."""
         self.sums.add(param, part, weights)
 
-    def add_terms(self, terms: Terms, weights: torch.Tensor, overflowed: torch.Tensor) -> None:
+    def add_terms(self, terms: Terms, weights: torch.Tensor, overflowed: torch.Tensor | Dropped) -> None:
         """The clipped sum += Σ_e w_e Σ_i weights_i G_i^e, without the ``overflowed`` examples."""
         with torch.no_grad():
             self.sums.add_terms(terms, weights, overflowed)

@@ -78,12 +78,14 @@ class LossScale:
         return forward
 
     def unscale(self, scaled: torch.Tensor) -> torch.Tensor:
-        """x from S·x: the norms ‖S g_i‖ / S = ‖g_i‖, and the losses S·L_i / S for logging (exact: S = 2^k)."""
-        return scaled / self.scale
+        """x from S·x: the norms ‖S g_i‖ / S = ‖g_i‖, and the losses S·L_i / S for logging (exact: S = 2^k; S = 1
+        returns ``scaled`` itself, no launch)."""
+        return scaled if self.scale == 1 else scaled / self.scale
 
     def weights(self, factors: torch.Tensor) -> torch.Tensor:
-        """c_i / S: the weights of the S-scaled per-example gradients S g_i, so Σ_i (c_i / S)(S g_i) = Σ_i c_i g_i."""
-        return factors / self.scale
+        """c_i / S: the weights of the S-scaled per-example gradients S g_i, so Σ_i (c_i / S)(S g_i) = Σ_i c_i g_i
+        (S = 1: ``factors`` themselves)."""
+        return factors if self.scale == 1 else factors / self.scale
 
     @contextlib.contextmanager
     def unscaled_gradients(self, params: list[nn.Parameter]) -> Iterator[None]:

@@ -23,6 +23,7 @@ from torch import nn
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import ParameterShifter, RngState, replay_rng, rng_state
 from hf_dp.clipping.layerwise import LayerPoints
+from hf_dp.clipping.per_example import Dropped
 from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.replay import LayerReplay
 from hf_dp.clipping.sums import Terms
@@ -39,6 +40,9 @@ class Batch:
 
     mask: torch.Tensor
     units: PrivacyUnits | None = None
+    # what the sums leave out, decided with the clip factors (pipeline.py; None: not decided, a sum pass decides)
+    overflowed: Dropped | None = None  # examples whose norm is not finite
+    dropped: Dropped | None = None  # examples whose clip factor is 0
 
     @property
     def size(self) -> int:
@@ -66,6 +70,14 @@ class FoundNorms:
     # set by the first step's check of the layer-by-layer pass (sum_passes)
     layerwise_exact: bool | None = None
     replay_exact: bool | None = None  # set by the first step through a framework (sum_passes)
+    # the real units' losses must be finite (checked with the clip factors, pipeline.py: OVERFLOWED_LOSS)
+    finite_losses: bool = False
+
+
+OVERFLOWED_LOSS = (
+    "an example's loss overflowed in the forward; with activation checkpointing its zero clip weight "
+    "cannot keep inf out of the weighted backward: train in bf16 or float32, or turn checkpointing off"
+)
 
 
 class NormPass(Protocol):
@@ -125,7 +137,7 @@ class TappedNorms:
     ``taps_only``: differentiate towards the taps alone (``autograd.grad``), so that no weight gradient is even
     formed: FSDP2 computes with unsharded copies of the parameters, which freezing the sharded ones does not
     freeze. ``finite_losses``: refuse a loss that overflowed in the forward, which a zero clip weight cannot keep
-    out of a later weighted backward of the bare module. ``record_layers``: keep the checkpointed layers' outputs
+    out of a later weighted backward of the bare module (checked with the clip factors, in one host read). ``record_layers``: keep the checkpointed layers' outputs
     for the weighted pass (replay.py), as ``keep_tail`` does."""
 
     engine: ClippingEngine
@@ -159,9 +171,12 @@ class TappedNorms:
                 torch.autograd.grad(losses.sum(), collector.anchor)
             else:
                 losses.sum().backward()
-        if self.finite_losses and not torch.isfinite(losses[batch.mask.bool()]).all():
-            raise FloatingPointError(
-                "an example's loss overflowed in the forward; with activation checkpointing its zero clip weight "
-                "cannot keep inf out of the weighted backward: train in bf16 or float32, or turn checkpointing off"
-            )
-        return FoundNorms(collector.norms(), losses, state, collector=collector, replay=replay, points=points)
+        return FoundNorms(
+            collector.norms(),
+            losses,
+            state,
+            collector=collector,
+            replay=replay,
+            points=points,
+            finite_losses=self.finite_losses,
+        )

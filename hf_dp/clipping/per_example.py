@@ -153,7 +153,8 @@ class OuterProductSum:
 
     def squared_norm(self, materialise: bool) -> torch.Tensor:
         if materialise or not self.gram_is_cheaper():
-            return torch.cat([g.pow(2).sum(dim=(1, 2)) for g in self.materialise_chunks()])
+            chunks = [g.pow(2).sum(dim=(1, 2)) for g in self.materialise_chunks()]
+            return chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # one chunk: no copy
         return self.inner(self)
 
     def materialise(self, start: int, stop: int) -> torch.Tensor:
@@ -277,16 +278,39 @@ PerExampleGradient = OuterProductSum | Materialised
 Weighted = tuple[float, PerExampleGradient]
 
 
-def clipped_total(param: torch.Tensor, weighted: Sequence[Weighted], factors: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class Dropped:
+    """The examples a clipped sum leaves out, their rows set to 0 before the products (0 · inf would be nan):
+    ``examples`` (B,) bool, or None when there are none. Whether there are any is a host read (a device
+    synchronisation), so it is decided once for a micro-batch and handed to every parameter's sum."""
+
+    examples: torch.Tensor | None = None
+
+    @staticmethod
+    def where(drop: torch.Tensor) -> Dropped:
+        """The examples marked in ``drop`` (B,), bool: one host read."""
+        return Dropped(drop if bool(drop.any()) else None)
+
+    def apply(self, part: PerExampleGradient) -> PerExampleGradient:
+        """``part`` without the dropped examples (as it is when there are none)."""
+        return part if self.examples is None else part.without_examples(self.examples)
+
+
+def clipped_total(
+    param: torch.Tensor,
+    weighted: Sequence[Weighted],
+    factors: torch.Tensor,
+    dropped: Dropped | None = None,
+) -> torch.Tensor:
     """Σ_e w_e Σ_i c_i G_i^e of one parameter as a fresh tensor, float32 or wider, without the examples whose c_i
-    is 0 (0 · inf would be nan)."""
-    dropped = factors == 0
+    is 0 (0 · inf would be nan): ``dropped``, or decided here from ``factors``."""
+    dropped = dropped if dropped is not None else Dropped.where(factors == 0)
     # the parameter's shape and device in float32 or wider, its data unread (FSDP2 frees an unsharded weight's)
     like = param.new_empty((), dtype=torch.promote_types(param.dtype, torch.float32)).expand(param.shape)
     total = None
     with torch.no_grad():
         for weight, part in weighted:
-            part = part.without_examples(dropped) if dropped.any() else part
+            part = dropped.apply(part)
             total = part.accumulate(total, factors if weight == 1 else weight * factors, like)
     return total
 
@@ -315,7 +339,8 @@ def combined_squared_norm(
         terms = scaled
     if len(terms) == 1:
         weight, part = terms[0]
-        return weight * weight * part.squared_norm(materialise)
+        squared = part.squared_norm(materialise)
+        return squared if weight == 1 else weight * weight * squared  # × 1 would be one more launch
     parts = [part for _, part in terms]
     by_grams = not materialise and all(
         isinstance(a, OuterProductSum) and isinstance(b, OuterProductSum) and a.gram_is_cheaper(b)

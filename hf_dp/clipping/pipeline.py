@@ -13,7 +13,7 @@ the norms inside the backward, for good. ``LossScale`` (fp16's S, identity other
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -24,7 +24,14 @@ from hf_dp.clipping.checks import GradientGuard
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import ParameterShifter
 from hf_dp.clipping.loss_scale import LossScale
-from hf_dp.clipping.norm_passes import Batch, EvaluatedNorms, NormPass, RecordedNorms, TappedNorms
+from hf_dp.clipping.norm_passes import (
+    OVERFLOWED_LOSS,
+    Batch,
+    EvaluatedNorms,
+    NormPass,
+    RecordedNorms,
+    TappedNorms,
+)
 from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.sum_passes import (
     BodySum,
@@ -125,7 +132,10 @@ class ClippedStep:
         batch = Batch(mask, units)
         if self._guard is not None:
             self._guard.check_untouched(before_release=False)
-            if not mask.any():  # nothing to add; the release still adds noise to the zero sum
+            # nothing to add; the release still adds noise to the zero sum. The loader's empty micro-batch is its
+            # one placeholder unit (data.MaskingCollator), so a larger one is not read on the host: were all its
+            # units placeholders, their zero clip factors would add exactly nothing.
+            if batch.size == 1 and not mask.any():
                 self._guard.written()
                 return MicroStep(mask.new_zeros(batch.size), None)
         losses_of = self.scale.wrap(losses_of)
@@ -138,7 +148,13 @@ class ClippedStep:
             norm_pass, sum_pass = self._select(plan, batch, model)
             found = norm_pass(losses_of, batch, plan)
         norms = self.scale.unscale(found.norms)
-        factors = self.engine.clip_factors(norms, plan.clip_norm) * batch.mask.to(norms.dtype)
+        clipped = self.engine.clip(
+            norms, plan.clip_norm, batch.mask, found.losses if found.finite_losses else None
+        )
+        if clipped.bad_losses:
+            raise FloatingPointError(OVERFLOWED_LOSS)
+        factors = clipped.factors
+        batch = replace(batch, overflowed=clipped.overflowed, dropped=clipped.dropped)
         step = sum_pass(losses_of, found, norms, factors, batch)
         if found.tail_exact is not None:
             self.skips_tail = found.tail_exact

@@ -31,7 +31,7 @@ from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.evaluate import replay_rng
 from hf_dp.clipping.loss_scale import LossScale
 from hf_dp.clipping.norm_passes import Batch, FoundNorms
-from hf_dp.clipping.per_example import PerExampleGradient, clipped_total
+from hf_dp.clipping.per_example import Dropped, PerExampleGradient, clipped_total
 from hf_dp.clipping.replay import LayerReplay
 from hf_dp.clipping.tail import Tail, clipped_sums, forward_to, without_dropped
 
@@ -63,7 +63,8 @@ class FactoredSum:
         self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
     ) -> None:
         """Σ_e w_e Σ_i (c_i / S)(S G_i^e); an overflowed example's rows are dropped (0 · inf would be nan)."""
-        self.engine.add_terms(found.terms, self.scale.weights(factors), ~torch.isfinite(norms))
+        overflowed = batch.overflowed if batch.overflowed is not None else ~torch.isfinite(norms)
+        self.engine.add_terms(found.terms, self.scale.weights(factors), overflowed)
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,11 @@ class KeptSum:
         self, losses_of: LossFn, found: FoundNorms, norms: torch.Tensor, factors: torch.Tensor, batch: Batch
     ) -> None:
         """Σ_i (c_i / S)(S G_i) from the kept explicit G_i, without the overflowed examples."""
-        overflowed = ~torch.isfinite(norms)
+        overflowed = batch.overflowed or Dropped.where(~torch.isfinite(norms))
         weights = self.scale.weights(factors)
         with torch.no_grad():
             for param, part in found.collector.kept_gradients():
-                part = part.without_examples(overflowed) if overflowed.any() else part
-                self.engine.add_to_sum(param, part, weights)
+                self.engine.add_to_sum(param, overflowed.apply(part), weights)
 
 
 def _forward_to_tail(
@@ -119,7 +119,7 @@ class BodySum:
             return
         with torch.no_grad():
             weights = self.scale.weights(factors)
-            for param, part in self._kept_parts(tail, found, factors, layerwise):
+            for param, part in self._kept_parts(tail, found, factors, layerwise, batch.dropped):
                 self.engine.add_to_sum(param, part, weights)
         tail.parts.clear()
         if layerwise:
@@ -130,10 +130,11 @@ class BodySum:
 
     @staticmethod
     def _kept_parts(
-        tail: Tail, found: FoundNorms, factors: torch.Tensor, layerwise: bool
+        tail: Tail, found: FoundNorms, factors: torch.Tensor, layerwise: bool, dropped: Dropped | None = None
     ) -> list[tuple[nn.Parameter, PerExampleGradient]]:
-        parts = tail.clipped_parts(factors)
-        return parts + without_dropped(found.points.norm_parts, factors) if layerwise else parts
+        dropped = dropped or Dropped.where(factors == 0)
+        parts = tail.clipped_parts(factors, dropped)
+        return parts + without_dropped(found.points.norm_parts, factors, dropped) if layerwise else parts
 
     def body_backward(
         self,
@@ -343,7 +344,7 @@ class BodyThroughFramework:
             surrogate = (
                 (hidden * gradient.to(hidden.dtype)).sum() if hidden.requires_grad else hidden.new_zeros(())
             )
-        for param, total in clipped_sums(parts, factors).items():
+        for param, total in clipped_sums(parts, factors, batch.dropped).items():
             if not self.tail_into_grad:
                 surrogate = surrogate + (param * total.to(param.dtype)).sum()
                 continue
@@ -420,7 +421,8 @@ class PartsThroughFramework:
         else:
             parts = [(param, [(1.0, part)]) for param, part in found.collector.kept_gradients()]
         surrogate = factors.new_zeros((), dtype=torch.float32)
+        dropped = batch.dropped or (Dropped.where(factors == 0) if parts else None)
         for param, weighted in parts:
-            total_of = functools.partial(clipped_total, param, weighted, factors)
+            total_of = functools.partial(clipped_total, param, weighted, factors, dropped)
             surrogate = surrogate + _LinearTerm.apply(param, total_of)
         return MicroStep(found.losses.detach(), surrogate * self.world_size)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.geometry import ClippingFn, clip_factors
-from hf_dp.clipping.per_example import LOW_PRECISION, PerExampleGradient, Weighted
+from hf_dp.clipping.per_example import LOW_PRECISION, Dropped, PerExampleGradient, Weighted
 
 # per parameter id: the parameter and its weighted per-example parts (uses, evaluations)
 Terms = dict[int, tuple[nn.Parameter, list[Weighted]]]
@@ -31,10 +31,23 @@ class ClippedSums:
         wide = self.wide.pop(param, None)
         if wide is not None:
             return wide if param.grad is None else wide.add_(param.grad.float())
+        # torch.promote_types(param.dtype, torch.float32), without a call through torch's dispatcher
+        dtype = param.dtype if param.dtype == torch.float64 or param.dtype.is_complex else torch.float32
         if param.grad is not None:
-            dtype = torch.promote_types(param.dtype, torch.float32)
             return param.grad if param.grad.dtype == dtype else param.grad.float()
-        return torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
+        return torch.zeros_like(param, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Clipped:
+    """A micro-batch's clip factors c_i · mask_i and what its sums leave out, decided together (``SumWriter.clip``):
+    ``overflowed`` the examples whose norm is not finite (book-keeping's and the kept sums drop their rows),
+    ``dropped`` those whose factor is 0 (the tail's sums); ``bad_losses``: a real unit's loss is not finite."""
+
+    factors: torch.Tensor
+    overflowed: Dropped
+    dropped: Dropped
+    bad_losses: bool = False
 
 
 class SumWriter:
@@ -51,11 +64,42 @@ class SumWriter:
         """c_i at ``clip_norm`` (geometry.clip_factors); c_i = 0 for an example whose gradient is not finite (an
         overflow in low precision): it then contributes nothing, within the sensitivity C. Counted in
         ``nonfinite_examples``."""
-        if not clip_norm > 0:
-            raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         finite = torch.isfinite(norms)
         self.nonfinite_examples += int((~finite).sum())
+        return self._factors(norms, finite, clip_norm)
+
+    def _factors(self, norms: torch.Tensor, finite: torch.Tensor, clip_norm: float) -> torch.Tensor:
+        if not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         return torch.where(finite, clip_factors(norms.nan_to_num(), clip_norm, self.clipping_fn), 0.0)
+
+    def clip(
+        self,
+        norms: torch.Tensor,
+        clip_norm: float,
+        mask: torch.Tensor,
+        losses: torch.Tensor | None = None,
+    ) -> Clipped:
+        """A micro-batch's c_i · mask_i (``clip_factors``) and, from ONE host read (a device synchronisation)
+        whatever the number of parameters: the examples whose norm is not finite (counted in
+        ``nonfinite_examples``), those whose factor is 0, and with ``losses`` whether a real unit's loss is not
+        finite. The read is one integer, n_nonfinite + (B + 1)·n_zero + (B + 1)²·n_bad_losses."""
+        finite = torch.isfinite(norms)
+        factors = self._factors(norms, finite, clip_norm) * mask.to(norms.dtype)
+        overflowed, dropped = ~finite, factors == 0
+        base = norms.shape[0] + 1
+        code = torch.add(overflowed.sum(), dropped.sum(), alpha=base)
+        if losses is not None:
+            code = code.add_((~torch.isfinite(losses) & mask.bool()).sum(), alpha=base * base)
+        value = int(code)
+        nonfinite, zero, bad_losses = value % base, value // base % base, value // (base * base)
+        self.nonfinite_examples += nonfinite
+        return Clipped(
+            factors,
+            Dropped(overflowed if nonfinite else None),
+            Dropped(dropped if zero else None),
+            bad_losses > 0,
+        )
 
     def add(self, param: nn.Parameter, part: PerExampleGradient, weights: torch.Tensor) -> None:
         """The clipped sum += Σ_i w_i G_i."""
@@ -68,14 +112,14 @@ class SumWriter:
         )
         self.low_precision[param] = part.accumulate(wide, weights, like)
 
-    def add_terms(self, terms: Terms, weights: torch.Tensor, overflowed: torch.Tensor) -> None:
+    def add_terms(self, terms: Terms, weights: torch.Tensor, overflowed: torch.Tensor | Dropped) -> None:
         """Σ_e w_e Σ_i weights_i G_i^e for every parameter's weighted parts, without the ``overflowed`` examples'
-        rows (0 · inf would be nan)."""
+        rows (0 · inf would be nan), decided once for all the parameters."""
+        if not isinstance(overflowed, Dropped):
+            overflowed = Dropped.where(overflowed)
         for param, weighted in terms.values():
             for weight, part in weighted:
-                if overflowed.any():
-                    part = part.without_examples(overflowed)
-                self.add(param, part, weights if weight == 1 else weight * weights)
+                self.add(param, overflowed.apply(part), weights if weight == 1 else weight * weights)
 
     def move_from_gradients(self, params: list[nn.Parameter]) -> None:
         """After autograd wrote a micro-batch's clipped sum into a bf16/fp16 ``.grad``: add it to the float32 sum."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hf_dp.clipping.per_example import OuterProductSum, PerExampleGradient, Weighted, clipped_total
+from hf_dp.clipping.per_example import Dropped, OuterProductSum, PerExampleGradient, Weighted, clipped_total
 from hf_dp.clipping.units import PrivacyUnits
 
 
@@ -76,33 +76,45 @@ class Tail:
         """spread(c) ⊙ ∂(Σ_i L_i)/∂h (``weighted_by_units``)."""
         return weighted_by_units(self.boundary.gradient, factors, units)
 
-    def clipped_parts(self, factors: torch.Tensor) -> list[tuple[nn.Parameter, PerExampleGradient]]:
+    def clipped_parts(
+        self, factors: torch.Tensor, dropped: Dropped | None = None
+    ) -> list[tuple[nn.Parameter, PerExampleGradient]]:
         """The tail's parts without the examples whose clip factor is 0 (``without_dropped``)."""
-        return without_dropped(self.parts, factors)
+        return without_dropped(self.parts, factors, dropped)
 
-    def clipped_sums(self, factors: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
+    def clipped_sums(
+        self, factors: torch.Tensor, dropped: Dropped | None = None
+    ) -> dict[nn.Parameter, torch.Tensor]:
         """Σ_i c_i G_i per tail parameter (all its tail uses), float32 or wider."""
-        return clipped_sums(self.parts, factors)
+        return clipped_sums(self.parts, factors, dropped)
 
 
 def clipped_sums(
-    parts: list[tuple[nn.Parameter, PerExampleGradient]], factors: torch.Tensor
+    parts: list[tuple[nn.Parameter, PerExampleGradient]],
+    factors: torch.Tensor,
+    dropped: Dropped | None = None,
 ) -> dict[nn.Parameter, torch.Tensor]:
-    """Σ_i c_i G_i per parameter over all its kept uses, float32 or wider."""
+    """Σ_i c_i G_i per parameter over all its kept uses, float32 or wider, without the examples whose clip factor
+    is 0: ``dropped``, or decided here once for all the parameters."""
     uses: dict[nn.Parameter, list[Weighted]] = {}
     for param, part in parts:
         uses.setdefault(param, []).append((1.0, part))
-    return {param: clipped_total(param, weighted, factors) for param, weighted in uses.items()}
+    if uses and dropped is None:
+        dropped = Dropped.where(factors == 0)
+    return {param: clipped_total(param, weighted, factors, dropped) for param, weighted in uses.items()}
 
 
 def without_dropped(
-    parts: list[tuple[nn.Parameter, PerExampleGradient]], factors: torch.Tensor
+    parts: list[tuple[nn.Parameter, PerExampleGradient]],
+    factors: torch.Tensor,
+    dropped: Dropped | None = None,
 ) -> list[tuple[nn.Parameter, PerExampleGradient]]:
-    """Kept per-example gradients without the examples whose clip factor is 0 (0 · inf would be nan)."""
-    dropped = factors == 0
-    if not dropped.any():
+    """Kept per-example gradients without the examples whose clip factor is 0 (0 · inf would be nan): ``dropped``,
+    or decided here from ``factors``."""
+    dropped = dropped if dropped is not None else Dropped.where(factors == 0)
+    if dropped.examples is None:
         return parts
-    return [(param, part.without_examples(dropped)) for param, part in parts]
+    return [(param, dropped.apply(part)) for param, part in parts]
 
 
 def keep_form(part: PerExampleGradient, shape: torch.Size) -> PerExampleGradient:

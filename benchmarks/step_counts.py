@@ -1,0 +1,162 @@
+"""How many operators a steady-state DP step dispatches and how many times it reads a tensor on the host, against
+the stock Trainer's step, in four cells: LoRA and full fine-tuning, with and without activation checkpointing.
+
+Counted on CPU with step_flops.py's dispatch mode (``Traffic``): the non-view operator calls of one step after the
+first (each a kernel launch on a device; the matrix products included) and the calls of
+``aten._local_scalar_dense`` (``.item()``, ``bool(t)``, ``int(t)``: each a device synchronisation), and apart from
+them the operators whose output size depends on tensor values (boolean-mask indexing, ``nonzero``), which wait for
+a device too. On CPU every such read counts, also of a tensor that would stay on the host beside a device. The variants
+are llm_memory.py's ``stock`` (``Trainer.training_step`` + ``optimizer.step()``) and ``dp`` (``DPTrainer``'s
+``train_one_step``: clipping, noise, accounting) on a tiny Llama, fp32, AdamW. With ``--stacks`` every DP host read
+is attributed to the innermost frame of hf_dp (or of the benchmark) that asked for it.
+
+The issue's bar: DP / stock operator calls at most ``CALLS_BAR`` and at most ``SYNCS_BAR`` more host syncs, in all
+four cells.
+
+    .venv/bin/python benchmarks/step_counts.py --stacks --out benchmarks/results/step_counts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+sys.path[:] = [_REPO_ROOT] + [p for p in sys.path if p != _REPO_ROOT]  # before Opacus' own ``benchmarks``
+
+from benchmarks import llm_memory  # noqa: E402
+from benchmarks.step_flops import Traffic  # noqa: E402
+
+CELLS = (("lora", False), ("lora", True), ("full", False), ("full", True))
+TINY = llm_memory.Shape(layers=4, hidden=64, intermediate=176, heads=4, kv_heads=2, vocab=1000)
+TINY_SEQ, TINY_BATCH = 64, 4
+CALLS_BAR = 1.30  # DP / stock non-view operator calls
+SYNCS_BAR = 3  # DP host syncs - stock host syncs
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "step_counts.json"
+
+
+def cell_name(tuning: str, checkpointing: bool) -> str:
+    return f"{tuning}-{'ckpt' if checkpointing else 'nockpt'}"
+
+
+def _source(stack: list[str]) -> str:
+    """Where a host read comes from: the innermost hf_dp frame, else the innermost frame of the step's caller."""
+    ours = [frame for frame in stack if "hf_dp" in frame or frame.split(":")[0] in _HF_DP_FILES]
+    return (ours or stack or ["?"])[-1]
+
+
+_HF_DP_FILES = {path.name for path in (Path(_REPO_ROOT) / "hf_dp").rglob("*.py")}
+
+
+def count_variant(name: str, setting: llm_memory.Setting, rows: list[dict], stacks: bool) -> dict[str, Any]:
+    """One variant: built, its first step taken (DP's checks), then one step counted."""
+    variant = llm_memory.build_variant(name, setting, rows, "cpu")
+    if variant.error:
+        raise RuntimeError(f"{name} on {setting.name}: {variant.error}")
+    variant.step()
+    traffic = Traffic(set(), stacks=stacks)
+    with traffic:
+        variant.step()
+    result: dict[str, Any] = {
+        "calls": traffic.calls,
+        "host_syncs": traffic.host_reads,
+        "value_sized_ops": traffic.value_sized,
+    }
+    if stacks:
+        result["sync_sources"] = dict(Counter(_source(s) for s in traffic.host_read_stacks).most_common())
+        result["value_sized_sources"] = dict(
+            Counter(_source(s) for s in traffic.value_sized_stacks).most_common()
+        )
+    return result
+
+
+def count_cell(
+    tuning: str,
+    checkpointing: bool,
+    shape: llm_memory.Shape = TINY,
+    seq: int = TINY_SEQ,
+    batch: int = TINY_BATCH,
+    stacks: bool = False,
+) -> dict[str, Any]:
+    """Stock and DP counts of one cell, their ratio of calls and the host syncs DP adds."""
+    setting = llm_memory.Setting(tuning, "fp32", checkpointing, seq, batch, shape)
+    rows = llm_memory.make_rows(setting)
+    stock = count_variant("stock", setting, rows, stacks)
+    dp = count_variant("dp", setting, rows, stacks)
+    return {
+        "stock": stock,
+        "dp": dp,
+        "calls_ratio": dp["calls"] / stock["calls"],
+        "extra_syncs": dp["host_syncs"] - stock["host_syncs"],
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s = result["setting"]
+    shape = s["shape"]
+    lines = [
+        "# Operator calls and host syncs of one steady-state step (`benchmarks/step_counts.py`)",
+        "",
+        f"Llama {shape['layers']} × {shape['hidden']} (intermediate {shape['intermediate']}, {shape['heads']} heads, "
+        f"{shape['kv_heads']} KV heads, vocabulary {shape['vocab']}), B {s['batch']}, T {s['seq']}, fp32, AdamW; "
+        f"one step after the first. The bar: DP / stock calls ≤ {CALLS_BAR}, at most {SYNCS_BAR} more host syncs.",
+        "",
+        "| cell | operator calls stock | DP | DP / stock | host syncs stock → DP | value-sized ops stock → DP | "
+        "bar met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, c in result["cells"].items():
+        met = c["calls_ratio"] <= CALLS_BAR and c["extra_syncs"] <= SYNCS_BAR
+        lines.append(
+            f"| {name} | {c['stock']['calls']} | {c['dp']['calls']} | {c['calls_ratio']:.2f}x | "
+            f"{c['stock']['host_syncs']} → {c['dp']['host_syncs']} | "
+            f"{c['stock']['value_sized_ops']} → {c['dp']['value_sized_ops']} | {'yes' if met else 'no'} |"
+        )
+    for name, c in result["cells"].items():
+        if "sync_sources" in c["dp"]:
+            lines += ["", f"DP host syncs of {name}, by source:", ""]
+            lines += [f"- {n} × {where}" for where, n in c["dp"]["sync_sources"].items()]
+            lines += [f"- {n} × {where} (value-sized)" for where, n in c["dp"]["value_sized_sources"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(TINY, name))
+    p.add_argument("--seq", type=int, default=TINY_SEQ)
+    p.add_argument("--batch", type=int, default=TINY_BATCH)
+    p.add_argument("--cells", nargs="*", default=[cell_name(*c) for c in CELLS])
+    p.add_argument("--stacks", action="store_true", help="attribute every DP host sync to its source")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*(use_cache|bos_token_id|gradient_checkpointing).*")
+    shape = llm_memory.Shape(
+        **{k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")}
+    )
+    cells = {
+        cell_name(*c): count_cell(*c, shape, args.seq, args.batch, args.stacks)
+        for c in CELLS
+        if cell_name(*c) in args.cells
+    }
+    result: dict[str, Any] = {
+        "benchmark": "step_counts",
+        "setting": {"shape": asdict(shape), "seq": args.seq, "batch": args.batch},
+        "bar": {"calls_ratio": CALLS_BAR, "extra_syncs": SYNCS_BAR},
+        "cells": cells,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
