@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from hf_dp.sampling import (
@@ -189,8 +190,10 @@ def split_example_mask(inputs: dict[str, Any]) -> tuple[dict[str, Any], torch.Te
 def count_drawn_examples(batches: list[dict[str, Any]], device: torch.device, reduce: Callable) -> int:
     """The real examples (units) of a logical batch's micro-batches, summed over the processes by ``reduce``
     (accelerate's ``Accelerator.reduce``)."""
-    drawn = torch.tensor([float(split_example_mask(b)[1].sum()) for b in batches] or [0.0], device=device)
-    return int(reduce(drawn.sum(), reduction="sum").item())
+    drawn = sum(int(split_example_mask(b)[1].sum()) for b in batches)  # the loader's masks: on the host
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return drawn  # one process: no round trip through the device
+    return int(reduce(torch.tensor(float(drawn), device=device), reduction="sum").item())
 
 
 def units_of_column(values: Sequence[Hashable]) -> tuple[list[int], int]:

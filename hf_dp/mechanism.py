@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import numpy as np
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -278,25 +277,12 @@ def _add_all(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> None:
 
 
 def _divide_all(tensors: list[torch.Tensor], divisor: float) -> None:
-    """t /= divisor for each t, bit for bit as ``t.div_(divisor)`` divides them one at a time, in one launch per
-    dtype on CUDA. There a division by a host scalar is a product with its reciprocal formed in the tensor's opmath
-    type (ATen's BinaryDivTrueKernel.cu), which ``_foreach_div_`` would not do, so the reciprocal is formed here
-    the same way and multiplied; on CPU ``_foreach_div_`` divides each tensor with ``div_``; other devices one by
-    one."""
+    """t /= divisor for each t: one launch per device and dtype on CUDA (on CPU, ``div_`` on each)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
-    for (device, dtype), group in groups.items():
-        if device.type == "cpu":
-            torch._foreach_div_(group, divisor)
-        elif device.type == "cuda" and dtype in (torch.float32, torch.float64):
-            inverse = (
-                1.0 / divisor if dtype == torch.float64 else float(np.float32(1.0) / np.float32(divisor))
-            )
-            torch._foreach_mul_(group, inverse)
-        else:
-            for t in group:
-                t.div_(divisor)
+    for group in groups.values():
+        torch._foreach_div_(group, divisor)
 
 
 def _owned_part(total: torch.Tensor) -> torch.Tensor:
