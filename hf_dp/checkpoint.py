@@ -505,7 +505,7 @@ def encode_state(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             value = value.clone()  # each tensor its own bytes (safetensors refuses shared ones)
         storages.add(storage)
         name = where or "."
-        while name in tensors:  # a key with a "." in it can spell another tensor's path
+        while name in tensors or name == "__metadata__":  # a key with a "." can spell another tensor's path
             name = f"{name}#"
         tensors[name] = value
         return name

@@ -16,11 +16,13 @@ from hf_dp import compute_epsilon
 from hf_dp.checkpoint import (
     COMPLETE_FILE,
     PRIVACY_STATE_FILE,
+    atomic_write,
     decode_state,
     encode_state,
     is_private_file,
     load_noise_state,
     noise_state_file,
+    write_safetensors,
 )
 from tests import models
 from tests.test_hub import fake_hub  # noqa: F401  (the local Hub endpoint fixture)
@@ -223,8 +225,9 @@ def test_the_noise_state_is_safetensors_with_its_structure_in_json(tmp_path):
     assert load_noise_state(str(folder), 0) == state
 
 
-def test_a_state_dict_round_trips_through_safetensors_and_json_or_is_refused():
+def test_a_state_dict_round_trips_through_safetensors_and_json_or_is_refused(tmp_path):
     import numpy as np
+    import safetensors.torch
 
     shared = torch.arange(12.0).view(3, 4)
     state = {
@@ -233,14 +236,19 @@ def test_a_state_dict_round_trips_through_safetensors_and_json_or_is_refused():
         "pair": (1, np.int64(2), np.arange(3)),
         "a.b": torch.ones(1),
         "a": {"b": torch.zeros(1)},
+        "__metadata__": torch.full((1,), 2.0),  # the name safetensors' header keeps for its metadata
     }
     structure, tensors = encode_state(state)
     json.dumps(structure)
-    back = decode_state(json.loads(json.dumps(structure)), tensors)
+    path = tmp_path / noise_state_file(0)
+    atomic_write(str(path), lambda f: write_safetensors(f, tensors, {"state": json.dumps(structure)}))
+    assert safetensors.torch.load_file(str(path)).keys() == tensors.keys()  # the reference reader
+    back = decode_state(json.loads(json.dumps(structure)), safetensors.torch.load_file(str(path)))
     assert torch.equal(back["past"][0][1], shared[1]) and back["past"][1][0].dtype == torch.bfloat16
     assert torch.equal(back["stream"]["generator"], state["stream"]["generator"])
     assert back["stream"]["state"] == 2**127 + 5 and back["pair"][:2] == (1, 2)
     assert (back["pair"][2] == np.arange(3)).all() and back["a.b"].item() == 1 and back["a"]["b"].item() == 0
+    assert back["__metadata__"].item() == 2
     with pytest.raises(TypeError, match=r"holds a _RunsCode at 'x.0'.*never a pickle"):
         encode_state({"x": [_RunsCode(Path("never"))]})
     with pytest.raises(TypeError, match="a key must be a string"):
