@@ -378,12 +378,12 @@ def test_a_run_resumed_mid_run_continues_bit_for_bit(tmp_path):
     """Saved after step 3 of 8 (4 bands: the buffers then hold x_0..x_2), resumed by a new trainer: the same
     released noise at steps 4..8 and the same final weights, bit for bit; the buffers sit only in the private
     noise state."""
-    from hf_dp.checkpoint import noise_state_file
+    from hf_dp.checkpoint import load_noise_state
 
     bandmf = {"noise_mechanism": "bandmf", "num_bands": "4", "noise_multiplier": 1.0}
     whole, released = _probe_run(tmp_path / "whole", 8, save_strategy="steps", save_steps=3, **bandmf)
     checkpoint = tmp_path / "whole" / "out" / "checkpoint-3"
-    saved = torch.load(checkpoint / noise_state_file(0), weights_only=False)
+    saved = load_noise_state(str(checkpoint), 0)
     assert len(saved["past"][0]) == 3 and saved["step"] == 3
     assert not any("noise" in f.name for f in (tmp_path / "whole" / "out").iterdir() if f.is_file())
     torch.manual_seed(0)

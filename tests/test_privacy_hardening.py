@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import warnings
 from pathlib import Path
 
@@ -12,7 +13,17 @@ import torch
 from torch.utils.data import IterableDataset
 
 from hf_dp import compute_epsilon
-from hf_dp.checkpoint import PRIVACY_STATE_FILE, is_private_file
+from hf_dp.checkpoint import (
+    COMPLETE_FILE,
+    PRIVACY_STATE_FILE,
+    atomic_write,
+    decode_state,
+    encode_state,
+    is_private_file,
+    load_noise_state,
+    noise_state_file,
+    write_safetensors,
+)
 from tests import models
 from tests.test_hub import fake_hub  # noqa: F401  (the local Hub endpoint fixture)
 from tests.trainer_utils import TokenRows, make_trainer, sampled_logical_batches, snapshot
@@ -173,6 +184,113 @@ def test_a_corrupt_or_truncated_state_file_is_one_clear_line(tmp_path, content):
     with pytest.raises(ValueError, match="corrupt or truncated privacy state") as info:
         _resume(tmp_path, folder)
     assert "\n" not in str(info.value)
+
+
+# ---- checkpoints hold no pickle: resuming from an untrusted one runs no code -------------------------------
+
+
+class _RunsCode:
+    """A pickle that creates ``marker`` when it is loaded (what an attacker's checkpoint file would do)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _write_pickle(path: Path, marker: Path, how: str) -> None:
+    if how == "torch.save":
+        torch.save({"noise": _RunsCode(marker), "step": 2}, path)
+    else:
+        path.write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(Exception):  # noqa: B017, PT011 (only that it runs code: it does, as the real file would)
+        torch.load(path, weights_only=True)
+    pickle.loads(pickle.dumps(_RunsCode(marker.with_name("proof")))).close()  # the payload does run code
+    assert marker.with_name("proof").exists() and not marker.exists()
+
+
+def test_the_noise_state_is_safetensors_with_its_structure_in_json(tmp_path):
+    import safetensors
+
+    folder = _checkpointed(tmp_path)
+    path = folder / noise_state_file(0)
+    assert path.name == "hf_dp_noise_state_process0.safetensors" and is_private_file(path.name)
+    assert not list(folder.glob("hf_dp_*.pt"))
+    with safetensors.safe_open(str(path), framework="pt") as f:  # the reference reader
+        metadata, names = f.metadata(), list(f.keys())
+    state = json.loads(metadata["state"])
+    assert metadata["format"] == "3" and names == []  # independent noise: a stream and a step, no tensor
+    assert state["step"] == 2 and state["noise"]["stream"]["bit_generator"] == "PCG64DXSM"
+    assert load_noise_state(str(folder), 0) == state
+
+
+def test_a_state_dict_round_trips_through_safetensors_and_json_or_is_refused(tmp_path):
+    import numpy as np
+    import safetensors.torch
+
+    shared = torch.arange(12.0).view(3, 4)
+    state = {
+        "past": [[shared, shared[1]], [torch.ones(2, dtype=torch.bfloat16), torch.zeros(0)]],
+        "stream": {"state": 2**127 + 5, "generator": torch.Generator().get_state()},
+        "pair": (1, np.int64(2), np.arange(3)),
+        "a.b": torch.ones(1),
+        "a": {"b": torch.zeros(1)},
+        "__metadata__": torch.full((1,), 2.0),  # the name safetensors' header keeps for its metadata
+    }
+    structure, tensors = encode_state(state)
+    json.dumps(structure)
+    path = tmp_path / noise_state_file(0)
+    atomic_write(str(path), lambda f: write_safetensors(f, tensors, {"state": json.dumps(structure)}))
+    assert safetensors.torch.load_file(str(path)).keys() == tensors.keys()  # the reference reader
+    back = decode_state(json.loads(json.dumps(structure)), safetensors.torch.load_file(str(path)))
+    assert torch.equal(back["past"][0][1], shared[1]) and back["past"][1][0].dtype == torch.bfloat16
+    assert torch.equal(back["stream"]["generator"], state["stream"]["generator"])
+    assert back["stream"]["state"] == 2**127 + 5 and back["pair"][:2] == (1, 2)
+    assert (back["pair"][2] == np.arange(3)).all() and back["a.b"].item() == 1 and back["a"]["b"].item() == 0
+    assert back["__metadata__"].item() == 2
+    with pytest.raises(TypeError, match=r"holds a _RunsCode at 'x.0'.*never a pickle"):
+        encode_state({"x": [_RunsCode(Path("never"))]})
+    with pytest.raises(TypeError, match="a key must be a string"):
+        encode_state({"x": {1: 2}})
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle"])
+def test_a_noise_state_replaced_by_a_pickle_is_refused_and_runs_nothing(tmp_path, how):
+    folder = _checkpointed(tmp_path)
+    marker = tmp_path / "code_ran"
+    _write_pickle(folder / noise_state_file(0), marker, how)
+    _write_pickle(folder / "hf_dp_noise_state_process0.pt", marker, how)  # the old name: never opened either
+    with pytest.raises(ValueError, match="corrupt noise state, not a safetensors file") as info:
+        _resume(tmp_path, folder)
+    assert "\n" not in str(info.value) and "never unpickles" in str(info.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("privacy_state", ["as written", "format edited to 3"])
+def test_a_checkpoint_of_the_pickle_format_is_refused_with_what_to_do_and_never_unpickled(
+    tmp_path, privacy_state
+):
+    """Format 2 (hf_dp before this one): the noise state was a torch.save pickle, hf_dp_noise_state_process0.pt."""
+    folder = _checkpointed(tmp_path)
+    marker = tmp_path / "code_ran"
+    (folder / noise_state_file(0)).unlink()
+    _write_pickle(folder / "hf_dp_noise_state_process0.pt", marker, "torch.save")
+    listed = json.loads((folder / COMPLETE_FILE).read_text())["files"]
+    listed = [n.replace(".safetensors", ".pt") if "noise_state" in n else n for n in listed]
+    (folder / COMPLETE_FILE).write_text(json.dumps({"format": 2, "files": listed}))
+    if privacy_state == "as written":
+        _edit(folder / PRIVACY_STATE_FILE, lambda s: s.update(format=2))
+    with pytest.raises(
+        ValueError, match="written by an earlier hf_dp version whose noise state was a pickle"
+    ) as info:
+        _resume(tmp_path, folder)
+    message = str(info.value)
+    assert (
+        "\n" not in message
+        and "resume it with the hf_dp version that wrote it, or start a new run" in message
+    )
+    assert not marker.exists()
 
 
 # ---- misuse, refused before step 1 (the arguments alone: tests/test_arguments.py) -----------------------
