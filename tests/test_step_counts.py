@@ -15,18 +15,13 @@ from tests.benchmark_scripts import load_benchmark
 
 # cell: (ceiling of DP / stock operator calls, ceiling of the host syncs DP adds, of the value-sized operators)
 CEILINGS = {
-    # the syncs meet the bar (+3: the data loader's count of drawn examples, 2 reads in trainer.train_one_step, and
-    # the clip decision); the calls not yet (bar 1.30x): per layer the norm's Gram, its pow/sum and the sum's GEMM
+    # the syncs meet the bar (+3) in every cell (benchmarks/results/step_counts.md: each one's source); the calls
+    # not yet (bar 1.30x): per layer the norm's Gram, its pow/sum and the sum's GEMM, and with checkpointing the
+    # norm pass's tapped backward, the tail's sums and the second forward
     "lora-nockpt": (1.32, 3, 0),
-    "lora-ckpt": (
-        1.61,
-        3,
-        0,
-    ),  # calls: bar 1.30x not met (the norm pass's tapped backward and the tail's sums)
-    "full-nockpt": (1.45, 3, 0),  # calls: bar 1.30x not met (book-keeping's per-layer norms and sums)
-    # calls: bar 1.30x not met (two forwards); syncs: bar +3 not met by one, transformers' own packed-sequence check
-    # (masking_utils.find_packed_sequence_indices) in the weighted pass's second forward
-    "full-ckpt": (1.74, 4, 0),
+    "lora-ckpt": (1.61, 3, 0),
+    "full-nockpt": (1.45, 3, 0),
+    "full-ckpt": (1.74, 3, 0),
 }
 
 
