@@ -6,7 +6,7 @@ Two kinds of files, both private (hf_dp never uploads them, docs/privacy.md):
 - ``hf_dp_noise_state_process{i}.safetensors`` (every process): its noise stream, and with correlated noise the
   b − 1 previous noise outputs of the parameters it owns (as secret as the key). The mechanism's
   ``state_dict`` is split: its tensors are the file's tensors, the rest (the stream's state, the step, the
-  coefficients) is JSON in the file's metadata, tensors referred to by name (``encode_state``). Nothing in a
+  coefficients) is JSON in the file's metadata, tensors referred to by name (``state_files``). Nothing in a
   checkpoint is ever unpickled: a checkpoint from an untrusted source runs no code on resume.
 The public copy of the ledger goes into ``trainer_state.json`` under ``LEDGER_KEY``; on resume the two must
 agree with each other and with the Trainer's step count, and the run must draw from the same population with
@@ -36,11 +36,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-import numpy as np
-import safetensors
 import torch
 
 from hf_dp.randomness import RunSecret
+from hf_dp.state_files import read_state, write_state
 
 logger = logging.getLogger(__name__)
 
@@ -346,11 +345,9 @@ def save(
     """Each file written atomically: a kill leaves the old file or the new one, never a part."""
     os.makedirs(folder, exist_ok=True)
     if noise_state is not None:
-        structure, tensors = encode_state(noise_state)
-        metadata = {"format": str(FORMAT), "state": json.dumps(structure)}
         atomic_write(
             os.path.join(folder, noise_state_file(process_index)),
-            lambda f: write_safetensors(f, tensors, metadata),
+            lambda f: write_state(f, noise_state, str(FORMAT)),
         )
     if main:
         content = {
@@ -466,12 +463,7 @@ def load_noise_state(folder: str, process_index: int) -> dict:
             )
         raise _fail(path, "missing: resume with the same number of processes the checkpoint was written with")
     try:
-        with safetensors.safe_open(path, framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
-        if metadata.get("format") != str(FORMAT):
-            raise ValueError(f"format {metadata.get('format')!r} is not {FORMAT}")
-        return decode_state(json.loads(metadata["state"]), tensors)
+        return read_state(path, str(FORMAT))
     # safetensors raises its own error for a file that is not one (a pickle, a truncated file)
     except Exception as error:
         raise _fail(
@@ -479,131 +471,6 @@ def load_noise_state(folder: str, process_index: int) -> dict:
             f"corrupt noise state, not a safetensors file of this hf_dp version ({type(error).__name__}); hf_dp never "
             "unpickles a checkpoint; resume from an intact checkpoint",
         ) from None
-
-
-# ---- the noise state as safetensors + JSON: no pickle ----------------------------------------------------
-
-_TENSOR, _ARRAY, _TUPLE = "__tensor__", "__ndarray__", "__tuple__"  # tagged JSON objects (one key each)
-
-
-def encode_state(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
-    """``state`` as JSON and the tensors it refers to: a tensor (or numpy array) becomes ``{"__tensor__":
-    name}`` (``{"__ndarray__": name}``), a tuple ``{"__tuple__": [...]}``; dicts (string keys), lists, str,
-    int (any size), float, bool and None stay. Anything else (an object a pickle would carry) is refused."""
-    tensors: dict[str, torch.Tensor] = {}
-    storages: set[tuple[str, int]] = set()
-
-    def tensor(value: torch.Tensor, where: str) -> str:
-        if value.dtype not in _SAFETENSORS_DTYPES or value.is_sparse:
-            raise TypeError(
-                f"hf_dp: the noise state holds a {'sparse ' if value.is_sparse else ''}{value.dtype} tensor at "
-                f"{where or 'its top'!r}, which safetensors cannot store"
-            )
-        value = value.detach().cpu().contiguous()
-        storage = (str(value.device), value.untyped_storage().data_ptr())
-        if value.numel() and storage in storages:
-            value = value.clone()  # each tensor its own bytes (safetensors refuses shared ones)
-        storages.add(storage)
-        name = where or "."
-        while name in tensors or name == "__metadata__":  # a key with a "." can spell another tensor's path
-            name = f"{name}#"
-        tensors[name] = value
-        return name
-
-    def encode(value: Any, where: str) -> Any:
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        if isinstance(value, torch.Tensor):
-            return {_TENSOR: tensor(value, where)}
-        if isinstance(value, np.ndarray):
-            return {_ARRAY: tensor(torch.from_numpy(np.ascontiguousarray(value)), where)}
-        if isinstance(value, np.generic):
-            return value.item()
-        if isinstance(value, (list, tuple)):
-            items = [encode(v, f"{where}.{i}") for i, v in enumerate(value)]
-            return {_TUPLE: items} if isinstance(value, tuple) else items
-        if isinstance(value, dict):
-            if not all(isinstance(k, str) for k in value) or {_TENSOR, _ARRAY, _TUPLE} & set(value):
-                raise TypeError(
-                    f"hf_dp: the noise state at {where or 'its top'!r} has keys {sorted(map(repr, value))}: a key "
-                    f"must be a string, and none of {_TENSOR}, {_ARRAY}, {_TUPLE}"
-                )
-            return {k: encode(v, f"{where}.{k}" if where else k) for k, v in value.items()}
-        raise TypeError(
-            f"hf_dp: the noise state holds a {type(value).__name__} at {where or 'its top'!r}; a mechanism's "
-            "state_dict may hold tensors, numpy arrays, dicts, lists, tuples, str, int, float, bool and None "
-            "(checkpoints are safetensors + JSON, never a pickle)"
-        )
-
-    return encode(state, ""), tensors
-
-
-# safetensors' names of the dtypes a noise state may hold (the float8 ones where this torch has them)
-_SAFETENSORS_DTYPES = {
-    getattr(torch, name): code
-    for name, code in [
-        ("float64", "F64"),
-        ("float32", "F32"),
-        ("float16", "F16"),
-        ("bfloat16", "BF16"),
-        ("int64", "I64"),
-        ("int32", "I32"),
-        ("int16", "I16"),
-        ("int8", "I8"),
-        ("uint8", "U8"),
-        ("uint16", "U16"),
-        ("uint32", "U32"),
-        ("uint64", "U64"),
-        ("bool", "BOOL"),
-        ("float8_e4m3fn", "F8_E4M3"),
-        ("float8_e5m2", "F8_E5M2"),
-    ]
-    if hasattr(torch, name)
-}
-
-
-def write_safetensors(f: IO[bytes], tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """``tensors`` (contiguous, on the CPU) as a safetensors file, streamed into ``f`` one tensor at a time
-    (no copy of the whole state in memory, and into atomic_write's own temporary file: safetensors' save_file
-    writes a temporary file of its own, named outside hf_dp's private names). The format: the header's length
-    (8 bytes, little-endian), the JSON header padded with spaces to 8 bytes, then the tensors' bytes, widest
-    dtype first so that each tensor starts aligned. ``safetensors.safe_open`` reads it (load_noise_state)."""
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        end = offset + t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, end],
-        }
-        offset = end
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    f.write(len(text).to_bytes(8, "little"))
-    f.write(text)
-    for name in order:
-        if tensors[name].numel():
-            f.write(tensors[name].reshape(-1).view(torch.uint8).numpy().data)
-
-
-def decode_state(structure: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """``encode_state``'s inverse; a reference to a tensor the file lacks is a KeyError."""
-    if structure is None or isinstance(structure, (bool, int, float, str)):
-        return structure
-    if isinstance(structure, list):
-        return [decode_state(v, tensors) for v in structure]
-    if not isinstance(structure, dict):
-        raise ValueError(f"unexpected {type(structure).__name__} in the noise state")
-    if len(structure) == 1 and _TENSOR in structure:
-        return tensors[structure[_TENSOR]]
-    if len(structure) == 1 and _ARRAY in structure:
-        return tensors[structure[_ARRAY]].numpy()
-    if len(structure) == 1 and _TUPLE in structure:
-        return tuple(decode_state(v, tensors) for v in structure[_TUPLE])
-    return {str(k): decode_state(v, tensors) for k, v in structure.items()}
 
 
 STAGING_FOLDER = "_hf_dp_hub_staging"  # "_*": the Trainer's upload of the output folder skips it

@@ -17,13 +17,11 @@ from hf_dp.checkpoint import (
     COMPLETE_FILE,
     PRIVACY_STATE_FILE,
     atomic_write,
-    decode_state,
-    encode_state,
     is_private_file,
     load_noise_state,
     noise_state_file,
-    write_safetensors,
 )
+from hf_dp.state_files import decode_state, encode_state, write_safetensors
 from tests import models
 from tests.test_hub import fake_hub  # noqa: F401  (the local Hub endpoint fixture)
 from tests.trainer_utils import TokenRows, make_trainer, sampled_logical_batches, snapshot
