@@ -35,7 +35,7 @@ from hf_dp.checkpoint import COMPLETE_FILE, resume_point  # noqa: E402
 from hf_dp.clipping.geometry import dense_scale, unsharded  # noqa: E402
 from hf_dp.noise import GaussianNoise  # noqa: E402
 from tests import models  # noqa: E402
-from tests.trainer_utils import TokenRows, pad_collate  # noqa: E402
+from tests.trainer_utils import TokenRows, left_pad_collate, pad_collate  # noqa: E402
 
 
 class UserRows(TokenRows):
@@ -133,6 +133,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--per_device", type=int, default=4)
     parser.add_argument("--gas", type=int, default=2)
     parser.add_argument("--examples", type=int, default=64)
+    parser.add_argument("--left_pad", action="store_true", help="left padding without position_ids (refused)")
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--optimizer_kwargs", default=None, help="dp_optimizer_kwargs, as JSON")
     parser.add_argument("--lr", type=float, default=0.5)
@@ -281,7 +282,7 @@ def run(cli: argparse.Namespace) -> None:
         model=model,
         args=args,
         train_dataset=UserRows(cli.examples) if cli.users else TokenRows(cli.examples),
-        data_collator=pad_collate,
+        data_collator=left_pad_collate if cli.left_pad else pad_collate,
     )
     drawn: list[torch.Tensor] = []
     sample = GaussianNoise.sample

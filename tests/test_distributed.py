@@ -147,6 +147,8 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero2_bf16_checkpointing": ("torchrun", ("--zero", "2", "--bf16", "--checkpointing", "non_reentrant")),
     "zero3_checkpointing": ("torchrun", ("--zero", "3", "--checkpointing", "reentrant")),
     "zero3_llama": ("torchrun", ("--zero", "3", "--model", "llama")),
+    # GPT-2 left-padded without position_ids: every process refuses on the first step, before any release
+    "zero3_left_padded_refused": ("torchrun", ("--zero", "3", "--left_pad")),
     "zero3_whole": ("torchrun", (*RESUME, "--zero", "3", "--save_steps", "2")),
     "zero3_resumed": ("torchrun", (*RESUME, "--zero", "3", "--resume_from", "{zero3_whole}/checkpoint-2")),
     # torchrun: FSDP2 (a launch of its own: its shared state is switched to FSDP on CPU)
@@ -456,6 +458,18 @@ def test_ddp_disk_matches_one_process_without_noise(runs):
 def test_optimizers_that_need_bookkeeping_are_refused_under_deepspeed(runs):
     error = runs("zero2_disk", fails=True)
     assert "dp_optimizer='disk'" in error and "not supported under DeepSpeed" in error
+
+
+@pytest.mark.slow
+def test_an_example_that_depends_on_its_batch_is_refused_on_every_process(runs):
+    """The first step's check of examples alone under ZeRO-3 (a sharded forward: losses compared, every process
+    runs the same forwards): both processes refuse, one naming the cause, none hangs."""
+    runs("zero3_left_padded_refused", fails=True)
+    errors = sorted(runs.folder("zero3_left_padded_refused").glob("error_process*.txt"))
+    assert len(errors) == 2
+    texts = [e.read_text() for e in errors]
+    assert any("padded on the left and no position_ids" in t for t in texts)
+    assert all("padded on the left" in t or "on another process" in t for t in texts)
 
 
 def noise_of_first_step(noisy: Path, clean: Path) -> torch.Tensor:

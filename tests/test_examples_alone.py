@@ -11,18 +11,7 @@ import torch
 
 from hf_dp import DPTrainer
 from tests import models
-from tests.trainer_utils import TokenRows, make_trainer, pad_collate
-
-
-def _left_padded(examples: list[dict]) -> dict[str, torch.Tensor]:
-    """Left-pad with an attention mask and no position_ids (a decoder tokenizer's padding_side='left')."""
-    length = max(len(e["input_ids"]) for e in examples)
-    ids = torch.full((len(examples), length), models.PAD)
-    mask = torch.zeros_like(ids)
-    for i, e in enumerate(examples):
-        n = len(e["input_ids"])
-        ids[i, length - n :], mask[i, length - n :] = torch.tensor(e["input_ids"]), 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+from tests.trainer_utils import TokenRows, left_pad_collate, make_trainer, pad_collate
 
 
 class LabelledRows(TokenRows):
@@ -92,7 +81,7 @@ def test_left_padding_without_position_ids_is_refused_before_the_first_update(tm
     torch.manual_seed(0)
     model = models.gpt2().double()
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = _first_step(tmp_path, _left_padded, model, TokenRows(24))
+    trainer = _first_step(tmp_path, left_pad_collate, model, TokenRows(24))
     with pytest.raises(ValueError, match=r"padded on the left and no position_ids.*padding_side='right'"):
         trainer.train()
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
@@ -112,7 +101,7 @@ def test_in_the_refused_cases_an_example_moves_the_others_terms(tmp_path) -> Non
     mask moves none (float64 rounding)."""
     dataset, bert_rows = TokenRows(24), LabelledRows(24)
     gpt2 = lambda: models.gpt2()  # noqa: E731
-    assert _others_moved(tmp_path, _left_padded, gpt2, dataset) > 1e-2
+    assert _others_moved(tmp_path, left_pad_collate, gpt2, dataset) > 1e-2
     assert _others_moved(tmp_path, pad_collate, gpt2, dataset) < 1e-9  # S read off the weights: ~1e-12
     assert _others_moved(tmp_path, _padded_without_mask, models.bert_classifier, bert_rows) > 1e-5
 

@@ -37,6 +37,17 @@ def pad_collate(examples: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def left_pad_collate(examples: list[dict]) -> dict[str, torch.Tensor]:
+    """Left-pad with an attention mask and no position_ids (a decoder tokenizer's padding_side='left')."""
+    length = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), length), models.PAD)
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[i, length - n :], mask[i, length - n :] = torch.tensor(e["input_ids"]), 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
 def make_args(tmp_path, **overrides) -> DPTrainingArguments:
     defaults = dict(
         output_dir=str(tmp_path / "out"),
