@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.sums import SumWriter
 from hf_dp.mechanism import BandMFMechanism
 from hf_dp.noise import GaussianNoise
 from hf_dp.sampling import PoissonBatchSampler
@@ -28,7 +28,8 @@ def _half_noise() -> Callable:
 
 
 def _no_clipping() -> Callable:
-    return lambda self, norms, clip: torch.ones_like(norms)
+    """Every clip factor 1 (``SumWriter._factors``, where every pass's c_i is formed)."""
+    return lambda self, norms, finite, clip_norm: torch.ones_like(norms)
 
 
 def _last_row_always_sampled() -> Callable:
@@ -57,7 +58,7 @@ def _unnormalised_columns() -> Callable:
 FAULTS: dict[str, tuple[type, str, Callable[[], Callable]]] = {
     "no_noise": (GaussianNoise, "sample", _no_noise),
     "half_noise": (GaussianNoise, "sample", _half_noise),
-    "no_clipping": (ClippingEngine, "clip_factors", _no_clipping),
+    "no_clipping": (SumWriter, "_factors", _no_clipping),
     "always_sampled": (PoissonBatchSampler, "_logical_batches", _last_row_always_sampled),
     "bandmf_unnormalised": (BandMFMechanism, "__init__", _unnormalised_columns),
 }
