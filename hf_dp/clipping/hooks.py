@@ -173,7 +173,8 @@ Received = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
 
 class _Tap(torch.autograd.Function):
     """y ↦ y whose backward hands (module, its input x, ∂L/∂y) to ``receive``. ``anchor`` requires grad, so y does
-    even while the parameters are frozen, and differentiating towards it runs every tap's backward."""
+    even while the parameters are frozen, and differentiating towards it runs every tap's backward; it receives no
+    gradient (differentiate towards it with ``allow_unused=True``)."""
 
     @staticmethod
     def forward(ctx, output, anchor, receive, module, x):
@@ -185,7 +186,7 @@ class _Tap(torch.autograd.Function):
     def backward(ctx, grad_output):
         (x,) = ctx.saved_tensors
         ctx.receive(ctx.module, x, grad_output)
-        return grad_output, grad_output.new_zeros(()), None, None, None  # zero for the anchor
+        return grad_output, None, None, None, None  # the anchor's gradient: none (no launch, no accumulation)
 
 
 def tap(
