@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_dp.clipping.checks import ExamplesAlone
 from hf_dp.clipping.units import PrivacyUnits
 
 
@@ -50,6 +51,7 @@ class MicroBatch:
     mask: torch.Tensor  # (U,): 1 for a real unit, 0 for a placeholder
     units: PrivacyUnits | None = None  # None: one unit per row
     evaluating: bool = False  # inside the strategy: compute_loss means the per-example loss
+    alone: ExamplesAlone | None = None  # the loader's first micro-batch: its examples alone, checked once
     losses: torch.Tensor | None = None
 
     @staticmethod
@@ -86,6 +88,32 @@ class MicroBatch:
             return require_per_example(losses, self.mask.shape[0], source, self.units)
 
         return losses_of
+
+
+def examples_alone(trainer: Any, alone: list | None, inputs: dict[str, Any]) -> ExamplesAlone | None:
+    """The loader's examples alone (data.ALONE_KEY; None or empty: nothing to check), each with the per-example loss of that example as a
+    micro-batch of its own: the trainer's ``_micro_batch`` points at that one-unit batch during the call, so its
+    ``compute_loss`` means the per-example loss there, and back at the outer one after."""
+    if not alone:
+        return None
+    source = f"{type(trainer).__name__}.compute_loss"
+
+    def loss_of(example: dict[str, Any]) -> Callable[[nn.Module], torch.Tensor]:
+        example = trainer._prepare_inputs(example)
+        device = next(v.device for v in example.values() if isinstance(v, torch.Tensor))
+        micro = MicroBatch.of(torch.ones(1), None, device)
+        losses_of = micro.per_example_losses(trainer.compute_loss, example, source)
+
+        def run(module: nn.Module) -> torch.Tensor:
+            outer, trainer._micro_batch = trainer._micro_batch, micro
+            try:
+                return losses_of(module)
+            finally:
+                trainer._micro_batch = outer
+
+        return run
+
+    return ExamplesAlone.of(alone, inputs, loss_of)
 
 
 def per_example_under_dp(compute_loss: Callable[..., Any]) -> Callable[..., Any]:

@@ -30,7 +30,7 @@ from hf_dp.accounting import PrivacyAccountant
 from hf_dp.backend import Backend
 from hf_dp.budget import PrivacyBudgetCallback
 from hf_dp.checkpoint import RunPrivacyState, newest_complete, public_ledger, resume_argument, resume_point
-from hf_dp.clipping.checks import ExamplesAlone, check_examples_alone, check_records_apart
+from hf_dp.clipping.checks import check_examples_alone, check_records_apart
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.pipeline import clipped_step, several_evaluations_refused
 from hf_dp.clipping.plan import StepPlanner
@@ -207,48 +207,29 @@ class PrivateRun:
         )
         optimizer.register_step_pre_hook(lambda opt, *_: self.release(opt))
 
-    def clip(
-        self,
-        losses_of,
-        micro: MicroBatch,
-        model: nn.Module,
-        base: nn.Module,
-        alone: ExamplesAlone | None = None,
-    ) -> torch.Tensor:
+    def clip(self, losses_of, micro: MicroBatch, model: nn.Module, base: nn.Module) -> torch.Tensor:
         """One micro-batch's clipped sum under the logical batch's plan (opened here at its first micro-batch);
         returns what the Trainer's backward must back-propagate (a zero when ``.grad`` already holds the sum).
         ``base``: the transformers model under its wrappers, whose input embeddings the records check perturbs.
-        ``alone``: some of the micro-batch's examples alone, checked once to give the losses they give in it."""
-        if alone is not None and not self.examples_checked:
-            self.check_examples_alone(losses_of, alone, model, base)
+        ``micro.alone``: some of its examples alone, checked once to give the losses they give in it."""
+        checked = False
+        if micro.alone is not None and not self.examples_checked:
+            low_precision = bool(self.args.bf16 or self.args.fp16)
+            module = self.clipping.module or model
+            check_examples_alone(losses_of, micro.alone, self.backend, module, base, low_precision)
+            self.examples_checked = checked = True
         if micro.units is not None and not micro.units.per_row and not self.records_checked:
             check_records_apart(
                 base.get_input_embeddings(), self.clipping.module or model, losses_of, micro.units
             )
-            self.records_checked = True
-            if self.backend.fsdp:
-                reshard_after_forward_only(model)
+            self.records_checked = checked = True
+        if checked and self.backend.fsdp:
+            reshard_after_forward_only(model)  # the checks' forwards had no backward
         step = self.clipping.run(losses_of, micro.mask, self.planner.current, model, micro.units)
         micro.losses = step.losses
         if step.backward is not None:
             return step.backward
         return torch.zeros((), device=micro.mask.device, requires_grad=True)
-
-    def check_examples_alone(
-        self, losses_of, alone: ExamplesAlone, model: nn.Module, base: nn.Module
-    ) -> None:
-        """Each sampled example's loss, and its gradient norm where the model is whole and its activations fit
-        (no sharding, no activation checkpointing: eval mode turns the checkpointing off), in the batch equal
-        those of the example alone (``checks.check_examples_alone``)."""
-        sharded = self.backend.framework_owns_gradients or self.backend.fsdp
-        module = (self.clipping.module or model) if sharded else base
-        norms = not (sharded or self.backend.checkpointing)
-        params = [p for p in base.parameters() if p.requires_grad] if norms else []
-        low_precision = bool(self.args.bf16 or self.args.fp16)
-        check_examples_alone(module, losses_of, alone, params, low_precision)
-        self.examples_checked = True
-        if self.backend.fsdp:
-            reshard_after_forward_only(model)
 
     def release(self, optimizer: torch.optim.Optimizer) -> None:
         """Before the update: nothing but the clipped step wrote ``.grad``; then noise and one ledger step per

@@ -17,12 +17,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_dp import checkpoint
 from hf_dp.arguments import DPTrainingArguments, check_trainer_call
-from hf_dp.clipping.checks import ExamplesAlone, batch_dependence_cause
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.data import ALONE_KEY, count_drawn_examples, split_dp_keys
 from hf_dp.distributed import backend_of, shard_on_cpu, uses_checkpointing, weights_on_each_node
 from hf_dp.hub import add_privacy_to_trainer_card
-from hf_dp.loss_contract import MicroBatch, per_example_under_dp
+from hf_dp.loss_contract import MicroBatch, examples_alone, per_example_under_dp
 from hf_dp.losses import per_example_loss, unwrap_model
 from hf_dp.optim.registry import decay_groups
 from hf_dp.privacy import privacy_metrics
@@ -49,7 +48,6 @@ class DPTrainerMixin:
         check_trainer_call(type(self), DPTrainerMixin, args, kwargs)
         self.dp: PrivateRun | None = None  # None: evaluation and prediction need no privacy machinery
         self._micro_batch: MicroBatch | None = None
-        self._alone: ExamplesAlone | None = None  # the first micro-batch's examples alone, checked once
         self._drawn_examples = 0  # real examples in the logical batch in progress, over all processes
         super().__init__(*args, **kwargs)
         self._optimizer_passed_in = self.optimizer  # optimizers=(optimizer, scheduler), or None
@@ -130,12 +128,11 @@ class DPTrainerMixin:
         inputs, mask, unit_of_row = split_dp_keys(inputs)
         micro = MicroBatch.of(mask, self.privacy_units(inputs, unit_of_row), self.args.device)
         self._micro_batch = micro
-        if alone and micro.units is None:
-            self._alone = self._examples_alone(alone, inputs)
+        micro.alone = None if micro.units else examples_alone(self, alone, inputs)  # PrivateRun.clip checks
         try:
             super().training_step(model, inputs, None)
         finally:
-            self._micro_batch, self._alone = None, None
+            self._micro_batch = None
         return micro.logged_loss(type(self).__name__, self.args.world_size, self._drawn_examples)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
@@ -169,31 +166,7 @@ class DPTrainerMixin:
     def _clipped_step(self, model: nn.Module, inputs: dict[str, Any], micro: MicroBatch) -> torch.Tensor:
         """The clipped step on this micro-batch; returns what the parent's training_step back-propagates."""
         losses_of = micro.per_example_losses(self.compute_loss, inputs, f"{type(self).__name__}.compute_loss")
-        return self.dp.clip(losses_of, micro, model, unwrap_model(self.model), self._alone)
-
-    def _examples_alone(
-        self, alone: list[tuple[int, dict[str, Any]]], inputs: dict[str, Any]
-    ) -> ExamplesAlone:
-        """The loader's examples alone (data.ALONE_KEY), each with its own per-example loss function."""
-        source = f"{type(self).__name__}.compute_loss"
-
-        def losses_alone(example: dict[str, Any]):
-            micro = MicroBatch.of(torch.ones(1), None, self.args.device)
-            losses_of = micro.per_example_losses(self.compute_loss, self._prepare_inputs(example), source)
-
-            def run(module: nn.Module) -> torch.Tensor:
-                outer, self._micro_batch = self._micro_batch, micro
-                try:
-                    return losses_of(module)
-                finally:
-                    self._micro_batch = outer
-
-            return run
-
-        rows = [row for row, _ in alone]
-        return ExamplesAlone(
-            rows, [losses_alone(example) for _, example in alone], batch_dependence_cause(inputs)
-        )
+        return self.dp.clip(losses_of, micro, model, unwrap_model(self.model))
 
     def train_one_step(self, micro_batches: list[dict[str, Any]]) -> float:
         """One logical batch outside ``Trainer.train`` (benchmarks, audits): every micro-batch's clipped step, the

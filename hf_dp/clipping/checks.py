@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from hf_dp.backend import Backend
 from hf_dp.clipping.evaluate import replay_rng, rng_state
 from hf_dp.clipping.hooks import UnsupportedModuleError
 from hf_dp.clipping.tail import Tail, forward_from_leaf
@@ -113,6 +114,15 @@ class ExamplesAlone:
     losses: list[LossFn]
     cause: str
 
+    @staticmethod
+    def of(
+        alone: Sequence[tuple[int, dict]], inputs: dict, loss_of: Callable[[dict], LossFn]
+    ) -> ExamplesAlone:
+        """From the loader's ``(row, example alone)`` pairs (data.ALONE_KEY) and the micro-batch's inputs."""
+        return ExamplesAlone(
+            [row for row, _ in alone], [loss_of(e) for _, e in alone], batch_dependence_cause(inputs)
+        )
+
 
 def batch_dependence_cause(inputs: dict) -> str:
     """The likely reason an example's loss depends on its batch, from the micro-batch's own tensors."""
@@ -141,18 +151,25 @@ def batch_dependence_cause(inputs: dict) -> str:
 
 
 def check_examples_alone(
-    module: nn.Module,
     losses_of: LossFn,
     alone: ExamplesAlone,
-    params: Sequence[nn.Parameter],
+    backend: Backend,
+    module: nn.Module,
+    base: nn.Module,
     low_precision: bool,
 ) -> None:
     """Per-example clipping bounds a step's sensitivity by C only if example i's gradient g_i is a function of
     example i alone: adding an example to D must change no other example's term. Checked once, on the first
-    micro-batch: each sampled example's loss in the batch, and its gradient norm ‖∇_θ L_i‖ over ``params``
-    where given, equal those of the example alone, in eval mode (dropout's masks differ
-    with the batch's shape). Every process raises if one differs. RNG and train/eval modes are left as they
-    were."""
+    micro-batch: each sampled example's loss in the batch, and where the model is whole and its activations fit
+    (``base``, not sharded, no activation checkpointing, which eval mode turns off) its gradient norm ‖∇_θ L_i‖,
+    equal those of the example alone, in eval mode (dropout's masks differ with the batch's shape). A sharded
+    model (``module``: the framework's) compares the losses. Every process raises if one differs. RNG and
+    train/eval modes are left as they were."""
+    sharded = backend.framework_owns_gradients or backend.fsdp
+    if not sharded:
+        module = base
+    norms = not (sharded or backend.checkpointing)
+    params = [p for p in base.parameters() if p.requires_grad] if norms else []
     state, modes = rng_state(), {m: m.training for m in module.modules()}
     module.eval()
     try:
