@@ -32,14 +32,14 @@ from hf_dp.budget import PrivacyBudgetCallback
 from hf_dp.checkpoint import RunPrivacyState, newest_complete, public_ledger, resume_argument, resume_point
 from hf_dp.clipping.checks import check_examples_alone, check_records_apart
 from hf_dp.clipping.engine import ClippingEngine
-from hf_dp.clipping.pipeline import clipped_step, several_evaluations_refused
+from hf_dp.clipping.pipeline import clipped_step
 from hf_dp.clipping.plan import StepPlanner
 from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.data import EpochDataLoader, dp_dataloader
 from hf_dp.distributed import lost_process, reshard_after_forward_only
 from hf_dp.loss_contract import MicroBatch
 from hf_dp.mechanism import GaussianMechanism, noise_mechanism_of
-from hf_dp.optim.registry import make_dp_optimizer
+from hf_dp.optim.registry import make_dp_optimizer, shifted_evaluations
 from hf_dp.privacy import PrivacyPlan, epsilon_spent, plan_privacy, plan_record, privacy_report
 from hf_dp.privacy_units import DatasetUnits
 from hf_dp.randomness import RunSecret, shared_secret
@@ -194,10 +194,14 @@ class PrivateRun:
         """Release every logical batch into ``optimizer`` (the rule stays stock): one pre-hook, ``release``."""
         if self.optimizer is not None:
             return
-        evaluations = getattr(optimizer, "evaluations_per_step", 1)
-        if evaluations > 1 and (self.clipping.norms_in_backward or self.backend.framework_owns_gradients):
-            raise several_evaluations_refused(update_rule[0])
-        if evaluations > 1 and self.backend.device_type == "cpu":
+        shifted = shifted_evaluations(update_rule[0])
+        if shifted and (self.clipping.norms_in_backward or self.backend.framework_owns_gradients):
+            raise ValueError(
+                f"{update_rule[0]} evaluates each example at two parameter points (DiSK), which activation "
+                "checkpointing, DeepSpeed and FSDP do not support yet: turn activation_checkpointing off, train on "
+                "one process or with DDP, or pick another dp_optimizer"
+            )
+        if getattr(optimizer, "evaluations_per_step", 1) > 1 and self.backend.device_type == "cpu":
             keep_freed_memory()  # two evaluations' buffers are reused, not re-mapped every step (cpu_heap.py)
         self.optimizer, self.update_rule = optimizer, update_rule
         self.planner.bind(optimizer)

@@ -122,6 +122,13 @@ class _Snapshot(TrainerCallback):
         return control
 
 
+def calibration_of(clipping) -> dict:
+    """What the clipped step's first step found (None for each field where the run has no clipped step)."""
+    calibration = getattr(clipping, "calibration", None)
+    fields = ("skips_tail", "replays", "tail_layers", "layerwise")
+    return {name: None if calibration is None else getattr(calibration, name) for name in fields}
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -320,10 +327,7 @@ def run(cli: argparse.Namespace) -> None:
             "deepspeed": trainer.is_deepspeed_enabled,
             "zero_stage": trainer.dp.backend.zero_stage,
             "norms_in_backward": getattr(trainer.dp.clipping, "norms_in_backward", None),
-            "skips_tail": getattr(trainer.dp.clipping, "skips_tail", None),
-            "replays": getattr(trainer.dp.clipping, "replays", None),
-            "tail_layers": getattr(trainer.dp.clipping, "tail_layers", None),
-            "layerwise": getattr(trainer.dp.clipping, "layerwise", None),
+            **calibration_of(trainer.dp.clipping),
             "checkpointing": trainer.model.is_activation_checkpointing,
             "checkpoint_wrapped": any(
                 type(m).__name__.endswith("CheckpointWrapper") for m in trainer.model.modules()

@@ -18,9 +18,9 @@ from torch import nn
 from hf_dp.backend import Backend
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.layerwise import LayerPoints
-from hf_dp.clipping.pipeline import clipped_step
+from hf_dp.clipping.pipeline import Calibration, clipped_step
 from hf_dp.clipping.plan import Evaluation, Shift, StepPlan
-from hf_dp.clipping.sum_passes import BodySum, BodyThroughFramework
+from hf_dp.clipping.sum_passes import BodySum
 from hf_dp.losses import per_example_loss, unwrap_model
 from tests import models
 from tests.test_clipping_geometry import factored_scales
@@ -202,7 +202,7 @@ def test_a_model_checkpointed_by_its_user_is_detected_and_exact(reentrant: bool)
     for ours in checkpointed_steps(model, batch, 0.5, strategy=strategy, loss_fn=_next_token_loss):
         assert engine.saw_checkpointing and strategy.norms_in_backward
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-    assert strategy.skips_tail  # the tied head
+    assert strategy.calibration.skips_tail  # the tied head
 
 
 def _live_inner_inputs(model, engine, batch, checkpointing: bool) -> tuple[int, int]:
@@ -256,11 +256,13 @@ def test_a_parameter_used_outside_its_module_is_caught_with_checkpointing(bf16: 
         checkpointed_step(model, batch, 1.0, loss_fn=lambda m, b: m(b["input_ids"]).float().pow(2).sum(dim=1))
 
 
-def test_shifted_evaluations_are_refused_with_checkpointing() -> None:
+def test_a_plan_the_table_lacks_is_an_internal_error_that_names_it() -> None:
+    """Shifted evaluations need book-keeping's norms: DPTrainer refuses them with checkpointing before training
+    (test_disk_with_activation_checkpointing_is_refused_before_training); a step asked anyway names the key."""
     model = models.llama().double().train()
     shift = Shift(0.1, {p: torch.zeros_like(p) for p in model.parameters()})
     plan = StepPlan(1.0, evaluations=(Evaluation(0.5, shift), Evaluation(0.5)))
-    with pytest.raises(ValueError, match="DiSK.*turn activation_checkpointing off") as info:
+    with pytest.raises(RuntimeError, match=r"internal error.*\(True, 'evaluations'\)") as info:
         checkpointed_step(model, models.token_batch(), 1.0, plan=plan)
     assert "\n" not in str(info.value)
 
@@ -381,7 +383,7 @@ def test_bf16_first_step_check_allows_rounding_at_llm_like_shapes() -> None:
                 )
             steps.append(torch.cat([sums[name].flatten() for name, _ in model.named_parameters()]))
         engine.remove_hooks()
-        assert strategy.skips_tail and strategy.layerwise
+        assert strategy.calibration.skips_tail and strategy.calibration.layerwise
     for fp32, bf16 in zip(steps[:2], steps[2:], strict=True):
         assert (bf16 - fp32).norm() < 0.02 * fp32.norm()
 
@@ -438,7 +440,7 @@ def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: 
     engine = ClippingEngine(model)
     strategy = clipped_step(engine, model, Backend(checkpointing=True))
     first, second = checkpointed_steps(model, batch, max_norm, strategy=strategy, loss_fn=counted_loss)
-    assert strategy.skips_tail and strategy.layerwise
+    assert strategy.calibration.skips_tail and strategy.calibration.layerwise
     # step 1: norm pass, whole weighted pass, the check's forward up to the first layer; step 2: norm pass, the
     # forward up to the first layer (the embeddings' part)
     assert len(loss_calls) == 5 and head_calls == [1, 2, 4]
@@ -464,7 +466,11 @@ def test_a_frozen_head_is_skipped_from_the_last_layers_output(monkeypatch, reent
     steps = checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards, steps=3)
     for ours in steps:
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-    assert strategy.skips_tail is True and strategy.tail_layers == 0 and strategy.layerwise
+    assert (
+        strategy.calibration.skips_tail is True
+        and strategy.calibration.tail_layers == 0
+        and strategy.calibration.layerwise
+    )
     # later steps: the norm pass's forward only
     assert forwards[1:] == [1, 1] and head_calls.count(1) == head_calls.count(2) == 1
     assert mlp_calls.count(2) == 3  # forward, recomputation, and the weighted pass's recomputation
@@ -488,9 +494,9 @@ def test_through_zero2_lora_runs_the_layers_below_its_tail_one_by_one(monkeypatc
     strategy = clipped_step(ClippingEngine(model), model, ZERO2)
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards, steps=3):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-    assert strategy.skips_tail is strategy.layerwise is (not reentrant)
+    assert strategy.calibration.skips_tail is strategy.calibration.layerwise is (not reentrant)
     if not reentrant:
-        assert strategy.tail_layers == 1 and forwards[1:] == [
+        assert strategy.calibration.tail_layers == 1 and forwards[1:] == [
             1,
             1,
         ]  # later steps: the norm pass's forward only
@@ -517,7 +523,7 @@ def test_a_block_whose_attention_reaches_its_output_directly_is_not_run_layer_by
             lambda module, args, output, layer=layer: output + 0.5 * layer.attended
         )
     strategy = steps_match_brute_force(model, batch, reentrant, backend=backend)
-    assert strategy.skips_tail is True and strategy.layerwise is False
+    assert strategy.calibration.skips_tail is True and strategy.calibration.layerwise is False
 
 
 @pytest.mark.parametrize("backend", [ONE_PROCESS, ZERO2], ids=["one_process", "zero2"])
@@ -533,7 +539,7 @@ def test_a_weight_shared_by_attention_and_mlp_goes_with_its_last_use(
         layer.mlp.up_proj.weight = layer.self_attn.q_proj.weight
     batch = models.token_batch()
     strategy = steps_match_brute_force(model, batch, reentrant, backend=backend)
-    assert strategy.skips_tail and strategy.layerwise
+    assert strategy.calibration.skips_tail and strategy.calibration.layerwise
 
 
 def test_a_step_that_cannot_run_the_checked_layer_by_layer_pass_runs_the_whole_pass(monkeypatch) -> None:
@@ -552,7 +558,7 @@ def test_a_step_that_cannot_run_the_checked_layer_by_layer_pass_runs_the_whole_p
 
     monkeypatch.setattr(LayerPoints, "usable", usable_on_the_first_step_only)
     strategy = steps_match_brute_force(model, batch, reentrant=False, steps=2, forwards=forwards)
-    assert strategy.layerwise and answers == [True, False]
+    assert strategy.calibration.layerwise and answers == [True, False]
     assert forwards[1] == 2 and head_calls.count(1) == 2  # the norm pass and the whole weighted pass
 
 
@@ -568,7 +574,7 @@ def test_the_layer_by_layer_pass_keeps_each_point_once_and_lets_it_go(monkeypatc
     seen = []
     original = BodySum.__call__
 
-    def watched(self, losses_of, found, norms, factors, batch):
+    def watched(self, losses_of, found, factors, batch):
         points = found.points
         seen.append(
             (
@@ -577,17 +583,17 @@ def test_the_layer_by_layer_pass_keeps_each_point_once_and_lets_it_go(monkeypatc
                 points.first_input.gradient is not None,
             )
         )
-        original(self, losses_of, found, norms, factors, batch)
-        seen.append((points.gradients, points.norm_parts, points.first_input.gradient))
+        seen.append(points)
+        return original(self, losses_of, found, factors, batch)
 
     layers = list(model.model.layers)
     monkeypatch.setattr(BodySum, "__call__", watched)
     checkpointed_steps(model, batch, 1.0, strategy=strategy, steps=2)
-    assert strategy.layerwise
-    kept, left = seen
+    assert strategy.calibration.layerwise
+    kept, points = seen
     names = [(k, "LlamaRMSNorm") for k in range(3)] + [(k, "NoneType") for k in range(3)]
     assert kept == (sorted(names), 6, True)
-    assert left == ({}, [], None)
+    assert (points.gradients, points.norm_parts, points.first_input.gradient) == ({}, [], None)
 
 
 def test_through_zero2_the_layer_by_layer_pass_lets_each_kept_gradient_go_in_the_backward(
@@ -600,15 +606,15 @@ def test_through_zero2_the_layer_by_layer_pass_lets_each_kept_gradient_go_in_the
     model = models.llama(num_hidden_layers=3).double().train()
     batch = models.token_batch()
     kept = []
-    original = BodyThroughFramework.__call__
+    original = BodySum.__call__
 
-    def watched(self, losses_of, found, norms, factors, batch):
+    def watched(self, losses_of, found, factors, batch):
         kept.append((found.points, len(found.points.gradients), len(found.points.norm_parts)))
-        return original(self, losses_of, found, norms, factors, batch)
+        return original(self, losses_of, found, factors, batch)
 
-    monkeypatch.setattr(BodyThroughFramework, "__call__", watched)
+    monkeypatch.setattr(BodySum, "__call__", watched)
     strategy = steps_match_brute_force(model, batch, reentrant=False, steps=3, backend=ZERO2)
-    assert strategy.layerwise and len(kept) == 2  # the steps after the checked first one
+    assert strategy.calibration.layerwise and len(kept) == 2  # the steps after the checked first one
     for points, gradients, norm_parts in kept:
         assert (gradients, norm_parts) == (6, 6)
         assert points.gradients == {} and points.norm_parts == [] and points.first_input.gradient is None
@@ -649,8 +655,8 @@ def test_the_tail_reaches_down_over_the_last_layers_its_budget_holds(
     backend = Backend(world_size=2 if zero_stage else 1, zero_stage=zero_stage, checkpointing=True)
     (first, second), strategy = framework_steps(model, batch, max_norm, backend, loss_fn=counted_loss)
     reached = 0 if zero_stage and reentrant else reached
-    assert strategy.skips_tail and strategy.tail_layers == reached
-    assert strategy.layerwise  # one process and ZeRO-2: the layers below the tail one by one
+    assert strategy.calibration.skips_tail and strategy.calibration.tail_layers == reached
+    assert strategy.calibration.layerwise  # one process and ZeRO-2: the layers below the tail one by one
     # step 2: forward 4 is the norm pass (forward and recomputation), forward 5 the weighted pass below the tail
     below = len(model.model.layers) - reached
     assert [[n for n in calls if n > 3] for calls in mlp_calls] == [[4, 4, 5]] * below + [[4, 4]] * reached
@@ -684,7 +690,7 @@ def test_later_steps_reach_down_over_the_layers_the_first_step_checked(monkeypat
             strategy, model, lambda module, batch=batch: loss_fn(module, batch), mask, StepPlan(0.05)
         )
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-    assert strategy.skips_tail and strategy.tail_layers == 2
+    assert strategy.calibration.skips_tail and strategy.calibration.tail_layers == 2
 
 
 class _AuxiliaryLoss(_UserCheckpointed):
@@ -724,7 +730,7 @@ def test_a_loss_that_reaches_the_body_outside_the_tail_keeps_the_whole_weighted_
     sums, strategy = framework_steps(model, batch, 0.5, backend, loss_fn=loss_fn)
     for ours in sums:
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-    assert strategy.skips_tail is False  # the first step's check found the difference
+    assert strategy.calibration.skips_tail is False  # the first step's check found the difference
 
 
 @pytest.mark.parametrize("backend", [Backend(checkpointing=True), Backend(zero_stage=1, checkpointing=True)])
@@ -754,7 +760,7 @@ def test_a_loss_that_reads_the_body_below_the_tail_keeps_the_whole_weighted_pass
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
     # in one process the layer below the tail runs on its own from its output, and the embeddings from the first
     # layer's input, whose kept gradient holds the term's: exact, so the tail is skipped that way
-    assert strategy.skips_tail is strategy.layerwise is (backend.zero_stage is None)
+    assert strategy.calibration.skips_tail is strategy.calibration.layerwise is (backend.zero_stage is None)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -773,14 +779,15 @@ def test_the_replayed_weighted_pass_draws_the_norm_pass_dropout_masks(
     mask = torch.ones(batch["input_ids"].shape[0])
 
     def step(seed: int, fast: bool | None) -> dict[str, torch.Tensor]:
-        strategy.skips_tail = strategy.replays = fast
+        if fast is not None:
+            strategy.force(skips_tail=fast, replays=fast)
         torch.manual_seed(seed)
         return step_sums(
             strategy, model, lambda module: per_example_loss(module, batch), mask, StepPlan(0.05)
         )
 
     step(0, None)  # the checked first step
-    assert strategy.skips_tail
+    assert strategy.calibration.skips_tail
     fast, whole = step(1, True), step(1, False)
     assert_close(fast, whole, rtol=1e-9, floor=1e-9)
     other = step(2, True)  # the masks matter: another draw gives another sum
@@ -811,8 +818,8 @@ def test_through_zero2_and_fsdp2_the_weighted_pass_skips_the_lm_head_after_the_c
     sharded = framework == "fsdp2"
     backend = Backend(world_size=2, zero_stage=None if sharded else 2, fsdp=sharded, checkpointing=True)
     (first, second), strategy = framework_steps(model, batch, max_norm, backend, steps=2)
-    assert strategy.skips_tail and strategy.replays
-    assert strategy.layerwise is not sharded  # ZeRO-2: the layers one by one (layerwise.py)
+    assert strategy.calibration.skips_tail and strategy.calibration.replays
+    assert strategy.calibration.layerwise is not sharded  # ZeRO-2: the layers one by one (layerwise.py)
     # step 1: norm pass, the check's forward, the whole weighted pass (3 heads); step 2: the norm pass's only
     assert len(head_calls) == 4
     # step 1: the norm pass's forward and recomputation, the check's forward (and ZeRO-2's recomputation for the
@@ -842,7 +849,7 @@ def test_through_fsdp2_the_tail_goes_into_grad_without_reading_the_tail_weights(
     assert_close(
         step_sums(strategy, model, losses_of, mask, StepPlan(0.05)), reference, rtol=1e-9, floor=1e-6
     )
-    assert strategy.skips_tail
+    assert strategy.calibration.skips_tail
     norm_calls = []
 
     def free_head(module, args):  # the second call of step 2: the weighted pass's forward reaches the tail
@@ -869,8 +876,7 @@ def test_zero3_keeps_the_tail_and_runs_the_layers(reentrant: bool) -> None:
     mlp_calls = []
     model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(None))
     sums, strategy = framework_steps(model, batch, 0.05, backend)
-    assert strategy.skips_tail is None and not strategy.framework_may_skip_tail
-    assert strategy.replays is None
+    assert strategy.calibration == Calibration() and not strategy.framework_may_replay
     assert len(mlp_calls) == 4 + 4
     for ours in sums:
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
@@ -888,7 +894,7 @@ def test_a_layer_whose_output_changes_between_passes_is_not_replayed() -> None:
     _, strategy = framework_steps(
         model, models.token_batch(), 0.05, Backend(zero_stage=2, checkpointing=True)
     )
-    assert strategy.replays is False
+    assert strategy.calibration.replays is False
 
 
 @pytest.mark.parametrize(

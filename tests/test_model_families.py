@@ -84,5 +84,5 @@ def test_a_checkpointed_step_of_each_family_matches_brute_force(
     step = clipped_step(ClippingEngine(model), model, ONE_PROCESS if backend == "one process" else ZERO2)
     for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=3):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-    assert step.skips_tail is True
-    assert step.layerwise is layerwise
+    assert step.calibration.skips_tail is True
+    assert step.calibration.layerwise is layerwise

@@ -170,8 +170,8 @@ def test_disk_two_steps_equal_the_algorithm_written_out(tmp_path, monkeypatch):
 def test_parameter_shifter_evaluates_at_the_shift_and_restores_theta_exactly():
     """Inside: every parameter is θ + scale·d. After: the very tensor θ was (same storage, same bits). A θ
     written in place under the same plan (a loaded checkpoint) is noticed and the shifted point recomputed."""
-    from hf_dp.clipping.evaluate import ParameterShifter
     from hf_dp.clipping.plan import Shift
+    from hf_dp.clipping.shifts import ParameterShifter
 
     torch.manual_seed(6)
     model = models.gpt2()

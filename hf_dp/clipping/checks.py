@@ -13,16 +13,15 @@ import torch
 from torch import nn
 
 from hf_dp.backend import Backend
-from hf_dp.clipping.evaluate import replay_rng, rng_state
 from hf_dp.clipping.hooks import UnsupportedModuleError
+from hf_dp.clipping.per_example import LossFn
+from hf_dp.clipping.rng_replay import replay_rng, rng_state
 from hf_dp.clipping.tail import Tail, forward_from_leaf
 from hf_dp.clipping.units import PrivacyUnits
 
 if TYPE_CHECKING:
     from hf_dp.clipping.per_example import PerExampleGradient
     from hf_dp.clipping.taps import NormCollector
-
-LossFn = Callable[[nn.Module], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -214,34 +213,24 @@ def _loss_and_norm(loss: torch.Tensor, params: Sequence[nn.Parameter], retain: b
     return float(loss.detach().double()), float(norm)
 
 
-def projections(params: Sequence[nn.Parameter], collector: NormCollector) -> dict[int, float]:
-    """⟨.grad, V_p⟩ for every parameter p (0 without a gradient), in float64."""
-    return {
-        id(p): 0.0 if p.grad is None else float((p.grad.double() * collector.direction(p).double()).sum())
-        for p in params
-    }
-
-
 def check_projections(
     params: Sequence[nn.Parameter],
     name_of: Callable[[nn.Parameter], str],
     collector: NormCollector,
     weights: torch.Tensor,
-    before: dict[int, float],
 ) -> None:
-    """⟨Σ_i c_i g_i, V_p⟩ from autograd must equal Σ_i c_i ⟨G_i, V_p⟩ from the norm pass for every parameter p:
-    otherwise some use of p escaped the taps and its norm would be too small. The error is measured against
-    ‖Σ_i c_i g_i‖ too (the typical size of a projection on V_p ~ N(0, I), which may land near 0 by chance)."""
-    after = projections(params, collector)
+    """⟨Σ_i c_i g_i, V_p⟩ from autograd (the first micro-batch's ``.grad``, None or 0 before it: GradientGuard) must
+    equal Σ_i c_i ⟨G_i, V_p⟩ from the norm pass for every parameter p: otherwise some use of p escaped the taps and
+    its norm would be too small. The error is measured against ‖Σ_i c_i g_i‖ too (the typical size of a projection
+    on V_p ~ N(0, I), which may land near 0 by chance)."""
     tolerance = TOLERANCES.projections.at(collector.low_precision)
     for param in params:
-        pid = id(param)
-        projection = collector.projections.get(pid)
+        projection = collector.projections.get(id(param))
         ours = 0.0 if projection is None else float((weights.double() * projection.double()).sum())
         scale = 0.0 if projection is None else float((weights.double() * projection.double()).abs().sum())
-        theirs = after[pid] - before[pid]
-        # ‖Σ_i c_i g_i‖: the gradient was None or 0 before this first micro-batch (check_untouched)
-        gradient = 0.0 if param.grad is None else float(param.grad.double().norm())
+        grad = param.grad
+        theirs = 0.0 if grad is None else float((grad.double() * collector.direction(param).double()).sum())
+        gradient = 0.0 if grad is None else float(grad.double().norm())
         if abs(ours - theirs) > tolerance * max(scale, abs(theirs), gradient, 1e-6):
             raise UnsupportedModuleError(
                 f"parameter {name_of(param)} gets gradient from outside the forward of the module that owns it "

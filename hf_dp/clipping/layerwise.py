@@ -38,7 +38,7 @@ from hf_dp.clipping.checks import sums_match, tensors_match
 from hf_dp.clipping.per_example import PerExampleGradient
 from hf_dp.clipping.replay import Kept
 from hf_dp.clipping.rules import is_rms_norm
-from hf_dp.clipping.tail import TailBoundary, clipped_sums, forward_to, weighted_by_units
+from hf_dp.clipping.tail import TailBoundary, UnitWeights, clipped_sums, forward_to, paired, weighted_by_units
 from hf_dp.clipping.units import PrivacyUnits
 
 
@@ -85,6 +85,11 @@ class LayerPoints:
 
     def keep_norm_part(self, param: nn.Parameter, part: PerExampleGradient) -> None:
         self.norm_parts.append((param, part))
+
+    def take_norm_parts(self) -> list[tuple[nn.Parameter, PerExampleGradient]]:
+        """The norm modules' per-example gradients, handed over once (the points no longer hold them)."""
+        parts, self.norm_parts = self.norm_parts, []
+        return parts
 
     def _keep(self, key: tuple[nn.Module, nn.Module | None], point: torch.Tensor) -> None:
         def keep(gradient: torch.Tensor) -> None:
@@ -157,26 +162,6 @@ class LayerPoints:
             for handle in handles:
                 handle.remove()
 
-    def backward(
-        self,
-        kept: Sequence[Kept],
-        below: int,
-        factors: torch.Tensor,
-        units: PrivacyUnits | None,
-        forward: Callable[[], object],
-    ) -> None:
-        """The weighted pass's part of Σ_i c_i g_i for the first ``below`` layers and what precedes them, into
-        ``.grad``: each layer recomputed from ``kept`` and each segment back-propagated from its point; then the
-        embeddings' part from ``forward`` stopped at the first layer's input. Each gradient is let go once used."""
-        boundary = self.first_input
-        if boundary is not None and boundary.gradient is not None:
-            hidden = forward_to(boundary, forward)
-            gradient, boundary.gradient = boundary.gradient, None
-            if hidden.requires_grad:
-                hidden.backward(weighted_by_units(gradient, factors, units))
-        for layer, entry in reversed(list(zip(self.order[:below], kept[:below], strict=True))):
-            self._layer_backward(layer, entry, factors, units)
-
     def usable(self, kept: Sequence[Kept]) -> bool:
         """Every checkpointed layer was called once, returned one tensor, and its call was kept."""
         return self.complete and len(self.order) == len(kept) and all(k.function is not None for k in kept)
@@ -216,7 +201,7 @@ class LayerPoints:
         gradient, boundary.gradient = boundary.gradient, None
         if not hidden.requires_grad:
             return None
-        return (hidden * weighted_by_units(gradient, factors, units).to(hidden.dtype)).sum()
+        return paired(hidden, weighted_by_units(gradient, factors, units))
 
     def matches_chain(
         self,
@@ -320,16 +305,11 @@ class LayerPoints:
         k: its point, spread(c) ⊙ the point's kept gradient, and its parameters, from the top, each kept gradient
         let go. A backward from a point towards its segment also runs through the earlier points its earlier uses
         feed."""
+        weighted = UnitWeights(factors, units)
         for (module, tensor), params in reversed(list(zip(run.points, run.segments, strict=True))):
             gradient = self.gradients.pop((run.layer, module), None)
             if params and gradient is not None and tensor.requires_grad:
-                yield tensor, weighted_by_units(gradient, factors, units), params
-
-    def _layer_backward(
-        self, layer: nn.Module, entry: Kept, factors: torch.Tensor, units: PrivacyUnits | None
-    ) -> None:
-        for tensor, gradient, params in self._weighted_points(self._recomputed(layer, entry), factors, units):
-            torch.autograd.backward(tensor, gradient, inputs=params, retain_graph=True)
+                yield tensor, weighted(gradient), params
 
     def _segment_gradients(
         self, run: _Recomputed, factors: torch.Tensor, units: PrivacyUnits | None
@@ -370,4 +350,4 @@ class _LayerGradients(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         found = ctx.gradients_of(grad)
         # a zero, not None, where no segment reached a parameter: a framework may count on each one's hook firing
-        return None, *[found.get(id(p), torch.zeros_like(p)) for p in ctx.params]
+        return None, *[found[id(p)] if id(p) in found else torch.zeros_like(p) for p in ctx.params]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from hf_dp.backend import Backend
-
-LossFn = Callable[[nn.Module], torch.Tensor]
+from hf_dp.clipping.per_example import LossFn
 
 # A token's logit gradient is S·(softmax − onehot)/T_i (L_i is a mean over its T_i tokens): up to S for a
 # one-token example, and deeper activation gradients reached 2.8·S (Llama 4×256, V 32000, T 128), so 2^15

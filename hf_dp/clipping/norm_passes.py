@@ -13,7 +13,6 @@ the random state it started from (the weighted pass replays it) and its per-exam
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,16 +20,15 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine
-from hf_dp.clipping.evaluate import ParameterShifter, RngState, replay_rng, rng_state
 from hf_dp.clipping.layerwise import LayerPoints
-from hf_dp.clipping.per_example import Dropped
+from hf_dp.clipping.per_example import Dropped, LossFn
 from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.replay import LayerReplay
+from hf_dp.clipping.rng_replay import RngState, replay_rng, rng_state
+from hf_dp.clipping.shifts import ParameterShifter
 from hf_dp.clipping.sums import Terms
 from hf_dp.clipping.taps import NormCollector, TapOptions
 from hf_dp.clipping.units import PrivacyUnits
-
-LossFn = Callable[[nn.Module], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -66,10 +64,6 @@ class FoundNorms:
     collector: NormCollector | None = None
     replay: LayerReplay | None = None  # the checkpointed layers' outputs (tail kept, or recorded)
     points: LayerPoints | None = None  # what the layer-by-layer weighted pass needs (layerwise.py)
-    tail_exact: bool | None = None  # set by the first step's tail check (sum_passes)
-    # set by the first step's check of the layer-by-layer pass (sum_passes)
-    layerwise_exact: bool | None = None
-    replay_exact: bool | None = None  # set by the first step through a framework (sum_passes)
     # the real units' losses must be finite (checked with the clip factors, pipeline.py: OVERFLOWED_LOSS)
     finite_losses: bool = False
 
@@ -137,28 +131,25 @@ class TappedNorms:
     ``taps_only``: differentiate towards the taps alone (``autograd.grad``), so that no weight gradient is even
     formed: FSDP2 computes with unsharded copies of the parameters, which freezing the sharded ones does not
     freeze. ``finite_losses``: refuse a loss that overflowed in the forward, which a zero clip weight cannot keep
-    out of a later weighted backward of the bare module (checked with the clip factors, in one host read). ``record_layers``: keep the checkpointed layers' outputs
-    for the weighted pass (replay.py), as ``keep_tail`` does."""
+    out of a later weighted backward of the bare module (checked with the clip factors, in one host read)."""
 
     engine: ClippingEngine
     module: nn.Module
     options: TapOptions = TapOptions()
     taps_only: bool = False
     finite_losses: bool = True
-    record_layers: bool = False
 
     def __call__(self, losses_of: LossFn, batch: Batch, plan: StepPlan) -> FoundNorms:
         state = rng_state()
-        replay = LayerReplay(self.module) if self.options.keep_tail or self.record_layers else None
+        options = self.options
+        replay = LayerReplay(self.module) if options.keep_tail or options.record_layers else None
         points = (
-            LayerPoints(replay.layers, self.engine.layers.owned)
-            if replay and self.options.layerwise
-            else None
+            LayerPoints(replay.layers, self.engine.layers.owned) if replay and options.layerwise else None
         )
         with (
             replay.recording(keep_calls=points is not None) if replay else contextlib.nullcontext(),
             self.engine.norms_in_backward(
-                batch.size, plan.clip_scale, batch.units, self.options, freeze=not self.taps_only
+                batch.size, plan.clip_scale, batch.units, options, freeze=not self.taps_only
             ) as collector,
             collector.watching(replay.layers if replay else []),
             points.watching(lambda: collector.counting) if points else contextlib.nullcontext(),

@@ -20,13 +20,16 @@ otherwise needs the explicit per-example gradients.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 
 from hf_dp.clipping.geometry import ClipScale, FactoredScale, dense_scale, unsharded
+
+# a micro-batch's per-example losses (U,) from a forward of the module given (bare, or as a framework wrapped it)
+LossFn = Callable[[torch.nn.Module], torch.Tensor]
 
 # Materialised per-example gradients are built this many floats at a time (about 256 MB).
 _CHUNK_FLOATS = 64 * 1024 * 1024

@@ -1,28 +1,35 @@
-"""A clipped step as a pipeline: norms → clip factors → clipped sum, with each half chosen from one table.
+"""A clipped step as a pipeline: norms → clip factors → clipped sum → its delivery, each part chosen by ``select``.
 
-    norms = found.norms / S,    c_i = clip(norms_i, C) · mask_i,    Σ_i c_i g_i written by the sum pass
+    norms = found.norms / S,    c_i = clip(norms_i, C) · mask_i,    Σ_i c_i g_i computed by the sum pass
 
-(Abadi et al. 2016; book-keeping, Bu et al. 2023). How the norms are obtained is a ``NormPass``
-(norm_passes.py), how the sum is written a ``SumPass`` (sum_passes.py); ``TABLE`` picks both from the backend's
-gradient owner, whether the norms come from inside a backward (activation checkpointing, FSDP2) and what this
-step needs. A step whose book-keeping forward meets the user's own ``torch.utils.checkpoint`` re-selects with
-the norms inside the backward, for good. ``LossScale`` (fp16's S, identity otherwise) is applied here only.
-``NonPrivate`` is the same call without clipping (``disable_dp``). See docs/clipping.md.
+(Abadi et al. 2016; book-keeping, Bu et al. 2023). How the norms are obtained is a ``NormPass`` (norm_passes.py),
+what the sum is a ``SumPass`` (sum_passes.py), how it reaches the gradients a ``Delivery`` (delivery.py): ``TABLE``
+picks the norm and sum passes from whether the norms come from inside a backward (activation checkpointing, FSDP2)
+and what this step needs; the delivery follows from who owns the gradients. The first step also runs the checks
+that fix the run's ``Calibration`` (calibration.py). A step whose book-keeping forward meets the user's own
+``torch.utils.checkpoint`` re-selects with the norms inside the backward, for good. ``LossScale`` (fp16's S,
+identity otherwise) is applied here only. ``NonPrivate`` is the same call without clipping (``disable_dp``). See
+docs/clipping.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from hf_dp.backend import Backend
+from hf_dp.clipping.calibration import (
+    Calibration,
+    CheckedInGradients,
+    CheckedThroughFramework,
+    FirstStepCheck,
+)
 from hf_dp.clipping.checks import GradientGuard
+from hf_dp.clipping.delivery import AsLinearTerms, Delivery, IntoGradients, IntoUnshardedGradients, MicroStep
 from hf_dp.clipping.engine import ClippingEngine
-from hf_dp.clipping.evaluate import ParameterShifter
 from hf_dp.clipping.loss_scale import LossScale
 from hf_dp.clipping.norm_passes import (
     OVERFLOWED_LOSS,
@@ -32,26 +39,15 @@ from hf_dp.clipping.norm_passes import (
     RecordedNorms,
     TappedNorms,
 )
+from hf_dp.clipping.per_example import LossFn
 from hf_dp.clipping.plan import StepPlan
-from hf_dp.clipping.sum_passes import (
-    BodySum,
-    BodyThroughFramework,
-    FactoredSum,
-    KeptSum,
-    MicroStep,
-    PartsThroughFramework,
-    SumPass,
-    TailCheck,
-    WeightedBackward,
-    WeightedThroughFramework,
-)
+from hf_dp.clipping.shifts import ParameterShifter
+from hf_dp.clipping.sum_passes import BodySum, FactoredSum, KeptSum, SumPass, WholeSum
 from hf_dp.clipping.sums import ClippedSums
 from hf_dp.clipping.taps import TapOptions
 from hf_dp.clipping.units import PrivacyUnits
 
-__all__ = ["Batch", "ClippedStep", "MicroStep", "NonPrivate", "clipped_step", "several_evaluations_refused"]
-
-LossFn = Callable[[nn.Module], torch.Tensor]
+__all__ = ["Batch", "Calibration", "ClippedStep", "MicroStep", "NonPrivate", "clipped_step"]
 
 # With the norms inside a backward, explicit per-example gradients replace the weighted pass when all B of them
 # take at most this share of the model's parameter count (LoRA adapters: ~1%; full fine-tuning never qualifies).
@@ -64,19 +60,24 @@ DEEP_TAIL_SHARE = 0.5
 # Who writes the gradients: the bare module (one process, DDP), the framework (DeepSpeed), or the framework with
 # sharded parameters (FSDP2, whose norm pass differentiates towards its taps only).
 Owner = Literal["module", "framework", "sharded"]
-# What the step needs beyond that: several evaluations (DiSK), one pass (ZeRO-0/1/2: the norm pass's per-example
-# gradients give the sum), the first step's checks, or (later steps with the norms inside a backward) one pass
-# from kept gradients, the body without the tail, or the whole weighted pass.
-Need = Literal["evaluations", "one pass", "first step", "kept gradients", "body", "whole"]
+# What the step needs: several evaluations (DiSK), one pass (the norm pass's per-example gradients give the sum),
+# the first step's checks, the body without the tail (the first step found it exact), or the whole weighted pass.
+Need = Literal["evaluations", "one pass", "first step", "body", "whole"]
+NormKind = Literal["recorded", "evaluated", "tapped"]
+SumKind = Literal["factored", "kept", "body", "whole"]
 
-
-def several_evaluations_refused(rule: str = "this dp_optimizer") -> ValueError:
-    """The one refusal of a plan with several evaluations (DiSK) where only book-keeping's norms can combine them."""
-    return ValueError(
-        f"{rule} evaluates each example at two parameter points (DiSK), which activation checkpointing, DeepSpeed "
-        "and FSDP do not support yet: turn activation_checkpointing off, train on one process or with DDP, or pick "
-        "another dp_optimizer"
-    )
+# (norms inside a backward, need) → (how the norms are obtained, what the clipped sum is); ``select`` adds the
+# delivery by the gradients' owner. Several evaluations need book-keeping's norms (refused before training
+# elsewhere: run.PrivateRun.bind_optimizer, distributed.py).
+TABLE: dict[tuple[bool, Need], tuple[NormKind, SumKind]] = {
+    (False, "evaluations"): ("evaluated", "factored"),
+    (False, "one pass"): ("recorded", "factored"),
+    (False, "whole"): ("recorded", "whole"),
+    (True, "one pass"): ("tapped", "kept"),
+    (True, "first step"): ("tapped", "whole"),
+    (True, "body"): ("tapped", "body"),
+    (True, "whole"): ("tapped", "whole"),
+}
 
 
 def _tail_floats(engine: ClippingEngine) -> int:
@@ -89,10 +90,21 @@ def kept_gradients_fit(engine: ClippingEngine, count: int) -> bool:
     return count * engine.clipped_numel <= KEPT_GRADIENTS_SHARE * engine.model_numel
 
 
+@dataclass(frozen=True)
+class Parts:
+    """One step's choice: its norm pass, sum pass and delivery, and on the first step the check around it."""
+
+    norms: NormPass
+    sum: SumPass
+    delivery: Delivery
+    check: FirstStepCheck | None = None
+
+
 class ClippedStep:
     """Σ_i c_i g_i of each micro-batch into the gradients (or handed to the framework), u_i = Σ_e w_e ∇L_i(θ +
     shift_e) clipped once per example in the plan's geometry. Where the module writes ``.grad`` the step owns it
-    between two releases (``check_untouched``, checks.GradientGuard)."""
+    between two releases (``check_untouched``, checks.GradientGuard). ``calibration``: what the first step found
+    (None before it); ``force`` overrides it (benchmarks and tests that compare passes)."""
 
     def __init__(self, engine: ClippingEngine, module: nn.Module, backend: Backend) -> None:
         if backend.framework_owns_gradients and backend.fp16_loss_scale is not None:
@@ -101,14 +113,16 @@ class ClippedStep:
         self.owner: Owner = "sharded" if backend.fsdp else "framework" if backend.deepspeed else "module"
         self.scale = LossScale.of(backend)
         self.norms_in_backward = backend.checkpointing or backend.fsdp
-        self.skips_tail: bool | None = None  # the weighted pass skips the tail (tail.py): None until checked
-        self.tail_layers = 0  # how many checkpointed layers the checked tail reaches down over (tail.py)
-        self.layerwise = False  # the weighted pass runs the layers below the tail one by one (layerwise.py)
-        # through a framework, the weighted pass replays the checkpointed layers (replay.py): None until checked
-        self.replays: bool | None = None
+        self.calibration: Calibration | None = None
         self.shifter = ParameterShifter()
-        self.first_step = True  # the first step runs the checks (checks.py)
+        self._forced: dict[str, Any] = {}
         self._guard = None if backend.framework_owns_gradients else GradientGuard(lambda: engine.parameters)
+
+    def force(self, **fields: Any) -> None:
+        """Later steps take these ``Calibration`` fields whatever the first step finds (its checks still run)."""
+        self._forced = fields
+        if self.calibration is not None:
+            self.calibration = replace(self.calibration, **fields)
 
     def check_untouched(self) -> None:
         """Before the release: ``.grad`` is exactly as the step left it (a no-op where the framework owns it)."""
@@ -139,35 +153,36 @@ class ClippedStep:
                 self._guard.written()
                 return MicroStep(mask.new_zeros(batch.size), None)
         losses_of = self.scale.wrap(losses_of)
-        norm_pass, sum_pass = self._select(plan, batch, model)
-        found = norm_pass(losses_of, batch, plan)
+        parts = select(self, plan, batch, model)
+        found = parts.norms(losses_of, batch, plan)
         if (
             found is None
         ):  # the user's own torch.utils.checkpoint: the norms come from inside a backward for good
             self.norms_in_backward = True
-            norm_pass, sum_pass = self._select(plan, batch, model)
-            found = norm_pass(losses_of, batch, plan)
-        norms = self.scale.unscale(found.norms)
+            parts = select(self, plan, batch, model)
+            found = parts.norms(losses_of, batch, plan)
         clipped = self.engine.clip(
-            norms, plan.clip_norm, batch.mask, found.losses if found.finite_losses else None
+            self.scale.unscale(found.norms),
+            plan.clip_norm,
+            batch.mask,
+            found.losses if found.finite_losses else None,
         )
         if clipped.bad_losses:
             raise FloatingPointError(OVERFLOWED_LOSS)
         factors = clipped.factors
         batch = replace(batch, overflowed=clipped.overflowed, dropped=clipped.dropped)
-        step = sum_pass(losses_of, found, norms, factors, batch)
-        if found.tail_exact is not None:
-            self.skips_tail = found.tail_exact
-            self.tail_layers = found.collector.reached
-            self.layerwise = bool(found.layerwise_exact)
-        if found.replay_exact is not None:
-            self.replays = found.replay_exact
-            # through a framework the layer-by-layer pass was checked against the chain its layers' replay checks
-            self.layerwise = self.layerwise and self.replays
-        self.first_step = False
+        computed = parts.sum(losses_of, found, factors, batch)
+        deliver = lambda: parts.delivery(computed, factors, found.losses)  # noqa: E731
+        if parts.check is not None:
+            step, found_calibration = parts.check(deliver, losses_of, found, factors, batch)
+        else:
+            step, found_calibration = deliver(), Calibration()
+        if self.calibration is None:
+            self.calibration = replace(found_calibration, **self._forced)
         if self._guard is not None:
+            self.engine.move_to_low_precision_sums()  # after the checks, which read what the backward wrote
             self._guard.written()
-        return step if step is not None else MicroStep(self.scale.unscale(found.losses.detach()), None)
+        return step
 
     @property
     def framework_has_whole_parameters(self) -> bool:
@@ -176,164 +191,117 @@ class ClippedStep:
 
     @property
     def framework_may_replay(self) -> bool:
-        """Through ZeRO-1/2 and FSDP2 the weighted pass may replay the checkpointed layers once the first step
-        compared them. Not through ZeRO-3: a replayed layer's recomputation gathers its weights once more than
-        checkpointing's does (measured 1.04–1.16x slower, docs/results.md)."""
+        """Through ZeRO-1/2 and FSDP2 the weighted pass may replay the checkpointed layers and skip the tail once the
+        first step checked them. Not through ZeRO-3: a replayed layer's recomputation gathers its weights once more
+        than checkpointing's does (measured 1.04–1.16x slower, docs/results.md), and ZeRO-3 reduces only gradients
+        its own backward hooks see, of weights it gathers only inside each module."""
         return self.owner == "sharded" or self.framework_has_whole_parameters
 
-    @property
-    def framework_may_skip_tail(self) -> bool:
-        """The tail skip through a framework needs the norms from a backward and a way to hand the framework the
-        tail's Σ_i c_i G_i (sum_passes.BodyThroughFramework): as terms linear in each whole parameter under ZeRO-1/2,
-        in the unsharded parameters' gradients under FSDP2. Not ZeRO-3, which reduces only gradients its own
-        backward hooks see, of weights it gathers only inside each module."""
-        return (self.framework_has_whole_parameters or self.owner == "sharded") and self.norms_in_backward
-
-    def _need(self, plan: StepPlan, batch: Batch) -> Need:
+    def need(self, plan: StepPlan, batch: Batch) -> Need:
+        """What this micro-batch needs of the table."""
         if not plan.single_evaluation:
             return "evaluations"
-        if self.framework_has_whole_parameters and (
-            not self.norms_in_backward or kept_gradients_fit(self.engine, batch.size)
+        if not self.norms_in_backward:
+            return "one pass" if self.owner == "module" or self.framework_has_whole_parameters else "whole"
+        first = self.calibration is None
+        if kept_gradients_fit(self.engine, batch.size) and (
+            self.framework_has_whole_parameters or (self.owner == "module" and not first)
         ):
-            return "one pass"  # the norm pass's per-example gradients give the sum
-        if self.owner != "module" and not (self.norms_in_backward and self.framework_may_replay):
+            return "one pass"  # the norm pass's explicit per-example gradients give the sum
+        if self.owner != "module" and not self.framework_may_replay:
             return "whole"
-        if self.first_step:
+        if first:
             return "first step"
-        if self.owner == "module" and self.norms_in_backward and kept_gradients_fit(self.engine, batch.size):
-            return "kept gradients"
-        return "body" if self.norms_in_backward and self.skips_tail else "whole"
-
-    def _select(self, plan: StepPlan, batch: Batch, model: nn.Module) -> tuple[NormPass, SumPass]:
-        key = (self.owner, self.norms_in_backward, self._need(plan, batch))
-        if key not in TABLE:
-            raise several_evaluations_refused()
-        return TABLE[key](self, model)
+        return "body" if self.calibration.skips_tail else "whole"
 
 
-Parts = Callable[[ClippedStep, nn.Module], tuple[NormPass, SumPass]]
-
-
-def _tapped(step: ClippedStep, **options: bool) -> TappedNorms:
-    return TappedNorms(step.engine, step.module, TapOptions(**options))
-
-
-def _whole(step: ClippedStep, check: bool = False) -> WeightedBackward:
-    return WeightedBackward(step.engine, step.module, step.scale, check)
-
-
-def _framework(step: ClippedStep, model: nn.Module) -> WeightedThroughFramework:
-    """The whole weighted pass through the framework, replaying the layers where the first step found it exact."""
-    return WeightedThroughFramework(
-        model, step.backend.world_size, layers="replay" if step.replays else "run"
-    )
-
-
-def _tail_options(step: ClippedStep, **options: bool) -> TapOptions:
-    """The norm pass keeps the tail: on the first step reaching down over as many layers as the budget allows,
-    on later steps over exactly those the first step checked. In one process and DDP a tail without clipped
-    parameters (LoRA's frozen head) starts at the last checkpointed layer's output. In one process, DDP and
-    ZeRO-1/2 the norm pass keeps what the layer-by-layer weighted pass needs (layerwise.py) on the first step,
-    which checks it, and on later steps if it was exact."""
+def _tail_keeps(step: ClippedStep, first: bool, calibration: Calibration) -> TapOptions:
+    """What the norm pass keeps of the tail: on the first step reaching down over as many layers as the budget
+    allows, on later steps over exactly those the first step checked. On the bare module a tail without clipped
+    parameters (LoRA's frozen head) starts at the last checkpointed layer's output, and the tail is checked with
+    ``backward()``; through a framework with ``autograd.grad`` (its backward runs once). On the bare module and
+    through ZeRO-1/2 the norm pass keeps what the layer-by-layer weighted pass needs (layerwise.py) on the first
+    step, which checks it, and on later steps if it was exact."""
     module = step.owner == "module"
-    layerwise = (module or step.framework_has_whole_parameters) and (step.first_step or step.layerwise)
-    if step.first_step:
-        return TapOptions(
-            keep_tail=True,
-            tail_floats=_tail_floats(step.engine),
-            tail_at_exit=module,
-            layerwise=layerwise,
-            **options,
-        )
+    layerwise = (module or step.framework_has_whole_parameters) and (first or calibration.layerwise)
+    reach = {"tail_floats": _tail_floats(step.engine)} if first else {"tail_layers": calibration.tail_layers}
     return TapOptions(
-        keep_tail=True, tail_layers=step.tail_layers, tail_at_exit=module, layerwise=layerwise, **options
+        keep_tail=True,
+        tail_at_exit=module,
+        tail_checked_by_grad=not module,
+        layerwise=layerwise,
+        probe=first and module,
+        record_layers=first and not module,
+        **reach,
     )
 
 
-def _framework_tail(step: ClippedStep) -> TapOptions:
-    """Through ZeRO-1/2 and FSDP2 the norm pass keeps the tail as in one process; the first step checks it with
-    ``autograd.grad``."""
-    if not step.framework_may_skip_tail:
-        return TapOptions()
-    return _tail_options(step, tail_checked_by_grad=True)
+def _sum_pass(
+    step: ClippedStep, kind: SumKind, need: Need, model: nn.Module, calibration: Calibration
+) -> SumPass:
+    """The sum pass of a table row; its weighted pass runs on the bare module, or as the framework wrapped it."""
+    if kind == "factored":
+        return FactoredSum()
+    if kind == "kept":
+        return KeptSum()
+    module = step.owner == "module"
+    runs_on = step.module if module else model
+    if (
+        need == "first step"
+    ):  # the whole pass, checked (calibration.py); through a framework its layers compared
+        return WholeSum(runs_on, "run" if module else "compare", _tail_keeps(step, True, calibration))
+    replays = not module and calibration.replays
+    whole = WholeSum(runs_on, "replay" if replays else "run", TapOptions(record_layers=replays))
+    if kind == "whole":
+        return whole
+    keeps = _tail_keeps(step, False, calibration)
+    return BodySum(
+        runs_on, whole, keeps, replays=module or calibration.replays, layerwise=calibration.layerwise
+    )
 
 
-# (owner, norms inside a backward, need) → (how the norms are obtained, how the clipped sum is written)
-TABLE: dict[tuple[Owner, bool, Need], Parts] = {
-    ("module", False, "evaluations"): lambda s, m: (
-        EvaluatedNorms(s.engine, s.module, s.shifter, verify=s.first_step),
-        FactoredSum(s.engine, s.scale),
-    ),
-    ("module", False, "first step"): lambda s, m: (
-        RecordedNorms(s.engine, s.module, verify=True),
-        FactoredSum(s.engine, s.scale),
-    ),
-    ("module", False, "whole"): lambda s, m: (
-        RecordedNorms(s.engine, s.module),
-        FactoredSum(s.engine, s.scale),
-    ),
-    ("module", True, "first step"): lambda s, m: (
-        TappedNorms(s.engine, s.module, _tail_options(s, probe=True)),
-        _whole(s, check=True),
-    ),
-    ("module", True, "kept gradients"): lambda s, m: (
-        _tapped(s, keep_gradients=True),
-        KeptSum(s.engine, s.scale),
-    ),
-    ("module", True, "body"): lambda s, m: (
-        TappedNorms(s.engine, s.module, _tail_options(s)),
-        BodySum(s.engine, s.module, s.scale, _whole(s), s.layerwise),
-    ),
-    ("module", True, "whole"): lambda s, m: (_tapped(s), _whole(s)),
-    ("framework", False, "one pass"): lambda s, m: (
-        RecordedNorms(s.engine, s.module),
-        PartsThroughFramework(s.backend.world_size),
-    ),
-    ("framework", True, "one pass"): lambda s, m: (
-        TappedNorms(s.engine, s.module, TapOptions(keep_gradients=True), finite_losses=False),
-        PartsThroughFramework(s.backend.world_size),
-    ),
-    ("framework", False, "whole"): lambda s, m: (RecordedNorms(s.engine, s.module), _framework(s, m)),
-    ("framework", True, "first step"): lambda s, m: (
-        TappedNorms(
-            s.engine,
-            s.module,
-            _framework_tail(s),
-            finite_losses=False,
-            record_layers=True,
-        ),
-        WeightedThroughFramework(
-            m,
-            s.backend.world_size,
-            TailCheck(s.engine, s.module) if s.framework_may_skip_tail else None,
-            "compare",
-        ),
-    ),
-    ("framework", True, "body"): lambda s, m: (
-        TappedNorms(s.engine, s.module, _framework_tail(s), finite_losses=False),
-        BodyThroughFramework(
-            m, s.backend.world_size, bool(s.replays), _framework(s, m), layerwise=s.layerwise
-        ),
-    ),
-    ("framework", True, "whole"): lambda s, m: (
-        TappedNorms(s.engine, s.module, finite_losses=False, record_layers=bool(s.replays)),
-        _framework(s, m),
-    ),
-    ("sharded", True, "first step"): lambda s, m: (
-        TappedNorms(
-            s.engine, s.module, _framework_tail(s), taps_only=True, finite_losses=False, record_layers=True
-        ),
-        WeightedThroughFramework(m, s.backend.world_size, TailCheck(s.engine, s.module), "compare"),
-    ),
-    ("sharded", True, "body"): lambda s, m: (
-        TappedNorms(s.engine, s.module, _framework_tail(s), taps_only=True, finite_losses=False),
-        BodyThroughFramework(m, s.backend.world_size, bool(s.replays), _framework(s, m), tail_into_grad=True),
-    ),
-    ("sharded", True, "whole"): lambda s, m: (
-        TappedNorms(s.engine, s.module, taps_only=True, finite_losses=False, record_layers=bool(s.replays)),
-        _framework(s, m),
-    ),
-}
+def _norm_pass(step: ClippedStep, kind: NormKind, keeps: TapOptions | None, first: bool) -> NormPass:
+    if kind == "recorded":
+        return RecordedNorms(step.engine, step.module, verify=first)
+    if kind == "evaluated":
+        return EvaluatedNorms(step.engine, step.module, step.shifter, verify=first)
+    module = step.owner == "module"
+    return TappedNorms(
+        step.engine,
+        step.module,
+        keeps or TapOptions(),
+        taps_only=step.owner == "sharded",
+        finite_losses=module,
+    )
+
+
+def _delivery(step: ClippedStep, model: nn.Module) -> Delivery:
+    if step.owner == "module":
+        return IntoGradients(step.engine, step.scale)
+    if step.owner == "framework":
+        return AsLinearTerms(step.backend.world_size)
+    return IntoUnshardedGradients(model, step.backend.world_size)
+
+
+def select(step: ClippedStep, plan: StepPlan, batch: Batch, model: nn.Module) -> Parts:
+    """The norm pass, sum pass and delivery of this micro-batch (``TABLE``), with the first step's check where it
+    has one; a combination the table lacks is an internal error that names it."""
+    need = step.need(plan, batch)
+    key = (step.norms_in_backward, need)
+    if key not in TABLE:
+        raise RuntimeError(
+            f"hf_dp internal error: no clipped step for (owner={step.owner!r}, norms in backward, need) = {key}"
+        )
+    norm_kind, sum_kind = TABLE[key]
+    calibration = step.calibration or Calibration()
+    sum_pass = _sum_pass(step, sum_kind, need, model, calibration)
+    check = None
+    if need == "first step" and step.owner == "module":
+        check = CheckedInGradients(step.engine, step.scale, BodySum(step.module, sum_pass, sum_pass.keeps))
+    elif need == "first step":
+        check = CheckedThroughFramework(step.engine, step.module)
+    norm_pass = _norm_pass(step, norm_kind, sum_pass.keeps, first=step.calibration is None)
+    return Parts(norm_pass, sum_pass, _delivery(step, model), check)
 
 
 @dataclass

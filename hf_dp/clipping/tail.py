@@ -76,11 +76,10 @@ class Tail:
         """spread(c) ⊙ ∂(Σ_i L_i)/∂h (``weighted_by_units``)."""
         return weighted_by_units(self.boundary.gradient, factors, units)
 
-    def clipped_parts(
-        self, factors: torch.Tensor, dropped: Dropped | None = None
-    ) -> list[tuple[nn.Parameter, PerExampleGradient]]:
-        """The tail's parts without the examples whose clip factor is 0 (``without_dropped``)."""
-        return without_dropped(self.parts, factors, dropped)
+    def take_parts(self) -> list[tuple[nn.Parameter, PerExampleGradient]]:
+        """The tail's per-example gradients, handed over once (the tail no longer holds them)."""
+        parts, self.parts = self.parts, []
+        return parts
 
     def clipped_sums(
         self, factors: torch.Tensor, dropped: Dropped | None = None
@@ -104,19 +103,6 @@ def clipped_sums(
     return {param: clipped_total(param, weighted, factors, dropped) for param, weighted in uses.items()}
 
 
-def without_dropped(
-    parts: list[tuple[nn.Parameter, PerExampleGradient]],
-    factors: torch.Tensor,
-    dropped: Dropped | None = None,
-) -> list[tuple[nn.Parameter, PerExampleGradient]]:
-    """Kept per-example gradients without the examples whose clip factor is 0 (0 · inf would be nan): ``dropped``,
-    or decided here from ``factors``."""
-    dropped = dropped if dropped is not None else Dropped.where(factors == 0)
-    if dropped.examples is None:
-        return parts
-    return [(param, dropped.apply(part)) for param, part in parts]
-
-
 def keep_form(part: PerExampleGradient, shape: torch.Size) -> PerExampleGradient:
     """The smaller exact form of a tail use's per-example gradients: explicit (B, *shape), or the layer's factors."""
     if isinstance(part, OuterProductSum) and part.left.is_floating_point():
@@ -133,8 +119,40 @@ def weighted_by_units(
 ) -> torch.Tensor:
     """spread(c) ⊙ ∂(Σ_i L_i)/∂h, exactly 0 on the rows and tokens of units with c_i = 0 (their gradient may not be
     finite)."""
-    weights = spread(factors, units, gradient.shape).to(gradient.dtype)
-    return torch.where(weights != 0, gradient * weights, 0.0)
+    return UnitWeights(factors, units)(gradient)
+
+
+class UnitWeights:
+    """``weighted_by_units`` for several gradients of one micro-batch, spread(c) and its zeros formed once per shape."""
+
+    def __init__(self, factors: torch.Tensor, units: PrivacyUnits | None) -> None:
+        self.factors, self.units = factors, units
+        self._formed: dict[tuple[torch.Size, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, gradient: torch.Tensor) -> torch.Tensor:
+        key = (gradient.shape, gradient.dtype)
+        if key not in self._formed:
+            weights = spread(self.factors, self.units, gradient.shape).to(gradient.dtype)
+            self._formed[key] = (weights, weights != 0)
+        weights, nonzero = self._formed[key]
+        return torch.where(nonzero, gradient * weights, 0.0)
+
+
+def paired(hidden: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+    """A term whose gradient towards h is ``gradient`` (times the incoming one), as ⟨h, gradient⟩'s is: one operator
+    in the backward where the product and its sum take three. Its value is 0."""
+    return _Paired.apply(hidden, gradient.to(hidden.dtype))
+
+
+class _Paired(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+        ctx.gradient = gradient
+        return hidden.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.gradient * grad, None
 
 
 def spread(factors: torch.Tensor, units: PrivacyUnits | None, shape: torch.Size) -> torch.Tensor:

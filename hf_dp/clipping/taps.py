@@ -55,7 +55,9 @@ class TapOptions:
     the tail with ``autograd.grad`` (through a framework, checks.tail_separable), which a reentrant checkpoint
     refuses, so under one the tail reaches down over no layer. ``tail_at_exit``: where no clipped parameter is used
     after the last checkpointed layer (a frozen final norm and head: LoRA), the tail starts at that layer's output.
-    ``layerwise``: also what the weighted pass needs to run the layers below the tail one by one (layerwise.py)."""
+    ``layerwise``: also what the weighted pass needs to run the layers below the tail one by one (layerwise.py).
+    ``record_layers``: keep the checkpointed layers' outputs for the weighted pass (replay.py), as ``keep_tail``
+    does."""
 
     probe: bool = False
     keep_gradients: bool = False
@@ -65,6 +67,7 @@ class TapOptions:
     tail_checked_by_grad: bool = False
     tail_at_exit: bool = False
     layerwise: bool = False
+    record_layers: bool = False
 
 
 class _AgainstIds:

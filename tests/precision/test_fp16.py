@@ -74,8 +74,8 @@ def test_fp16_clipped_sum_matches_the_float64_brute_force(case: str) -> None:
     # and runs the layers one by one (layerwise.py)
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy):
         assert relative_error(ours, reference) < TOLERANCE
-    assert strategy.skips_tail is (True if checkpointing else None)
-    assert strategy.layerwise is checkpointing
+    assert strategy.calibration.skips_tail is checkpointing
+    assert strategy.calibration.layerwise is checkpointing
     assert engine.nonfinite_examples == 0
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
@@ -96,7 +96,7 @@ def test_fp16_lora_with_checkpointing_is_exact_in_the_one_pass_step_too(monkeypa
     forwards = []
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
         assert relative_error(ours, reference) < TOLERANCE
-    assert strategy.layerwise and forwards == [2, 1]
+    assert strategy.calibration.layerwise and forwards == [2, 1]
 
 
 class _TwoLayers(nn.Module):

@@ -1,9 +1,7 @@
-"""Evaluating one micro-batch more than once: the same dropout masks, and parameters at θ + shift.
+"""Parameters at θ + shift for one evaluation of a micro-batch, θ left exactly as it was.
 
 DiSK (Zhang et al.) evaluates every example at θ + γd and at θ and clips the combination once
-(norm_passes.EvaluatedNorms); a weighted pass runs the norm pass's forward again. Both need the second pass to
-see the first one's randomness, and the shifted pass must leave θ exactly as it was (θ + δ − δ ≠ θ in floating
-point).
+(norm_passes.EvaluatedNorms); the shifted pass must leave θ exactly as it was (θ + δ − δ ≠ θ in floating point).
 """
 
 from __future__ import annotations
@@ -13,20 +11,6 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-
-RngState = tuple[torch.Tensor, list[torch.Tensor]]
-
-
-def rng_state() -> RngState:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return torch.get_rng_state(), cuda
-
-
-def replay_rng(state: RngState) -> None:
-    """Restore the global generators, so the next pass draws the same dropout masks as the recorded one."""
-    torch.set_rng_state(state[0])
-    if state[1]:
-        torch.cuda.set_rng_state_all(state[1])
 
 
 class ParameterShifter:

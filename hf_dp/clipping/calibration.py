@@ -1,0 +1,163 @@
+"""What the first step finds about a model's weighted pass (``Calibration``, fixed for the run), and the checks
+that find it.
+
+Later steps may skip the tail (tail.py), reaching down over ``tail_layers`` checkpointed layers, run the layers
+below it one by one (layerwise.py) and, through a framework, replay the checkpointed layers (replay.py): each only
+where the first step found it equal to the whole weighted pass (within ``TOLERANCES.tail``). The first step runs the
+whole pass, and the check around its delivery:
+
+- ``CheckedInGradients`` (the bare module): after the whole pass wrote ``.grad``, the taps' projections against
+  autograd's (checks.check_projections), then the body's sum without the tail, layer by layer and else chained,
+  against it, written into set-aside gradients.
+- ``CheckedThroughFramework`` (DeepSpeed ZeRO-1/2, FSDP2), whose backward runs once: before the whole pass, whether
+  the tail separates (checks.tail_separable, with ``autograd.grad``) and the layer-by-layer pass equals the chain
+  (``LayerPoints.matches_chain``); during it, each checkpointed layer's output against the norm pass's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+from hf_dp.clipping.checks import check_projections, sums_match, tail_separable
+from hf_dp.clipping.delivery import MicroStep
+from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.loss_scale import LossScale
+from hf_dp.clipping.norm_passes import Batch, FoundNorms
+from hf_dp.clipping.per_example import LossFn, clipped_total
+from hf_dp.clipping.rng_replay import replay_rng
+from hf_dp.clipping.sum_passes import BodySum, Sum, layerwise_usable
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The first step's findings: later weighted passes skip the tail (``skips_tail``) reaching down over
+    ``tail_layers`` checkpointed layers, run the layers below it one by one (``layerwise``), and through a
+    framework replay the checkpointed layers (``replays``). All off: the whole weighted pass."""
+
+    skips_tail: bool = False
+    tail_layers: int = 0
+    layerwise: bool = False
+    replays: bool = False
+
+
+class FirstStepCheck(Protocol):
+    def __call__(
+        self,
+        deliver: Callable[[], MicroStep],
+        losses_of: LossFn,
+        found: FoundNorms,
+        factors: torch.Tensor,
+        batch: Batch,
+    ) -> tuple[MicroStep, Calibration]:
+        """``deliver()`` the first step's whole weighted pass, and what the checks around it found."""
+        ...
+
+
+@dataclass(frozen=True)
+class CheckedInGradients:
+    """The whole pass into ``.grad`` (of the first micro-batch: None or 0 before it, checks.GradientGuard), checked
+    against the taps along random probes, then against ``body``'s sum without the tail."""
+
+    engine: ClippingEngine
+    scale: LossScale
+    body: BodySum
+
+    def __call__(
+        self,
+        deliver: Callable[[], MicroStep],
+        losses_of: LossFn,
+        found: FoundNorms,
+        factors: torch.Tensor,
+        batch: Batch,
+    ) -> tuple[MicroStep, Calibration]:
+        step = deliver()
+        collector = found.collector
+        weights = self.scale.weights(factors)
+        check_projections(self.engine.parameters, self.engine.parameter_name, collector, weights)
+        if not collector.options.keep_tail:
+            return step, Calibration()
+        layerwise = found.points is not None and self._matches(
+            replace(self.body, layerwise=True).body(losses_of, found, factors, batch, keep=True),
+            weights,
+            found,
+        )
+        skips_tail = layerwise or self._matches(
+            replace(self.body, layerwise=False).body(losses_of, found, factors, batch, keep=True),
+            weights,
+            found,
+        )
+        return step, Calibration(skips_tail=skips_tail, tail_layers=collector.reached, layerwise=layerwise)
+
+    def _matches(self, body: Sum | None, weights: torch.Tensor, found: FoundNorms) -> bool:
+        """The body's sum (its surrogate's backward, with the whole pass's ``.grad`` set aside, plus its parts)
+        equals the whole pass's, now in ``.grad``, for every clipped parameter (checks.sums_match); ``.grad`` is
+        left as the whole pass wrote it (reentrant checkpointing allows ``backward()`` only)."""
+        if body is None:
+            return False
+        params = self.engine.parameters
+        whole = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        with self.scale.unscaled_gradients(params):
+            surrogate = body.surrogate()
+            if surrogate.requires_grad:
+                surrogate.backward()
+        sums = {id(p): None if p.grad is None else p.grad.float() for p in params}
+        for param, grad in zip(params, whole, strict=True):
+            param.grad = grad
+        for param, weighted in body.take_parts():
+            total = clipped_total(param, weighted, weights, body.drop)
+            sums[id(param)] = total if sums[id(param)] is None else sums[id(param)] + total
+        return sums_match(params, sums, {id(p): p.grad for p in params}, found.collector.low_precision)
+
+
+@dataclass(frozen=True)
+class CheckedThroughFramework:
+    """Before the whole pass (as the framework wrapped the model, its layers compared: sum_passes.WholeSum), the
+    tail and the layers on the bare ``module`` without a backward that writes gradients."""
+
+    engine: ClippingEngine
+    module: torch.nn.Module
+
+    def __call__(
+        self,
+        deliver: Callable[[], MicroStep],
+        losses_of: LossFn,
+        found: FoundNorms,
+        factors: torch.Tensor,
+        batch: Batch,
+    ) -> tuple[MicroStep, Calibration]:
+        skips_tail, layerwise = self._tail(losses_of, found, factors, batch)
+        step = deliver()
+        replay = found.replay
+        replays = bool(replay and replay.complete and replay.matched)
+        return step, Calibration(skips_tail, found.collector.reached, layerwise and replays, replays)
+
+    def _tail(
+        self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch
+    ) -> tuple[bool, bool]:
+        """Whether the body from h plus the tail's Σ_i c_i G_i is the whole pass, and whether layer by layer too."""
+        tail = found.collector.tail() if found.collector.options.keep_tail else None
+        if tail is None:
+            return False, False
+        replay_rng(found.rng)
+        low_precision = found.collector.low_precision
+        separable = tail_separable(
+            tail, self.module, losses_of, factors, batch.units, lambda: self.engine.parameters, low_precision
+        )
+        if not (separable and layerwise_usable(found)):
+            return separable, False
+        points = found.points
+        layerwise = points.matches_chain(
+            found.replay.kept,
+            points.below(tail.boundary),
+            tail.hidden_gradient(factors, batch.units),
+            factors,
+            batch.units,
+            low_precision,
+        )
+        return separable, layerwise
