@@ -38,14 +38,13 @@ from benchmarks._timing import (  # noqa: E402  (first: it sets the offline envi
 from hf_dp.accounting import (  # noqa: E402
     _CALIBRATION_TOLERANCE,
     _PRV_CALIBRATION_RELATIVE_ERROR,
-    _PRV_MECHANISM_KEY,
-    RDP_ORDERS,
     PrivacyAccountant,
     _cached_epsilon,
-    _rdp_of_one_step,
     calibrate_noise_multiplier,
     compute_epsilon,
 )
+from hf_dp.prv_accountant import PRV_MECHANISM_KEY  # noqa: E402
+from hf_dp.rdp import RDP_ORDERS, rdp_of_one_step  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (accountant, target ε, δ, q, steps): the trainer tests' shapes, a typical fine-tune, a tight and a loose budget
@@ -68,7 +67,7 @@ def opacus_sigma(accountant: str, target: float, delta: float, q: float, steps: 
         kwargs = {"accountant": "rdp", "alphas": list(RDP_ORDERS)}
     else:
         kwargs = {
-            "accountant": _PRV_MECHANISM_KEY,
+            "accountant": PRV_MECHANISM_KEY,
             "min_eps_error": _PRV_CALIBRATION_RELATIVE_ERROR * target,
             "too_large": "inf",
         }
@@ -85,11 +84,11 @@ def opacus_sigma(accountant: str, target: float, delta: float, q: float, steps: 
 
 
 def cold(search: Callable[[], float]) -> Callable[[], float]:
-    """``search`` from an empty RDP memo (hf_dp.accounting memoises each (σ, q)'s RDP vector): every round then
+    """``search`` from an empty RDP memo (hf_dp.rdp memoises each (σ, q)'s RDP vector): every round then
     pays for its evaluations as a fresh run's calibration does."""
 
     def run() -> float:
-        _rdp_of_one_step.cache_clear()
+        rdp_of_one_step.cache_clear()
         return search()
 
     return run
@@ -99,23 +98,23 @@ def logged_epsilons(forget: bool) -> float:
     """A run's ε after each of its 20 steps (a log line each; the main job's σ and q), ``forget``: the RDP memo
     emptied before every ε, so each pays for its RDP vectors as it did before the memo."""
     _cached_epsilon.cache_clear()
-    _rdp_of_one_step.cache_clear()
+    rdp_of_one_step.cache_clear()
     accountant = PrivacyAccountant("prv", 1e-5)
     for _ in range(20):
         accountant.step(0.44, 0.0156)
         if forget:
-            _rdp_of_one_step.cache_clear()
+            rdp_of_one_step.cache_clear()
         epsilon = accountant.get_epsilon()
     return epsilon
 
 
 def epsilons_at_deltas(forget: bool) -> float:
     """ε of one history at 4 values of δ (what the audit's bounds ask), ``forget`` as above."""
-    _rdp_of_one_step.cache_clear()
+    rdp_of_one_step.cache_clear()
     epsilons = []
     for delta in (1e-5, 1e-3, 1e-2, 0.1):
         if forget:
-            _rdp_of_one_step.cache_clear()
+            rdp_of_one_step.cache_clear()
         epsilons.append(compute_epsilon(1.0, 0.125, 10, delta))
     return epsilons[0]
 

@@ -63,7 +63,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 from hf_dp.accounting import _cached_epsilon  # noqa: E402
-from hf_dp.checkpoint import checkpoint_folders, missing_part  # noqa: E402
+from hf_dp.checkpoint_files import checkpoint_folders, missing_part  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "long_run.json"
 PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20

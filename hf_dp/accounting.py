@@ -1,30 +1,25 @@
-"""Privacy accounting for DP-SGD: a thin layer over Opacus' accountants.
+"""Privacy accounting for DP-SGD: ε of a run's ledger, σ calibrated to a budget, the checks of their inputs.
 
 Every privacy number comes from Opacus; this module only validates inputs, picks numerical
 settings and turns numerical failures into one-line ``ValueError`` messages.
 
 * ``"rdp"``: Renyi DP of the Poisson-subsampled Gaussian (Mironov 2017, "Renyi Differential
   Privacy"; Mironov, Talwar, Zhang 2019, "Renyi Differential Privacy of the Sampled Gaussian
-  Mechanism"), converted to (eps, delta) with Balle et al. 2020 (``opacus.accountants.RDPAccountant``).
+  Mechanism"), converted to (eps, delta) with Balle et al. 2020: Opacus' arithmetic, memoised per (σ, q)
+  (``hf_dp.rdp``).
 * ``"prv"``: numerical composition of privacy loss random variables (Gopi, Lee, Wutschitz 2021,
-  "Numerical Composition of Differential Privacy") via ``opacus.accountants.PRVAccountant``.
+  "Numerical Composition of Differential Privacy") via ``opacus.accountants.PRVAccountant`` with an eps_error
+  scaled to the answer and a bounded grid (``hf_dp.prv_accountant``).
   The reported epsilon is Opacus' certified upper bound (estimate + ``eps_error``).
 
 Numerical settings on top of Opacus' defaults:
 
 * RDP uses Opacus' default orders plus 128, 256, 512 and 1024, i.e. the same grid as Google's
   ``dp_accounting`` (Opacus' grid stops at 63, so it cannot certify eps below ~0.1 at delta=1e-5).
-* PRV uses ``eps_error = 1e-3 * eps_rdp`` (a cheap RDP estimate of the answer; ``2.5e-3 * target``
-  when calibrating) instead of Opacus' fixed 0.01, so small budgets are not swamped by a 0.01 additive
-  error, and coarsens it when the discretisation grid would exceed 2**20 points (keeps calls < ~1 s).
-  For eps below ~0.1 the grid cap makes the PRV bound a few percent loose; it is still an upper bound.
-* The RDP of one step at each order is memoised per (σ, q): an RDP ε at any step count or δ, and the PRV's safe
-  domain (two RDP bounds, most of a PRV evaluation in Opacus), reuse it; the numbers are Opacus' own.
+* PRV uses ``eps_error = 1e-3 * eps_rdp`` (``2.5e-3 * target`` when calibrating) instead of Opacus' fixed 0.01.
 * Calibration finds σ with ``target − tolerance ≤ ε(σ) ≤ target``, ``tolerance = min(0.005, 0.002 · target)``
   (Opacus' criterion), by regula falsi on (log σ, log ε) instead of Opacus' bisection: 4-6 ε evaluations where
   ``get_noise_multiplier`` takes ~16, which at 0.2–0.4 s per PRV evaluation is most of a run's start-up.
-
-PRV is registered in Opacus' accountant registry under ``"hf_dp.prv"``.
 """
 
 from __future__ import annotations
@@ -32,14 +27,13 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
-import numpy as np
-from opacus.accountants import PRVAccountant, RDPAccountant, create_accountant, register_accountant
-from opacus.accountants.analysis.prv import Domain
-from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+from opacus.accountants import create_accountant
+
+from hf_dp.prv_accountant import PRV_MECHANISM_KEY, BoundedPRVAccountant
+from hf_dp.rdp import RDP_ORDERS, History, rdp_epsilon
 
 __all__ = [
     "AccountantName",
@@ -52,165 +46,10 @@ AccountantName = Literal["prv", "rdp"]
 
 _ACCOUNTANTS = ("prv", "rdp")
 
-# Opacus' default RDP orders extended with the large orders used by Google's dp_accounting.
-RDP_ORDERS: tuple[float, ...] = tuple(RDPAccountant.DEFAULT_ALPHAS) + (128, 256, 512, 1024)
-# A short order grid for the cheap RDP estimate that sizes the PRV error (it is not reported).
-_RDP_GUESS_ORDERS = (1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128, 256)
-# Opacus' own orders, with which its PRV accountant bounds the safe domain (``_safe_domain``).
-_DOMAIN_ORDERS = tuple(RDPAccountant.DEFAULT_ALPHAS)
-
-_PRV_RELATIVE_ERROR = 1e-3  # PRV eps_error as a fraction of (an RDP estimate of) the epsilon measured
 _PRV_CALIBRATION_RELATIVE_ERROR = 2.5e-3  # PRV eps_error as a fraction of the target when calibrating
-_PRV_MIN_EPS_ERROR = 1e-7
-_PRV_MAX_EPS_ERROR = 0.5  # Opacus' safe-domain heuristic is only validated for eps_error < 1
-_PRV_MAX_GRID = 2**20  # discretisation points; cost is dominated by an FFT of this size
 _CALIBRATION_TOLERANCE = 0.005  # Opacus' epsilon_tolerance (absolute), tightened for small targets
-_PRV_MECHANISM_KEY = "hf_dp.prv"  # registry key of the PRV accountant below
 _MAX_SIGMA = 1e6  # a budget that needs more noise than this cannot be met (Opacus' limit)
 _MIN_SIGMA = 1e-4  # the search stops halving here (where δ ≥ q, ε stays 0 as σ → 0)
-
-History = list[tuple[float, float, int]]
-
-
-def _fft_length(size: int) -> int:
-    """The smallest length ≥ ``size`` among 2^k·{16, 18, 20, 24, 30} (k ≥ 0): even, 5-smooth (the FFT of a length
-    with a large prime factor is ~5x slower) and at most 5/4 of ``size`` (for ``size`` ≥ 16). Every log line asks
-    ε on a grid of a new size; scipy keeps the FFT plans of the last 16 lengths, so padding to the nearest fast
-    length (a new one almost every call) kept refilling that cache: benchmarks/long_run.py's RSS levelled off
-    192 MB above its first step, after ~1400 steps (results/archive/long_run_before_fft_ladder.json). The ladder
-    has 5 lengths per octave, which a run's calls share: 67 MB, level after ~1000 steps (results/long_run.json),
-    for ~10% more FFT work per call."""
-    power = 1
-    while True:
-        for factor in (16, 18, 20, 24, 30):
-            if factor * power >= size:
-                return factor * power
-        power *= 2
-
-
-class _GridTooLarge(Exception):
-    """Raised before discretising when the PRV grid would exceed ``_PRV_MAX_GRID`` points."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(size)
-        self.size = size
-
-
-class _PRVAccountant(PRVAccountant):
-    """``opacus.accountants.PRVAccountant`` with an eps_error scaled to the answer and a bounded grid."""
-
-    def _get_domain(self, prvs, num_self_compositions, eps_error, delta_error):  # type: ignore[override]
-        domain = _safe_domain(prvs, num_self_compositions, eps_error, delta_error)
-        if domain.size > _PRV_MAX_GRID:
-            raise _GridTooLarge(domain.size)
-        # Widen the safe domain symmetrically (same mesh, a larger truncation bound, so the same
-        # guarantee) to a length from a short ladder (``_fft_length``).
-        size = _fft_length(domain.size)
-        pad = (size - domain.size) // 2
-        return Domain(t_min=domain.t_min - pad * domain.dt, t_max=domain.t_max + pad * domain.dt, size=size)
-
-    def get_epsilon(  # type: ignore[override]
-        self,
-        delta: float,
-        *,
-        eps_error: float | None = None,
-        delta_error: float | None = None,
-        min_eps_error: float = 0.0,
-        too_large: Literal["raise", "inf"] = "raise",
-        **kwargs: Any,
-    ) -> float:
-        """Opacus' certified PRV upper bound on eps at ``delta``.
-
-        ``eps_error`` defaults to ``max(1e-3 * eps_rdp, min_eps_error)`` and is raised if the grid would
-        be too large; ``too_large="inf"`` returns inf instead of raising when eps is too large for the
-        grid (an upper bound that is all a calibration search needs).
-        """
-        if not self.history:
-            return 0.0
-        if any(sigma == 0 for sigma, _, _ in self.history):
-            return math.inf
-
-        def unrepresentable(reason: str, exc: BaseException | None = None) -> float:
-            if too_large == "inf" and exc is None:
-                return math.inf
-            raise ValueError(
-                f"the PRV accountant cannot handle {_describe(self.history)} at delta={delta:g} ({reason}); "
-                "use accountant='rdp', or a larger noise_multiplier, fewer steps or a larger delta"
-            ) from exc
-
-        if eps_error is None:
-            guess = _rdp_epsilon(self.history, delta, _RDP_GUESS_ORDERS)
-            if not math.isfinite(guess):
-                return unrepresentable("epsilon is unbounded")
-            eps_error = max(_PRV_RELATIVE_ERROR * guess, min_eps_error)
-        eps_error = min(max(eps_error, _PRV_MIN_EPS_ERROR), _PRV_MAX_EPS_ERROR)
-        for _attempt in range(3):
-            try:
-                # Opacus' internal RDP bound for the grid warns about its order range: nothing to act on.
-                with np.errstate(all="ignore"), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    eps = super().get_epsilon(delta, eps_error=eps_error, delta_error=delta_error)
-            except _GridTooLarge as exc:
-                if eps_error >= _PRV_MAX_EPS_ERROR:
-                    return unrepresentable("epsilon too large for the discretisation grid")
-                eps_error = min(eps_error * exc.size / _PRV_MAX_GRID * 1.05, _PRV_MAX_EPS_ERROR)
-                continue
-            except (ArithmeticError, RuntimeError, ValueError, MemoryError) as exc:
-                return unrepresentable(f"{type(exc).__name__}: {exc}".replace("\n", " "), exc)
-            if not math.isfinite(eps):
-                return unrepresentable("epsilon overflowed")
-            return max(0.0, float(eps))
-        return unrepresentable("epsilon too large for the discretisation grid")
-
-
-register_accountant(_PRV_MECHANISM_KEY, _PRVAccountant, force=True)
-
-
-def _describe(history: History) -> str:
-    if len(history) == 1:
-        sigma, q, steps = history[0]
-        return f"noise_multiplier={sigma:g}, sample_rate={q:g}, steps={steps}"
-    return f"a history of {len(history)} phases"
-
-
-@functools.lru_cache(maxsize=4096)
-def _rdp_of_one_step(noise_multiplier: float, sample_rate: float, orders: tuple[float, ...]) -> np.ndarray:
-    """Opacus' RDP of one Poisson-subsampled Gaussian step at each order (Mironov, Talwar, Zhang 2019), memoised.
-
-    Opacus' ``compute_rdp`` is this vector times the step count, and its fractional orders cost a Python series
-    each (~0.1-0.3 s per (σ, q) over the default orders); an ε at another step count or δ, and the PRV's safe
-    domain, ask for the same vector again (read-only: cached)."""
-    rdp = compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=list(orders))
-    rdp.flags.writeable = False
-    return rdp
-
-
-def _rdp_epsilon(history: History, delta: float, orders: tuple[float, ...]) -> float:
-    """Opacus' RDP ε at ``delta`` of a (σ, q, steps) history: Σ_phases steps · RDP_a(q, σ), converted at the best
-    order a (Balle et al. 2020; ``opacus.accountants.analysis.rdp.get_privacy_spent``), the same arithmetic as
-    ``RDPAccountant.get_epsilon``."""
-    rdp = sum([_rdp_of_one_step(sigma, q, orders) * steps for sigma, q, steps in history])
-    with warnings.catch_warnings():  # "optimal order is the largest alpha": Opacus' hint about its order grid
-        warnings.simplefilter("ignore")
-        epsilon, _ = get_privacy_spent(orders=list(orders), rdp=rdp, delta=delta)
-    return float(epsilon)
-
-
-def _safe_domain(prvs, num_self_compositions: list[int], eps_error: float, delta_error: float) -> Domain:
-    """The PRV discretisation of Gopi, Lee, Wutschitz 2021 (remark 5.6), with the truncation bound Opacus'
-    ``PRVAccountant`` uses: L = 3 + max(eps_error, the RDP ε of the whole history at δ_err/4, of any one step at
-    δ_err/(8k)), k the total step count, and mesh eps_error/√(k·log(12/δ_err)/2). Opacus computes the same two
-    RDP bounds without memoising them, which made them most of each PRV evaluation."""
-    total = sum(num_self_compositions)
-    history = [
-        (prv.noise_multiplier, prv.sample_rate, k) for prv, k in zip(prvs, num_self_compositions, strict=True)
-    ]
-    bound = _rdp_epsilon(history, delta_error / 4, _DOMAIN_ORDERS)
-    for sigma, q, _ in history:
-        bound = max(bound, _rdp_epsilon([(sigma, q, 1)], delta_error / (8 * total), _DOMAIN_ORDERS))
-    bound = max(bound, eps_error) + 3
-    mesh = eps_error / np.sqrt(total * np.log(12 / delta_error) / 2)
-    return Domain.create_aligned(-bound, bound, mesh)
 
 
 def _epsilon(accountant: AccountantName, history: History, delta: float) -> float:
@@ -220,8 +59,8 @@ def _epsilon(accountant: AccountantName, history: History, delta: float) -> floa
     if any(sigma == 0 for sigma, _, _ in history):
         return math.inf
     if accountant == "rdp":
-        return max(0.0, _rdp_epsilon(history, delta, RDP_ORDERS))
-    prv = _PRVAccountant()
+        return max(0.0, rdp_epsilon(history, delta, RDP_ORDERS))
+    prv = BoundedPRVAccountant()
     prv.history = list(history)
     return prv.get_epsilon(delta)
 
@@ -350,12 +189,12 @@ def calibrate_noise_multiplier(
     sample_rate = _check_sample_rate(sample_rate)
     steps = _check_steps(steps, "steps", 1)
 
-    meter = create_accountant(_PRV_MECHANISM_KEY)
+    meter = create_accountant(PRV_MECHANISM_KEY)
     min_eps_error = _PRV_CALIBRATION_RELATIVE_ERROR * target_epsilon
 
     def epsilon_of(sigma: float) -> float:
         if accountant == "rdp":
-            return _rdp_epsilon([(sigma, sample_rate, steps)], target_delta, RDP_ORDERS)
+            return rdp_epsilon([(sigma, sample_rate, steps)], target_delta, RDP_ORDERS)
         meter.history = [(sigma, sample_rate, steps)]
         return meter.get_epsilon(delta=target_delta, min_eps_error=min_eps_error, too_large="inf")
 

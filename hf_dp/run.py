@@ -29,7 +29,8 @@ from transformers import TrainerCallback
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.backend import Backend
 from hf_dp.budget import PrivacyBudgetCallback
-from hf_dp.checkpoint import RunPrivacyState, newest_complete, public_ledger, resume_argument, resume_point
+from hf_dp.checkpoint import RunPrivacyState, public_ledger
+from hf_dp.checkpoint_files import newest_complete, resume_argument, resume_point
 from hf_dp.clipping.checks import check_examples_alone, check_records_apart
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.pipeline import clipped_step
@@ -125,7 +126,7 @@ class PrivateRun:
 
     def start_training(self, resume_from_checkpoint: str | bool | None = None) -> str | None:
         """Once per run: a second ``train()`` would redraw the same batches from the same secret. Returns the
-        checkpoint to resume from: only a complete one (``checkpoint.resume_point``). Without one, the argument
+        checkpoint to resume from: only a complete one (``checkpoint_files.resume_point``). Without one, the argument
         ``resume_from_checkpoint`` (the Trainer leaves it to scripts; "true": the newest complete checkpoint)."""
         if resume_from_checkpoint is None:
             resume_from_checkpoint = resume_argument(self.args.resume_from_checkpoint)

@@ -17,6 +17,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_dp import checkpoint
 from hf_dp.arguments import DPTrainingArguments, check_trainer_call
+from hf_dp.checkpoint_files import stage_without_privacy_state
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.data import ALONE_KEY, count_drawn_examples, split_dp_keys
 from hf_dp.distributed import backend_of, shard_on_cpu, uses_checkpointing, weights_on_each_node
@@ -237,7 +238,7 @@ class DPTrainerMixin:
         """The Trainer uploads whole checkpoint folders (hub_strategy checkpoint / all_checkpoints): hand it a
         hard-linked copy without the privacy state, in a folder the model upload ignores ("_*")."""
         clear = self.push_in_progress is None or self.push_in_progress.is_done()
-        staged = checkpoint.stage_without_privacy_state(checkpoint_folder, self.args.output_dir, clear)
+        staged = stage_without_privacy_state(checkpoint_folder, self.args.output_dir, clear)
         super()._push_from_checkpoint(staged)
 
     def _load_optimizer_and_scheduler(self, folder: str | None) -> None:

@@ -31,7 +31,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config  # noq
 
 import hf_dp.clipping.pipeline  # noqa: E402
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
-from hf_dp.checkpoint import COMPLETE_FILE, resume_point  # noqa: E402
+from hf_dp.checkpoint_files import COMPLETE_FILE, resume_point  # noqa: E402
 from hf_dp.clipping.geometry import dense_scale, unsharded  # noqa: E402
 from hf_dp.noise import GaussianNoise  # noqa: E402
 from tests import models  # noqa: E402

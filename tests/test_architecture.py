@@ -114,6 +114,19 @@ def test_the_optimizer_registry_is_a_leaf():
     assert not {t for t in graph["hf_dp.optim.registry"] if t.startswith("hf_dp.optim.")}
 
 
+@pytest.mark.parametrize(
+    "module, allowed",
+    [
+        ("hf_dp.dpo_losses", set()),  # under trl
+        ("hf_dp.checkpoint_files", set()),  # under checkpoint, run, trainer
+        ("hf_dp.rdp", set()),  # under prv_accountant and accounting
+        ("hf_dp.prv_accountant", {"hf_dp.rdp"}),  # under accounting
+    ],
+)
+def test_the_modules_under_trl_checkpoint_and_accounting_stay_below_them(module, allowed):
+    assert import_graph()[module] <= allowed
+
+
 def test_architecture_doc_names_every_module():
     text = (ROOT / "docs" / "architecture.md").read_text()
     named = set(re.findall(r"`(hf_dp/[\w/]+\.py)`", text))

@@ -29,13 +29,14 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from hf_dp import checkpoint
-from hf_dp.checkpoint import (
+from hf_dp import checkpoint, checkpoint_files
+from hf_dp.checkpoint import CheckpointWriteError
+from hf_dp.checkpoint_files import (
     COMPLETE_FILE,
     PRIVACY_STATE_FILE,
-    CheckpointWriteError,
     atomic_write,
     is_private_file,
+    mark_complete,
     missing_part,
     newest_complete,
     noise_state_file,
@@ -137,11 +138,11 @@ def test_a_folder_without_model_weights_is_never_marked_complete(tmp_path, weigh
     (folder / "trainer_state.json").write_text("{}")
     (folder / PRIVACY_STATE_FILE).write_text("{}")
     with pytest.raises(RuntimeError, match="holds no model weights"):
-        checkpoint.mark_complete(str(folder), None)
+        mark_complete(str(folder), None)
     assert missing_part(str(folder)) is not None
     (folder / weights).parent.mkdir(exist_ok=True)
     (folder / weights).write_bytes(b"weights")
-    checkpoint.mark_complete(str(folder), None)
+    mark_complete(str(folder), None)
     assert missing_part(str(folder)) is None
 
 
@@ -150,7 +151,7 @@ def test_resume_true_continues_from_the_newest_complete_checkpoint(tmp_path, cap
     reference = _trainer(tmp_path / "reference", max_steps=4)
     reference.train()
     out = _torn_at_3(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="hf_dp.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hf_dp.checkpoint_files"):
         assert resume_point(True, str(out)) == str(out / "checkpoint-2")
     (line,) = [r.getMessage() for r in caplog.records]
     assert "checkpoint-3 (trainer_state.json is missing)" in line and "checkpoint-2" in line
@@ -203,14 +204,15 @@ def test_resuming_from_the_last_checkpoint_takes_no_step_past_the_plan(tmp_path)
 
 
 def _fill_disk_at(monkeypatch, name: str, step: int) -> None:
-    real = checkpoint.atomic_write
+    real = checkpoint_files.atomic_write
 
     def write(path, content):
         if os.path.basename(path) == name and os.path.basename(os.path.dirname(path)) == f"checkpoint-{step}":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         real(path, content)
 
-    monkeypatch.setattr(checkpoint, "atomic_write", write)
+    monkeypatch.setattr(checkpoint, "atomic_write", write)  # the private files
+    monkeypatch.setattr(checkpoint_files, "atomic_write", write)  # the completion marker
 
 
 @pytest.mark.parametrize("name", [noise_state_file(0), PRIVACY_STATE_FILE, COMPLETE_FILE])

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_dp import calibrate_noise_multiplier, compute_epsilon
-from hf_dp.checkpoint import COMPLETE_FILE, noise_state_file
+from hf_dp.checkpoint_files import COMPLETE_FILE, noise_state_file
 from hf_dp.distributed import check_deepspeed, check_deepspeed_config, check_fsdp, check_launched_world
 from hf_dp.optim.registry import dp_optimizer_names, scaled_geometry, shifted_evaluations
 from tests import models

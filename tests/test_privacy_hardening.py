@@ -13,12 +13,12 @@ import torch
 from torch.utils.data import IterableDataset
 
 from hf_dp import compute_epsilon
-from hf_dp.checkpoint import (
+from hf_dp.checkpoint import load_noise_state
+from hf_dp.checkpoint_files import (
     COMPLETE_FILE,
     PRIVACY_STATE_FILE,
     atomic_write,
     is_private_file,
-    load_noise_state,
     noise_state_file,
 )
 from hf_dp.state_files import decode_state, encode_state, write_safetensors

@@ -28,15 +28,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 from trl import DPOConfig, DPOTrainer, SFTConfig
 
 from hf_dp import DPTrainingArguments
-from hf_dp.trl import (
-    BATCH_LOSS_TYPES,
-    DP_OVERRIDES,
-    PER_PAIR_LOSS_TYPES,
-    DPDPOConfig,
-    DPDPOTrainer,
-    DPSFTConfig,
-    DPSFTTrainer,
-)
+from hf_dp.dpo_losses import BATCH_LOSS_TYPES, PER_PAIR_LOSS_TYPES
+from hf_dp.trl import DP_OVERRIDES, DPDPOConfig, DPDPOTrainer, DPSFTConfig, DPSFTTrainer
 from tests import oracle
 from tests.test_checkpointing import float64_rms_norm  # noqa: F401 (an autouse fixture: float64 Llama)
 from tests.test_engine import assert_close
