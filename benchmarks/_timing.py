@@ -4,16 +4,22 @@ The machines switch between speed regimes, so every script builds its variants, 
 one step of every variant per round with the order rotated (each variant runs first, second, … equally
 often), and reports the median of per-round ratios (robust to a change of speed between rounds) and the ratio
 of minimum times. Import it before torch / transformers: it sets the offline environment they read.
+
+On a GPU (``device="cuda"``) the clock stops when the step's kernels have run, and with ``step_peak`` each step
+also records the most it allocated above what was allocated at its start (gpu_check.py's peak = what a variant
+holds at rest + that).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -44,32 +50,71 @@ class Variant:
     notes: list[str] = field(default_factory=list)
     # objects (trainers, temporary folders) that must outlive it
     keep: list[Any] = field(default_factory=list)
+    # CUDA, ``step_peak``: bytes each step allocated above its start; bytes the variant holds at rest (its user's)
+    transient: list[float] = field(default_factory=list)
+    resident: float | None = None
 
 
-def build(name: str, builder: Callable[[], Variant]) -> Variant:
-    """``builder()``, or a variant that records why it could not be built (the others still run)."""
+def build(name: str, builder: Callable[[], Variant], failed: type[Variant] = Variant) -> Variant:
+    """``builder()``, or a variant (of class ``failed``) that records why it could not be built (the others
+    still run)."""
     try:
         return builder()
     except Exception as exc:
         traceback.print_exc()
-        return Variant(name, error=f"build failed: {type(exc).__name__}: {exc}")
+        return failed(name, error=f"build failed: {type(exc).__name__}: {exc}")
 
 
-def time_step(variant: Variant, before: Callable[[Variant], None] | None = None) -> float | None:
-    """Seconds of one ``variant.step()``; a failure or a non-finite loss records the error and retires it."""
-    if variant.error is not None:
+def synchronize(device: str) -> None:
+    """On CUDA, wait for the queued kernels."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def release(device: str) -> None:
+    """On CUDA, collect garbage and return cached blocks (before a measurement, after a failed step). Not on the
+    CPU, where nothing is measured this way and one ``gc.collect()`` of a large process took a second on a loaded
+    2-core machine."""
+    if device == "cuda":
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def time_step(
+    variant: Variant,
+    before: Callable[[Variant], None] | None = None,
+    *,
+    device: str = "cpu",
+    step_peak: bool = False,
+) -> float | None:
+    """Seconds of one ``variant.step()`` (on CUDA: until its kernels have run; with ``step_peak`` the bytes it
+    allocated above its start are appended to ``variant.transient``); a failure or a non-finite loss records
+    the error and retires it (on CUDA, often out of memory, its objects are let go and the cache emptied)."""
+    if variant.error is not None or variant.step is None:
         return None
+    peak = step_peak and device == "cuda"
     try:
         if before is not None:
             before(variant)
+        synchronize(device)
+        if peak:
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         loss = variant.step()
+        synchronize(device)
         elapsed = time.perf_counter() - start
+        if peak:
+            variant.transient.append(torch.cuda.max_memory_allocated() - base)
         if not math.isfinite(loss):
             raise ValueError(f"non-finite loss {loss}")
     except Exception as exc:
         traceback.print_exc()
         variant.error, variant.step = f"step failed: {type(exc).__name__}: {exc}", None
+        if device == "cuda":
+            variant.keep.clear()
+            release(device)
         return None
     if variant.first_loss is None:
         variant.first_loss = loss
@@ -83,16 +128,36 @@ def rotations(names: Sequence[str], rounds: int) -> list[list[str]]:
 
 
 def interleaved(
-    variants: dict[str, Variant], rounds: int, warmup: int, before: Callable[[Variant], None] | None = None
+    variants: dict[str, Variant],
+    rounds: int,
+    warmup: int,
+    before: Callable[[Variant], None] | None = None,
+    *,
+    device: str = "cpu",
+    step_peak: bool = False,
 ) -> list[list[str]]:
     """Warm every variant up, then time one step of each per round in rotated order; returns the orders."""
     for variant in variants.values():
         for _ in range(warmup):
-            time_step(variant, before)
+            time_step(variant, before, device=device, step_peak=step_peak)
+    return timed_rounds(variants, rounds, before, device=device, step_peak=step_peak)
+
+
+def timed_rounds(
+    variants: dict[str, Variant],
+    rounds: int,
+    before: Callable[[Variant], None] | None = None,
+    *,
+    device: str = "cpu",
+    step_peak: bool = False,
+) -> list[list[str]]:
+    """One timed step of each (warmed-up) variant per round, in rotated order; returns the orders."""
+    if not variants:
+        return []
     orders = rotations(variants, rounds)
     for r, order in enumerate(orders):
         for name in order:
-            variants[name].times.append(time_step(variants[name], before))
+            variants[name].times.append(time_step(variants[name], before, device=device, step_peak=step_peak))
         print_round(r, rounds, order, variants)
     return orders
 
@@ -124,6 +189,31 @@ def paired_ratios(times: Sequence[float | None], base: Sequence[float | None]) -
         "min_time": min(t for t in times if t) / min(b for b in base if b),
         "per_round": pairs,
     }
+
+
+def first_line(text: str | None) -> str | None:
+    """The first non-empty line of an error (what the tables show), at most 500 characters."""
+    if not text:
+        return None
+    return next((line.strip() for line in text.splitlines() if line.strip()), text)[:500]
+
+
+def git_state(root: str | Path) -> tuple[str | None, bool | None]:
+    """The checkout's short commit, and whether hf_dp/ has uncommitted changes (None, None outside git)."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "hf_dp"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None, None
+    return commit, bool(dirty)
 
 
 def environment(**extra: Any) -> dict[str, Any]:

@@ -7,9 +7,9 @@ and the table are rewritten after every case and setting, so a run cut short kee
    ``DPTrainer.train_one_step`` with σ = 0, SGD at learning rate 0 and C = half the smallest per-example norm
    (every example clipped); the released gradient (captured in the optimizer's step pre-hook) is compared with
    the brute force Σ_i min(1, C/(‖∇L_i‖ + 1e-6)) ∇L_i / B̄, one backward per example on a float64 copy of the
-   model on the same device. For fp32, ``bf16=True`` (autocast, fp32 weights) and ``fp16=True`` (autocast with
-   hf_dp's fixed loss scale ``dp_fp16_loss_scale``), activation checkpointing off and on, plus LoRA in fp32 and
-   bf16 with checkpointing. Two steps each (the model does not move at lr 0): the first step checks its engine,
+   model on the same device (tests/oracle.py, the exactness tests' oracle). For fp32, ``bf16=True`` (autocast,
+   fp32 weights) and ``fp16=True`` (autocast with hf_dp's fixed loss scale ``dp_fp16_loss_scale``), activation
+   checkpointing off and on, plus LoRA in fp32 and bf16 with checkpointing. Two steps each (the model does not move at lr 0): the first step checks its engine,
    the second takes the fast path (with checkpointing: the tail skip / one-pass step); both are compared.
    TF32 matmuls are switched off for this section (they would round fp32 to 10 bits). Then ``wide_factors``: a
    Linear's per-example factors in bf16 and fp16 on the device (B 4, T 256, 512 x 384): norms by the Gram and
@@ -24,7 +24,8 @@ and the table are rewritten after every case and setting, so a run cut short kee
    back-propagated as one chain instead of one by one, hf_dp/clipping/layerwise.py) and ``opacus`` (Opacus 1.6 ghost clipping,
    ``make_private(..., grad_sample_mode="ghost")`` + ``DPTensorFastGradientClipping``; skipped with its reason
    if Opacus does not import). All variants of a setting live together: each is built and warmed up (2 steps) in turn, then
-   ``--rounds`` rounds time one step of each in rotated order (``torch.cuda.synchronize`` around each step).
+   ``--rounds`` rounds time one step of each in rotated order (``torch.cuda.synchronize`` around each step;
+   benchmarks/_timing.py). The Llama, its LoRA, checkpointing and the variants' steps are benchmarks/_llama.py's.
    Peak memory of a variant = what it holds at rest (``memory_allocated`` after its warm-up minus before its
    build) + the most a step allocates above that (``max_memory_allocated`` - ``memory_allocated`` at the
    step's start, peak stats reset before each step), so the other variants' resident memory is not counted.
@@ -58,13 +59,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
 import json
 import math
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -82,27 +80,29 @@ _T0 = time.perf_counter()  # the run's clock starts before the imports (torch, C
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 sys.path[:] = [_REPO_ROOT] + [p for p in sys.path if p != _REPO_ROOT]
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from benchmarks import _llama, _timing  # noqa: E402  (_timing sets the offline environment first)
+from benchmarks._llama import (  # noqa: E402
+    CKPT_ARG,
+    DATASET_BATCHES,
+    MAX_GRAD_NORM,
+    NOISE_MULTIPLIER,
+    SEED,
+    Shape,
+)
+
+# isort: split
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 from torch import nn  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import LlamaForCausalLM, TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from benchmarks._opacus import ghost_clipping, ghost_step  # noqa: E402
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+from tests import oracle  # noqa: E402  (the brute force every exactness test compares with)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_check.json"
-SEED = 0
 IGNORE_INDEX = -100
-DATASET_BATCHES = 100  # N = 100 x B rows: the sample rate the DPTrainer plans with is 1/100
-NOISE_MULTIPLIER = 1.0
-MAX_GRAD_NORM = 1.0
 LORA_R = 16
 # Relative-error tolerances of the exactness cases, as a DP correctness test would state them (the smoke test
 # asserts them). fp32: the float64 brute force against float32 arithmetic (tests/test_checkpointing.py is exact
@@ -112,24 +112,8 @@ LORA_R = 16
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-3}
 # bf16/fp16 factors multiply exactly in float32; what is left is float32 summation over T·d terms (~1e-7).
 WIDE_FACTORS_TOLERANCE = 1e-5
-# Trainer.train() enables checkpointing through this argument; older transformers call it gradient_checkpointing.
-CKPT_ARG = (
-    "activation_checkpointing"
-    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-    else "gradient_checkpointing"
-)
 SECTIONS = ("environment", "exactness", "performance", "qlora", "profile")
 PROFILE_TOP_OPS = 15
-
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    vocab: int
 
 
 @dataclass(frozen=True)
@@ -217,28 +201,8 @@ class Record:
         self.save()
 
 
-def first_line(text: str | None) -> str | None:
-    if not text:
-        return None
-    return next((line.strip() for line in text.splitlines() if line.strip()), text)[:500]
-
-
 def error_text(exc: BaseException) -> str:
-    return first_line(f"{type(exc).__name__}: {exc}") or type(exc).__name__
-
-
-def free_memory(device: str) -> None:
-    """On CUDA, collect garbage and return cached blocks before a measurement. Not on the CPU, where nothing is
-    measured and one ``gc.collect()`` of this process's heap took a second on a loaded 2-core machine."""
-    if device == "cuda":
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    return _timing.first_line(f"{type(exc).__name__}: {exc}") or type(exc).__name__
 
 
 def mb(n_bytes: float | None) -> float | None:
@@ -255,19 +219,6 @@ def _version(module: str) -> str | None:
         return f"not importable: {error_text(exc)}"
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=_REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def environment(device: str) -> dict[str, Any]:
     env: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -280,7 +231,7 @@ def environment(device: str) -> dict[str, Any]:
         "opacus": _version("opacus"),
         "bitsandbytes": _version("bitsandbytes"),
         "hf_dp_path": str(Path(sys.modules["hf_dp"].__file__).parent),
-        "git_commit": _git_commit(),
+        "git_commit": _timing.git_state(_REPO_ROOT)[0],
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -296,43 +247,10 @@ def environment(device: str) -> dict[str, Any]:
 # ---- models and batches -------------------------------------------------------------------------------------
 
 
-def llama_config(shape: Shape, seq: int) -> LlamaConfig:
-    return LlamaConfig(
-        num_hidden_layers=shape.layers,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        vocab_size=shape.vocab,
-        max_position_embeddings=max(seq, 128),
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-        use_cache=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-
-
-def lora_config(r: int = LORA_R):
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
-    )
-
-
 def build_llama(shape: Shape, seq: int, device: str, tuning: str) -> nn.Module:
-    """The seeded random Llama with fp32 weights, initialised on ``device`` (fast on a GPU); LoRA-wrapped for
-    ``lora``. Same seed, same weights in every variant."""
-    torch.manual_seed(SEED)
-    with torch.device(device):
-        model: nn.Module = LlamaForCausalLM(llama_config(shape, seq))
-    if tuning == "lora":
-        from peft import get_peft_model
-
-        model = get_peft_model(model, lora_config())
-    return model.to(device).train()
+    """The seeded random Llama with fp32 weights, initialised on ``device`` (fast on a GPU); LoRA-wrapped (r 16)
+    for ``lora``. Same seed, same weights in every variant."""
+    return _llama.build_llama(shape, seq, device, tuning, lora_r=LORA_R)
 
 
 def ragged_batch(batch: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -348,99 +266,22 @@ def ragged_batch(batch: int, seq: int, vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def token_rows(n: int, seq: int, vocab: int) -> list[dict[str, torch.Tensor]]:
-    """N rows of T random token ids, labels = input ids (every token a target)."""
-    ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(SEED + 1))
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
-
-
-def per_example_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B,) mean next-token cross-entropy over each example's labelled tokens (hf_dp's L_i), in at least fp32."""
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    tokens = F.cross_entropy(
-        logits.to(dtype).flatten(0, 1), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
-    ).view(targets.shape)
-    return tokens.sum(dim=1) / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
-
-
-def enable_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:
-    """What ``Trainer.train()`` does for ``activation_checkpointing=True`` (non-reentrant unless kwargs say)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if hasattr(base, "activation_checkpointing_enable"):
-        base.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=kwargs or {"use_reentrant": False}
-        )
-    else:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or {"use_reentrant": False})
-    if hasattr(model, "enable_input_require_grads"):
-        model.enable_input_require_grads()
-
-
-def is_checkpointing(model: nn.Module) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return bool(
-        getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False))
-    )
-
-
-def prepare_like_train(trainer: Trainer) -> nn.Module:
-    """Checkpointing on the model and ``accelerator.prepare_model`` (autocast), as ``Trainer.train()`` does."""
-    if getattr(trainer.args, CKPT_ARG):
-        enable_checkpointing(trainer.model, getattr(trainer.args, f"{CKPT_ARG}_kwargs", None))
-    trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)
-    return trainer.model_wrapped
-
-
-def dtype_probe(model: nn.Module, info: dict[str, Any]) -> None:
-    """Records the dtype of the first MLP down projection's output once (what autocast did)."""
-    linear = next(
-        (m for n, m in model.named_modules() if n.endswith(("mlp.down_proj", "mlp.down_proj.base_layer"))),
-        None,
-    )
-    if linear is None:
-        return
-
-    def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
-        info["mlp_output_dtype"] = str(output.dtype).replace("torch.", "")
-        handle.remove()
-
-    handle = linear.register_forward_hook(hook)
-
-
-def training_args(cls: type[TrainingArguments], device: str, folder: str, **extra: Any) -> TrainingArguments:
-    return cls(
-        output_dir=folder,
-        report_to="none",
-        use_cpu=device == "cpu",
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_strategy="no",
-        seed=SEED,
-        **extra,
-    )
-
-
 # ---- 1. exactness ---------------------------------------------------------------------------------------------
 
 
-def brute_force(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[float]]:
-    """Each example alone through a float64 copy: its flattened gradient (float64) and its norm."""
-    reference = copy.deepcopy(model).double()
-    params = [p for p in reference.parameters() if p.requires_grad]
-    grads, norms = [], []
-    for i in range(batch["input_ids"].shape[0]):
-        one = {k: v[i : i + 1] for k, v in batch.items()}
-        logits = reference(input_ids=one["input_ids"], attention_mask=one["attention_mask"]).logits
-        loss = per_example_loss(logits, one["labels"])[0]
-        g = torch.autograd.grad(loss, params, allow_unused=True)
-        flat = torch.cat(
-            [(torch.zeros_like(p) if x is None else x).flatten() for x, p in zip(g, params, strict=True)]
-        )
-        grads.append(flat.detach())
-        norms.append(float(flat.norm()))
-    del reference
-    return grads, norms
+def clipped_reference(
+    model: nn.Module, batch: dict[str, torch.Tensor], max_norm_of: Callable[[list[float]], float]
+) -> tuple[torch.Tensor, torch.Tensor, list[float], float]:
+    """tests/oracle.py's brute force (one backward per example, each row alone, hf_dp's per-example loss) on
+    ``model``, twice: unclipped for the norms, then clipped at C = ``max_norm_of(norms)``. Returns Σ_i ∇L_i and
+    Σ_i min(1, C/(‖∇L_i‖ + 1e-6)) ∇L_i (float64, flattened in the model's order), the norms and C."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    unclipped, norms = oracle.per_example(model, batch, math.inf)
+    norms = [float(n) for n in norms]
+    max_norm = max_norm_of(norms)
+    clipped, _ = oracle.per_example(model, batch, max_norm)
+    flat = [torch.cat([total[n].flatten() for n in names]) for total in (unclipped, clipped)]
+    return flat[0], flat[1], norms, max_norm
 
 
 def exactness_case(
@@ -453,14 +294,13 @@ def exactness_case(
     }
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     start = time.perf_counter()
-    grads, norms = brute_force(model, batch)
-    max_norm = 0.5 * min(norms)  # every example clipped
-    clipped = sum(min(1.0, max_norm / (n + 1e-6)) * g for g, n in zip(grads, norms, strict=True))
+    reference = copy.deepcopy(model).double()  # the brute force in float64 on the same device
+    _, clipped, norms, max_norm = clipped_reference(reference, batch, lambda n: 0.5 * min(n))  # all clipped
+    del reference
     brute_s = time.perf_counter() - start
-    del grads
 
-    rows = token_rows(DATASET_BATCHES * config.exact_batch, config.exact_seq, shape.vocab)
-    args = training_args(
+    rows = _llama.token_rows(DATASET_BATCHES * config.exact_batch, config.exact_seq, shape.vocab)
+    args = _llama.training_args(
         DPTrainingArguments,
         device,
         folder,
@@ -477,9 +317,9 @@ def exactness_case(
     )
     trainer = DPTrainer(model=model, args=args, train_dataset=rows)
     trainer.create_optimizer()
-    prepare_like_train(trainer)
+    _llama.prepare_like_train(trainer)
     info: dict[str, Any] = {}
-    dtype_probe(trainer.model, info)
+    _llama.dtype_probe(trainer.model, info)
     index = {id(p): n for n, p in trainer.model.named_parameters()}
     released: list[dict[str, torch.Tensor]] = []
 
@@ -498,7 +338,7 @@ def exactness_case(
     errors, losses = [], []
     for _ in range(2):
         losses.append(trainer.train_one_step([batch]))
-        sync(device)
+        _timing.synchronize(device)
         ours = torch.cat([released[-1][n].flatten() for n in names])
         errors.append(float((ours - expected).norm() / expected.norm()))
     engine = trainer.dp.engine
@@ -506,7 +346,7 @@ def exactness_case(
         "precision": precision,
         "tuning": tuning,
         "checkpointing": checkpointing,
-        "checkpointing_active": is_checkpointing(trainer.model),
+        "checkpointing_active": _llama.is_checkpointing(trainer.model),
         "relative_error": max(errors),
         "relative_error_per_step": errors,
         "tolerance": TOLERANCE[precision],
@@ -552,7 +392,7 @@ def run_exactness(config: Config, record: Record) -> None:
                 }
             case["seconds"] = time.perf_counter() - start
             section["cases"][name] = case
-            free_memory(config.device)
+            _timing.release(config.device)
             print(exactness_line(name, case), flush=True)
             done = [c for c in section["cases"].values() if not c.get("error")]
             section["all_within_tolerance"] = len(done) == len(section["cases"]) and all(
@@ -617,40 +457,28 @@ def wide_factors_check(config: Config) -> dict[str, Any]:
 
 
 @dataclass
-class Cell:
-    """One variant of a setting: ``step()`` runs one step and returns its loss."""
+class Cell(_timing.Variant):
+    """One variant of a setting (benchmarks/_timing.py's ``Variant``: ``step()`` runs one step and returns its
+    loss; on CUDA its resident bytes and each step's transient peak) with what is read after its rounds: how many
+    times the first layer's q_proj ran, and DP's privacy report and what its first-step checks left on."""
 
-    name: str
-    step: Callable[[], float] | None = None
-    error: str | None = None
-    times: list[float | None] = field(default_factory=list)
-    transient: list[float] = field(default_factory=list)  # bytes a step allocated above its start
-    static: float | None = None  # bytes the variant holds at rest
-    first_loss: float | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    keep: list[Any] = field(default_factory=list)
     report: Callable[[], dict[str, Any]] | None = None  # the DPTrainer's privacy_report
     weighted_pass: Callable[[], dict[str, Any]] | None = None  # what DP's first-step checks left on
     layer_runs: list[int] = field(default_factory=lambda: [0])  # forwards of the first layer's q_proj
 
-    def retire(self, error: str) -> None:
-        self.error, self.step = error, None
-        self.keep.clear()
 
-    def summary(self) -> dict[str, Any]:
-        ok = [t for t in self.times if t]
-        peak = self.static + max(self.transient) if self.static is not None and self.transient else None
-        return {
-            "peak_mb": mb(peak),
-            "resident_mb": mb(self.static),
-            "step_transient_mb": mb(max(self.transient)) if self.transient else None,
-            "median_s": statistics.median(ok) if ok else None,
-            "min_s": min(ok) if ok else None,
-            "times_s": self.times,
-            "first_loss": self.first_loss,
-            "error": self.error,
-            **self.info,
-        }
+def summary(cell: Cell) -> dict[str, Any]:
+    """Peak (resident + the largest step transient), the step times and the variant's info."""
+    transient = max(cell.transient) if cell.transient else None
+    peak = cell.resident + transient if cell.resident is not None and transient is not None else None
+    result = {
+        "peak_mb": mb(peak),
+        "resident_mb": mb(cell.resident),
+        "step_transient_mb": mb(transient),
+        **_timing.timing_summary(cell),
+    }
+    result["error"] = _timing.first_line(cell.error)
+    return result
 
 
 @dataclass(frozen=True)
@@ -666,58 +494,18 @@ class Setting:
         return f"{self.tuning}-bf16-{'ckpt' if self.checkpointing else 'nockpt'}-B{self.batch}-T{self.seq}"
 
 
-def timed_step(cell: Cell, device: str) -> float | None:
-    """Seconds of one step, its transient peak recorded; a failure (OOM included) retires the cell."""
-    if cell.step is None:
-        return None
-    try:
-        sync(device)
-        if device == "cuda":
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        loss = cell.step()
-        sync(device)
-        elapsed = time.perf_counter() - start
-        if device == "cuda":
-            cell.transient.append(torch.cuda.max_memory_allocated() - base)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss {loss}")
-    except Exception as exc:
-        traceback.print_exc()
-        cell.retire(f"step failed: {error_text(exc)}")
-        free_memory(device)
-        return None
-    if cell.first_loss is None:
-        cell.first_loss = loss
-    return elapsed
-
-
 def _cell_info(cell: Cell, model: nn.Module) -> None:
-    cell.info["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    _llama.model_info(model, cell.info)
     count_layer_runs(cell, model)
-    cell.info["checkpointing_active"] = is_checkpointing(model)
-    dtype_probe(model, cell.info)
 
 
 def build_stock(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
     folder = tempfile.TemporaryDirectory(prefix="gpu_check_")
-    args = training_args(
+    args = _llama.training_args(
         TrainingArguments, device, folder.name, per_device_train_batch_size=s.batch, bf16=True,
         optim="adamw_torch", **{CKPT_ARG: s.checkpointing},
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=rows)
-    trainer.create_optimizer()
-    wrapped = prepare_like_train(trainer)
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() for each accumulation window
-    batch = {k: v.to(device) for k, v in trainer.data_collator(rows[: s.batch]).items()}
-
-    def step() -> float:
-        loss = trainer.training_step(wrapped, batch)
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
-        return float(loss)
-
+    step, trainer, wrapped = _llama.stock_step(model, args, rows, s.batch, 1, device)
     cell = Cell("stock", step=step, keep=[folder, trainer])
     _cell_info(cell, wrapped)
     return cell
@@ -725,17 +513,12 @@ def build_stock(s: Setting, model: nn.Module, rows: list[dict], device: str) -> 
 
 def build_dp(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
     folder = tempfile.TemporaryDirectory(prefix="gpu_check_")
-    args = training_args(
+    args = _llama.training_args(
         DPTrainingArguments, device, folder.name, per_device_train_batch_size=s.batch, bf16=True,
         optim="adamw_torch", dp_optimizer="adamw", noise_multiplier=NOISE_MULTIPLIER,
         per_sample_max_grad_norm=MAX_GRAD_NORM, insecure_dp_seed=SEED, **{CKPT_ARG: s.checkpointing},
     )  # fmt: skip
-    trainer = DPTrainer(model=model, args=args, train_dataset=rows)
-    if trainer.expected_batch_size != s.batch:
-        raise RuntimeError(f"DPTrainer plans a logical batch of {trainer.expected_batch_size}, not {s.batch}")
-    trainer.create_optimizer()
-    prepare_like_train(trainer)
-    batch = {k: v.to(device) for k, v in trainer.data_collator(rows[: s.batch]).items()}
+    trainer, (batch,) = _llama.dp_trainer(model, args, rows, s.batch, 1, device)
     cell = Cell("dp", step=lambda: trainer.train_one_step([batch]), keep=[folder, trainer])
     _cell_info(cell, trainer.model)
     strategy = trainer.dp.clipping
@@ -783,22 +566,8 @@ def passes(cell: Cell, steps: int) -> dict[str, Any]:
 
 
 def build_opacus(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
-    from transformers import default_data_collator
-
-    if s.checkpointing:
-        enable_checkpointing(model)
-    engine, dp_model, dp_optimizer = ghost_clipping(
-        model, len(rows), s.batch, NOISE_MULTIPLIER, MAX_GRAD_NORM
-    )
-    batch = {k: v.to(device) for k, v in default_data_collator(rows[: s.batch]).items()}
-    autocast = torch.autocast(device, dtype=torch.bfloat16)
-
-    def step() -> float:
-        with autocast:
-            logits = dp_model(input_ids=batch["input_ids"]).logits
-        return ghost_step(dp_model, dp_optimizer, per_example_loss(logits, batch["labels"]))
-
-    cell = Cell("opacus", step=step, keep=[engine, dp_model, dp_optimizer])
+    step, keep = _llama.opacus_step(model, rows, s.batch, device, s.checkpointing, bf16=True)
+    cell = Cell("opacus", step=step, keep=keep)
     _cell_info(cell, model)
     return cell
 
@@ -836,11 +605,11 @@ def _opacus_missing() -> str | None:
 def ratio(cells: dict[str, Cell], num: str, den: str) -> dict[str, Any] | None:
     if num not in cells or den not in cells:
         return None
-    a, b = cells[num].summary(), cells[den].summary()
-    pairs = [x / y for x, y in zip(cells[num].times, cells[den].times, strict=False) if x and y]
+    a, b = summary(cells[num]), summary(cells[den])
+    paired = _timing.paired_ratios(cells[num].times, cells[den].times)
     return {
         "peak": a["peak_mb"] / b["peak_mb"] if a["peak_mb"] and b["peak_mb"] else None,
-        "time_paired_median": statistics.median(pairs) if pairs else None,
+        "time_paired_median": paired["paired_median"] if paired else None,
         "time_min": a["min_s"] / b["min_s"] if a["min_s"] and b["min_s"] else None,
     }
 
@@ -850,39 +619,31 @@ def run_setting(
 ) -> dict[str, Any]:
     """Build and warm up each variant in turn (its resident memory measured), then time interleaved rounds."""
     device = config.device
-    rows = token_rows(DATASET_BATCHES * s.batch, s.seq, s.shape.vocab)
+    rows = _llama.token_rows(DATASET_BATCHES * s.batch, s.seq, s.shape.vocab)
     cells: dict[str, Cell] = {}
     skipped: dict[str, str] = {}
     for name in variants:
         if name == "opacus" and (reason := _opacus_missing()):
             skipped[name] = reason
             continue
-        free_memory(device)
+        _timing.release(device)
         before = torch.cuda.memory_allocated() if device == "cuda" else None
         start = time.perf_counter()
-        try:
-            cell = BUILDERS[name](s, model_builder(), rows, device)
-        except Exception as exc:
-            traceback.print_exc()
-            cell = Cell(name, error=f"build failed: {error_text(exc)}")
+        cell = _timing.build(name, lambda n=name: BUILDERS[n](s, model_builder(), rows, device), failed=Cell)
         cells[name] = cell
         for _ in range(config.warmup):
-            timed_step(cell, device)
+            _timing.time_step(cell, device=device, step_peak=True)
         cell.times, cell.transient, cell.layer_runs[0] = [], [], 0
         cell.info["build_and_warmup_s"] = time.perf_counter() - start
         if cell.step is not None and device == "cuda":
-            free_memory(device)
-            cell.static = torch.cuda.memory_allocated() - before
-    order = list(cells)
-    for r in range(config.rounds):
-        rotated = order[r % len(order) :] + order[: r % len(order)] if order else []
-        for name in rotated:
-            cells[name].times.append(timed_step(cells[name], device))
+            _timing.release(device)
+            cell.resident = torch.cuda.memory_allocated() - before
+    _timing.timed_rounds(cells, config.rounds, device=device, step_peak=True)
     for cell in cells.values():
         cell.info.update(passes(cell, sum(1 for t in cell.times if t)))
     result: dict[str, Any] = {
         "setting": asdict(s),
-        "variants": {name: cell.summary() for name, cell in cells.items()},
+        "variants": {name: summary(cell) for name, cell in cells.items()},
         "skipped_variants": skipped,
     }
     dp = cells.get("dp")
@@ -907,7 +668,7 @@ def run_setting(
         cell.keep.clear()
         cell.step = cell.report = cell.weighted_pass = None
     cells.clear()
-    free_memory(device)
+    _timing.release(device)
     return result
 
 
@@ -927,7 +688,7 @@ def timed_setting(
     except Exception as exc:
         traceback.print_exc()
         result = {"setting": asdict(s), "error": error_text(exc)}
-        free_memory(config.device)
+        _timing.release(config.device)
     result["seconds"] = time.perf_counter() - start
     section["settings"][s.name] = result
     print(setting_lines(s.name, result), flush=True)
@@ -987,7 +748,7 @@ def build_qlora(s: Setting, folder: str, device: str) -> nn.Module:
     if quantized == 0:
         raise RuntimeError("no bitsandbytes Linear4bit layer after loading with load_in_4bit")
     torch.manual_seed(SEED)
-    return get_peft_model(model, lora_config()).train()
+    return get_peft_model(model, _llama.lora_config(LORA_R)).train()
 
 
 # The exactness check's bases: the unquantised float32 model (the error level to meet), 4-bit nf4 / fp4 with double
@@ -1027,7 +788,7 @@ def small_qlora(kind: str, folder: str, device: str) -> nn.Module:
             model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
         )
     torch.manual_seed(SEED + 1)
-    model = get_peft_model(model, lora_config(4))
+    model = get_peft_model(model, _llama.lora_config(4))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -1048,43 +809,19 @@ def checkpointing_off(model: nn.Module):
             m.gradient_checkpointing = True
 
 
-def same_model_brute_force(
-    model: nn.Module, batch: dict[str, torch.Tensor]
-) -> tuple[list[torch.Tensor], list[float]]:
-    """Each example alone through THE SAME (quantised) model: its gradient (float64) and its norm."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads, norms = [], []
-    with checkpointing_off(model):
-        for i in range(batch["input_ids"].shape[0]):
-            logits = model(
-                input_ids=batch["input_ids"][i : i + 1], attention_mask=batch["attention_mask"][i : i + 1]
-            ).logits
-            loss = per_example_loss(logits, batch["labels"][i : i + 1])[0]
-            g = torch.autograd.grad(loss, params, allow_unused=True)
-            flat = torch.cat(
-                [
-                    (torch.zeros_like(p) if x is None else x).double().flatten()
-                    for x, p in zip(g, params, strict=True)
-                ]
-            )
-            grads.append(flat)
-            norms.append(float(flat.norm()))
-    return grads, norms
-
-
 def released_step(
     model: nn.Module, batch: dict[str, torch.Tensor], max_norm: float, config: Config, folder: str
 ) -> torch.Tensor:
     """One DPTrainer step at σ = 0, SGD at learning rate 0: the released gradient × B̄ (float64, flattened)."""
-    rows = token_rows(DATASET_BATCHES * config.exact_batch, config.exact_seq, config.exact_shape.vocab)
-    args = training_args(
+    rows = _llama.token_rows(DATASET_BATCHES * config.exact_batch, config.exact_seq, config.exact_shape.vocab)
+    args = _llama.training_args(
         DPTrainingArguments, config.device, folder, per_device_train_batch_size=config.exact_batch,
         dp_optimizer="sgd", learning_rate=0.0, lr_scheduler_type="constant", noise_multiplier=0.0,
         per_sample_max_grad_norm=max_norm, insecure_dp_seed=SEED,
     )  # fmt: skip
     trainer = DPTrainer(model=model, args=args, train_dataset=rows)
     trainer.create_optimizer()
-    prepare_like_train(trainer)
+    _llama.prepare_like_train(trainer)
     order = [p for p in model.parameters() if p.requires_grad]
     released: list[torch.Tensor] = []
 
@@ -1093,7 +830,7 @@ def released_step(
 
     trainer.optimizer.register_step_pre_hook(capture)
     trainer.train_one_step([batch])
-    sync(config.device)
+    _timing.synchronize(config.device)
     trainer.dp.close()
     return released[-1] * trainer.expected_batch_size
 
@@ -1107,7 +844,7 @@ def qlora_exactness(config: Config, section: dict[str, Any]) -> None:
     device = config.device
     with tempfile.TemporaryDirectory(prefix="gpu_check_qlora_exact_") as folder:
         torch.manual_seed(SEED)
-        LlamaForCausalLM(llama_config(config.exact_shape, config.exact_seq)).save_pretrained(folder)
+        LlamaForCausalLM(_llama.llama_config(config.exact_shape, config.exact_seq)).save_pretrained(folder)
         batch = {
             k: v.to(device)
             for k, v in ragged_batch(config.exact_batch, config.exact_seq, config.exact_shape.vocab).items()
@@ -1115,12 +852,16 @@ def qlora_exactness(config: Config, section: dict[str, Any]) -> None:
         for kind in QLORA_BASES:
             try:
                 model = small_qlora(kind, folder, device)
-                grads, norms = same_model_brute_force(model, batch)
-                case: dict[str, Any] = {"per_example_norms": norms}
-                for clipping, max_norm in (("inactive", 10 * max(norms)), ("active", 0.5 * min(norms))):
-                    expected = sum(
-                        min(1.0, max_norm / (n + 1e-6)) * g for g, n in zip(grads, norms, strict=True)
+                with checkpointing_off(model):  # the same (quantised) model, each example alone
+                    unclipped, clipped, norms, active = clipped_reference(
+                        model, batch, lambda n: 0.5 * min(n)
                     )
+                case: dict[str, Any] = {"per_example_norms": norms}
+                # C = 10 x the largest norm clips nothing: every factor is exactly 1, the sum the unclipped one
+                for clipping, max_norm, expected in (
+                    ("inactive", 10 * max(norms), unclipped),
+                    ("active", active, clipped),
+                ):
                     with tempfile.TemporaryDirectory(prefix="gpu_check_") as out:
                         ours = released_step(model, batch, max_norm, config, out)
                     case[clipping] = float((ours - expected).norm() / expected.norm())
@@ -1128,7 +869,7 @@ def qlora_exactness(config: Config, section: dict[str, Any]) -> None:
             except Exception as exc:
                 traceback.print_exc()
                 case = {"error": error_text(exc)}
-            free_memory(device)
+            _timing.release(device)
             cases[kind] = case
         reference = cases.get("fp32", {})
         for kind, case in cases.items():
@@ -1171,7 +912,7 @@ def int8_outlier_check(folder: str, batch: dict[str, torch.Tensor], config: Conf
         except Exception as exc:
             traceback.print_exc()
             result[f"{kind}_error"] = error_text(exc)
-        free_memory(config.device)
+        _timing.release(config.device)
     return result
 
 
@@ -1211,7 +952,7 @@ def run_qlora(config: Config, record: Record) -> None:
         base = build_llama(config.perf_shape, config.perf_seq, config.device, "full")
         base.to(torch.bfloat16).save_pretrained(folder)
         del base
-        free_memory(config.device)
+        _timing.release(config.device)
         for ckpt in (True, False):
             s = Setting("qlora", ckpt, config.perf_shape, config.perf_batch, config.perf_seq)
             if reason := over_budget(record, config):
@@ -1259,11 +1000,11 @@ def profiled_step(cell: Cell, device: str) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    sync(device)
+    _timing.synchronize(device)
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         cell.step()
-        sync(device)
+        _timing.synchronize(device)
     wall = time.perf_counter() - start
 
     def device_ms(event: Any, own: bool) -> float:
@@ -1294,10 +1035,10 @@ def run_profile(config: Config, record: Record) -> None:
             section["settings"][s.name] = {"skipped": reason}
             record.save()
             continue
-        rows = token_rows(DATASET_BATCHES * s.batch, s.seq, s.shape.vocab)
+        rows = _llama.token_rows(DATASET_BATCHES * s.batch, s.seq, s.shape.vocab)
         result: dict[str, Any] = {}
         for name in ("stock", "dp"):
-            free_memory(config.device)
+            _timing.release(config.device)
             try:
                 with labelled_dp_phases():
                     cell = BUILDERS[name](
@@ -1313,7 +1054,7 @@ def run_profile(config: Config, record: Record) -> None:
             except Exception as exc:
                 traceback.print_exc()
                 result[name] = {"error": error_text(exc)}
-            free_memory(config.device)
+            _timing.release(config.device)
         section["settings"][s.name] = result
         print(profile_lines(s.name, result), flush=True)
         record.save()
@@ -1545,7 +1286,7 @@ def _run(args: argparse.Namespace, config: Config, device: str) -> dict[str, Any
             runners[name](config, record)
         except Exception as exc:
             record.fail(name, exc)
-            free_memory(device)
+            _timing.release(device)
     record.data["finished"] = True
     record.save()
     print("\n" + table(record.data), flush=True)

@@ -66,35 +66,35 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-from benchmarks import _timing  # noqa: E402  (sets the offline environment first)
+from benchmarks import _llama, _timing  # noqa: E402  (_timing sets the offline environment first)
+from benchmarks._llama import (  # noqa: E402
+    CKPT_ARG,
+    DATASET_BATCHES,
+    MAX_GRAD_NORM,
+    NOISE_MULTIPLIER,
+    Shape,
+)
 from benchmarks._memory import LAUNCHER, reset_peak_rss, vm_hwm_kb  # noqa: E402
-from benchmarks._opacus import ghost_clipping, ghost_step  # noqa: E402
-from benchmarks._timing import Variant, fmt  # noqa: E402
+from benchmarks._timing import Variant, first_line, fmt  # noqa: E402
 
 # isort: split
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import TrainingArguments  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+from hf_dp import DPTrainingArguments  # noqa: E402
 
 VARIANTS = ("stock", "dp_off", "dp", "opacus", "dp_chained")
 DEFAULT_VARIANTS = ("stock", "dp_off", "dp", "opacus")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "llm_memory.json"
 MEMORY_MARKER = "LLM_MEMORY_JSON "
-SEED = 0
-NOISE_MULTIPLIER = 1.0
-MAX_GRAD_NORM = 1.0
 LORA_R = 8
-DATASET_BATCHES = 100  # N = 100 x B examples (the sample rate the DPTrainer plans with: 1 / 100)
 WARMUP_STEPS = (
     1  # DPTrainer verifies its engine against autograd on its first step: never timed, never peaked
 )
 MEMORY_STEPS = 2
-IGNORE_INDEX = -100
 # Every block of 64 KiB or more gets its own mmap (unmapped when freed), the heap top is trimmed: the RSS then
 # follows the live tensors instead of what glibc keeps after the warm-up step.
 TIGHT_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
@@ -113,26 +113,6 @@ RATIO_PAIRS = (
     ("dp_chained", "stock"),
     ("dp", "dp_chained"),
 )
-# Trainer.train() enables checkpointing through this argument; transformers 5 renamed gradient_checkpointing.
-CKPT_ARG = (
-    "activation_checkpointing"
-    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
-    else "gradient_checkpointing"
-)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The Llama shape."""
-
-    layers: int = 8
-    hidden: int = 512
-    intermediate: int = 1408
-    heads: int = 8
-    kv_heads: int = 2
-    vocab: int = 32000
-
-
 QUICK_SHAPE = Shape(layers=2, hidden=64, intermediate=176, heads=4, kv_heads=2, vocab=1000)
 QUICK_SEQ = 64
 
@@ -178,154 +158,40 @@ def grid(seq_lens: list[int], batch: int, shape: Shape, micro_batches: int = 1) 
 
 
 def build_model(s: Setting, device: str) -> nn.Module:
-    """The seeded random Llama (fp32 weights), LoRA-wrapped for ``lora``; the same weights in every variant."""
-    torch.manual_seed(SEED)
-    config = LlamaConfig(
-        num_hidden_layers=s.shape.layers,
-        hidden_size=s.shape.hidden,
-        intermediate_size=s.shape.intermediate,
-        num_attention_heads=s.shape.heads,
-        num_key_value_heads=s.shape.kv_heads,
-        vocab_size=s.shape.vocab,
-        max_position_embeddings=max(s.seq, 128),
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-        use_cache=False,  # training: no KV cache
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    model: nn.Module = LlamaForCausalLM(config)
-    if s.tuning == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=LORA_R,
-            lora_alpha=2 * LORA_R,
-            lora_dropout=0.0,
-            target_modules="all-linear",
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, lora)
-    return model.to(device).train()
-
-
-def micro_batches(trainer: Trainer, s: Setting, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
-    """The step's micro-batches: B rows each, the same rows in every variant."""
-    return [trainer.data_collator(rows[k * s.batch : (k + 1) * s.batch]) for k in range(s.micro_batches)]
+    """The seeded random Llama (fp32 weights, drawn on the CPU: the same on every device), LoRA-wrapped for
+    ``lora``; the same weights in every variant."""
+    return _llama.build_llama(s.shape, s.seq, device, s.tuning, lora_r=LORA_R, init_on_device=False)
 
 
 def make_rows(s: Setting) -> list[dict[str, torch.Tensor]]:
     """N = 100 x B examples of T random token ids, labels = input ids (every token a target)."""
-    ids = torch.randint(
-        0,
-        s.shape.vocab,
-        (DATASET_BATCHES * s.batch, s.seq),
-        generator=torch.Generator().manual_seed(SEED + 1),
-    )
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
-
-
-def enable_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:
-    """What ``Trainer.train()`` does for ``activation_checkpointing=True`` (non-reentrant unless kwargs say)."""
-    kwargs = dict(kwargs or {})
-    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
-        )
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
-
-
-def _is_checkpointing(model: nn.Module) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return bool(
-        getattr(base, "is_activation_checkpointing", getattr(base, "is_gradient_checkpointing", False))
-    )
-
-
-def dtype_probe(model: nn.Module, variant: Variant) -> None:
-    """Records the dtype of the first MLP projection's output once (bf16 under autocast, else fp32)."""
-    names = ("mlp.down_proj", "mlp.down_proj.base_layer")
-    linear = next((m for n, m in model.named_modules() if n.endswith(names)), None)
-    if linear is None:
-        return
-
-    def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
-        variant.info["mlp_output_dtype"] = str(output.dtype).replace("torch.", "")
-        handle.remove()
-
-    handle = linear.register_forward_hook(hook)
+    return _llama.token_rows(DATASET_BATCHES * s.batch, s.seq, s.shape.vocab)
 
 
 def _args(
     cls: type[TrainingArguments], s: Setting, device: str, folder: str, **extra: Any
 ) -> TrainingArguments:
-    return cls(
-        output_dir=folder,
-        report_to="none",
-        use_cpu=device == "cpu",
+    return _llama.training_args(
+        cls,
+        device,
+        folder,
         per_device_train_batch_size=s.batch,
         gradient_accumulation_steps=s.micro_batches,
         bf16=s.precision == "bf16",
         optim="adamw_torch",  # plain torch AdamW: the update rule of every variant
-        save_strategy="no",
-        logging_strategy="no",
-        seed=SEED,
         **{CKPT_ARG: s.checkpointing},
         **extra,
     )
 
 
-def _prepare_like_train(trainer: Trainer) -> nn.Module:
-    """Checkpointing on the model and ``accelerator.prepare_model`` (autocast), as ``Trainer.train()`` does."""
-    if getattr(trainer.args, CKPT_ARG):
-        enable_checkpointing(trainer.model, getattr(trainer.args, f"{CKPT_ARG}_kwargs", None))
-    trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)
-    return trainer.model_wrapped
-
-
-def _synced(step: Callable[[], float], device: str) -> Callable[[], float]:
-    """On CUDA, the step ends when its kernels have run."""
-    if device != "cuda":
-        return step
-
-    def run() -> float:
-        loss = step()
-        torch.cuda.synchronize()
-        return loss
-
-    return run
-
-
-def _common_info(variant: Variant, model: nn.Module) -> None:
-    variant.info["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    variant.info["checkpointing_active"] = _is_checkpointing(model)
-
-
 def build_stock(s: Setting, rows: list[dict], device: str) -> Variant:
     folder = tempfile.TemporaryDirectory(prefix="llm_memory_")
-    trainer = Trainer(
-        model=build_model(s, device),
-        args=_args(TrainingArguments, s, device, folder.name),
-        train_dataset=rows,
+    args = _args(TrainingArguments, s, device, folder.name)
+    step, trainer, model = _llama.stock_step(
+        build_model(s, device), args, rows, s.batch, s.micro_batches, device
     )
-    trainer.create_optimizer()
-    model = _prepare_like_train(trainer)
-    # as Trainer.train() sets it for each accumulation window
-    trainer.current_gradient_accumulation_steps = s.micro_batches
-    batches = micro_batches(trainer, s, rows)
-
-    def step() -> float:
-        loss = sum(trainer.training_step(model, batch) for batch in batches)
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
-        return float(loss)
-
-    variant = Variant("stock", step=_synced(step, device), keep=[folder, trainer])
-    _common_info(variant, model)
-    dtype_probe(model, variant)
+    variant = Variant("stock", step=step, keep=[folder, trainer])
+    _llama.model_info(model, variant.info)
     return variant
 
 
@@ -337,14 +203,8 @@ def build_dp(s: Setting, rows: list[dict], device: str, private: bool, chained: 
         else {"disable_dp": True}
     )
     args = _args(DPTrainingArguments, s, device, folder.name, dp_optimizer="adamw", **privacy)
-    trainer = DPTrainer(model=build_model(s, device), args=args, train_dataset=rows)
-    if trainer.expected_batch_size != s.batch * s.micro_batches:
-        raise RuntimeError(
-            f"DPTrainer plans a logical batch of {trainer.expected_batch_size}, not {s.batch * s.micro_batches}"
-        )
-    trainer.create_optimizer()
-    model = _prepare_like_train(trainer)
-    batches = micro_batches(trainer, s, rows)  # fixed micro-batches: Poisson sampling lives in the loader
+    trainer, batches = _llama.dp_trainer(build_model(s, device), args, rows, s.batch, s.micro_batches, device)
+    model = trainer.model_wrapped
     name = "dp_chained" if chained else "dp" if private else "dp_off"
 
     def step() -> float:
@@ -358,48 +218,21 @@ def build_dp(s: Setting, rows: list[dict], device: str, private: bool, chained: 
         variant.info["layerwise"] = getattr(trainer.dp.clipping, "layerwise", None)
         return loss
 
-    variant = Variant(name, step=_synced(step, device), keep=[folder, trainer])
-    _common_info(variant, model)
+    variant = Variant(name, step=step, keep=[folder, trainer])
+    _llama.model_info(model, variant.info)
     strategy = trainer.dp.clipping
     variant.info["clipping_strategy"] = type(strategy).__name__ if strategy is not None else None
     variant.info["norms_in_backward"] = getattr(strategy, "norms_in_backward", None)
-    dtype_probe(model, variant)
     return variant
 
 
-def per_example_next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B,) mean next-token cross-entropy of each example, from ``reduction="none"`` token losses."""
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
-    tokens = F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
-    ).view(targets.shape)
-    return tokens.sum(dim=1) / (targets != IGNORE_INDEX).sum(dim=1).clamp(min=1)
-
-
 def build_opacus(s: Setting, rows: list[dict], device: str) -> Variant:
-    from transformers import default_data_collator
-
     if s.micro_batches > 1:
         raise ValueError("the opacus variant takes one micro-batch a step: leave --micro-batches at 1")
     model = build_model(s, device)
-    if s.checkpointing:
-        enable_checkpointing(model)
-    engine, dp_model, dp_optimizer = ghost_clipping(
-        model, len(rows), s.batch, NOISE_MULTIPLIER, MAX_GRAD_NORM
-    )
-    if dp_optimizer.expected_batch_size != s.batch:
-        raise RuntimeError(f"Opacus expects a batch of {dp_optimizer.expected_batch_size}, not {s.batch}")
-    batch = {k: v.to(device) for k, v in default_data_collator(rows[: s.batch]).items()}
-    bf16 = s.precision == "bf16"
-
-    def step() -> float:
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-            logits = dp_model(input_ids=batch["input_ids"]).logits
-        return ghost_step(dp_model, dp_optimizer, per_example_next_token_loss(logits, batch["labels"]))
-
-    variant = Variant("opacus", step=_synced(step, device), keep=[engine, dp_model, dp_optimizer])
-    _common_info(variant, model)
-    dtype_probe(model, variant)
+    step, keep = _llama.opacus_step(model, rows, s.batch, device, s.checkpointing, bf16=s.precision == "bf16")
+    variant = Variant("opacus", step=step, keep=keep)
+    _llama.model_info(model, variant.info)
     return variant
 
 
@@ -414,13 +247,6 @@ BUILDERS: dict[str, Callable[[Setting, list[dict], str], Variant]] = {
 
 def build_variant(name: str, s: Setting, rows: list[dict], device: str) -> Variant:
     return _timing.build(name, lambda: BUILDERS[name](s, rows, device))
-
-
-def first_line(error: str | None) -> str | None:
-    """The first non-empty line of an error (what the tables show)."""
-    if not error:
-        return None
-    return next((line.strip() for line in error.splitlines() if line.strip()), error)
 
 
 # ---- memory ---------------------------------------------------------------------------------------------
@@ -442,7 +268,7 @@ def memory_only(name: str, s: Setting, device: str) -> dict[str, Any]:
     variant = build_variant(name, s, make_rows(s), device)
     result["rss_after_build_mb"] = _vm_rss_mb()
     for _ in range(WARMUP_STEPS):
-        _timing.time_step(variant)
+        _timing.time_step(variant, device=device)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -450,7 +276,7 @@ def memory_only(name: str, s: Setting, device: str) -> dict[str, Any]:
     result["rss_before_steps_mb"] = _vm_rss_mb()
     reset = reset_peak_rss()
     for _ in range(MEMORY_STEPS):
-        _timing.time_step(variant)
+        _timing.time_step(variant, device=device)
     hwm = vm_hwm_kb()
     result["steady_peak_rss_mb"] = hwm / 1024 if reset and hwm is not None else None
     result["ru_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -537,7 +363,7 @@ def run_setting(
 
     rows = make_rows(s)
     variants = {name: build_variant(name, s, rows, device) for name in variant_names}
-    orders = _timing.interleaved(variants, rounds=rounds, warmup=WARMUP_STEPS)
+    orders = _timing.interleaved(variants, rounds=rounds, warmup=WARMUP_STEPS, device=device)
     times = {}
     for name, v in variants.items():
         summary = _timing.timing_summary(v)
@@ -714,32 +540,11 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _git_state() -> tuple[str | None, bool | None]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=_REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "hf_dp"],
-            cwd=_REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None, None
-    return commit, bool(dirty)
-
-
 def environment(device: str) -> dict[str, Any]:
     import accelerate
     import peft
 
-    commit, dirty = _git_state()
+    commit, dirty = _timing.git_state(_REPO_ROOT)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return _timing.environment(
         device=name,
