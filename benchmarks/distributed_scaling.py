@@ -94,26 +94,6 @@ def worker(cli: argparse.Namespace) -> None:
             ids = torch.randint(2, 8192, (cli.seq,), generator=g)
             return {"input_ids": ids, "labels": ids}
 
-    class WholeWeightedPass(TrainerCallback):
-        """After each step (the first is not timed) the clipped step forgets what its first step found, so every
-        later weighted pass runs whole: the tail and the checkpointed layers' forward."""
-
-        def __init__(self, clipping) -> None:
-            self.clipping = clipping
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.clipping.skips_tail = self.clipping.replays = False
-
-    class ChainedLayers(TrainerCallback):
-        """After each step the clipped step forgets that its first step found the layer-by-layer pass exact, so
-        later weighted passes chain (replay) the layers below the tail."""
-
-        def __init__(self, clipping) -> None:
-            self.clipping = clipping
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.clipping.layerwise = False
-
     class Clock(TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
@@ -158,10 +138,14 @@ def worker(cli: argparse.Namespace) -> None:
     clock = Clock()
     trainer = DPTrainer(model=model, args=args, train_dataset=Rows())
     trainer.add_callback(clock)
-    if cli.whole_weighted_pass:
-        trainer.add_callback(WholeWeightedPass(trainer.dp.clipping))
-    if cli.chained_layers:
-        trainer.add_callback(ChainedLayers(trainer.dp.clipping))
+    if (
+        cli.whole_weighted_pass
+    ):  # every step after the checked first one runs the tail and the layers' forward
+        trainer.dp.clipping.force(skips_tail=False, replays=False)
+    if (
+        cli.chained_layers
+    ):  # every step after the checked first one chains (replays) the layers below the tail
+        trainer.dp.clipping.force(layerwise=False)
     trainer.train()
     import resource
 

@@ -533,7 +533,13 @@ def weighted_pass(strategy: Any) -> dict[str, Any]:
     """What the first step's checks left on for the weighted pass: the tail skip, how many checkpointed layers
     the tail reaches down over, and whether the layers below it run one by one (None where the strategy has no
     such pass)."""
-    return {key: getattr(strategy, key, None) for key in ("skips_tail", "tail_layers", "layerwise")}
+    calibration = getattr(strategy, "calibration", None)
+    if calibration is None:
+        return dict.fromkeys(("skips_tail", "tail_layers", "layerwise"))
+    found = {key: getattr(calibration, key) for key in ("skips_tail", "tail_layers", "layerwise")}
+    if not strategy.norms_in_backward:  # book-keeping's one pass: no weighted pass, no tail to skip
+        found["skips_tail"] = None
+    return found
 
 
 def weighted_pass_text(cell: dict[str, Any]) -> str:
@@ -576,13 +582,10 @@ def build_dp_chained(s: Setting, model: nn.Module, rows: list[dict], device: str
     """``dp`` with the weighted pass's checkpointed layers back-propagated as one chain (replayed) instead of one
     by one (hf_dp/clipping/layerwise.py): what the layer-by-layer pass buys, paired in the same run."""
     cell = build_dp(s, model, rows, device)
-    strategy, step = cell.keep[1].dp.clipping, cell.step
-
-    def chained_step() -> float:
-        strategy.layerwise = False  # the first step's check sets it; later steps chain the layers
-        return step()
-
-    cell.name, cell.step = "dp_chained", chained_step
+    cell.keep[1].dp.clipping.force(
+        layerwise=False
+    )  # the first step still checks; later steps chain the layers
+    cell.name = "dp_chained"
     return cell
 
 

@@ -207,15 +207,17 @@ def build_dp(s: Setting, rows: list[dict], device: str, private: bool, chained: 
     model = trainer.model_wrapped
     name = "dp_chained" if chained else "dp" if private else "dp_off"
 
+    if chained and trainer.dp.clipping is not None:
+        trainer.dp.clipping.force(
+            layerwise=False
+        )  # the first step still checks; later steps chain the layers
+
     def step() -> float:
-        if chained and trainer.dp.clipping is not None:
-            trainer.dp.clipping.layerwise = (
-                False  # the first step's check sets it; later steps chain the layers
-            )
         loss = trainer.train_one_step(batches)
         # how many checkpointed layers the checked tail reaches down over (docs/clipping.md)
-        variant.info["tail_layers"] = getattr(trainer.dp.clipping, "tail_layers", None)
-        variant.info["layerwise"] = getattr(trainer.dp.clipping, "layerwise", None)
+        calibration = getattr(trainer.dp.clipping, "calibration", None)
+        variant.info["tail_layers"] = None if calibration is None else calibration.tail_layers
+        variant.info["layerwise"] = None if calibration is None else calibration.layerwise
         return loss
 
     variant = Variant(name, step=step, keep=[folder, trainer])

@@ -181,7 +181,7 @@ def calibrate_noise_multiplier(
     Math: the σ of ``_smallest_sigma`` over the chosen accountant (RDP: Mironov 2017, Mironov, Talwar, Zhang
     2019; PRV: Gopi, Lee, Wutschitz 2021) with ``tolerance = min(0.005, 0.002 * target_epsilon)``, so the returned
     sigma spends between ``target_epsilon - tolerance`` and ``target_epsilon`` (PRV: minus its eps_error too).
-    Takes ~4-8 epsilon evaluations: under 1 s with RDP, 1.2-1.9 s with PRV (benchmarks/calibration_speed.py).
+    Takes ~4-8 epsilon evaluations: under 1 s with RDP, 1.2-1.9 s with PRV (benchmarks/results/calibration_speed.md).
     """
     accountant = _check_accountant(accountant)
     target_epsilon = _check_target_epsilon(target_epsilon)

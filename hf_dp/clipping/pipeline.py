@@ -120,7 +120,7 @@ class ClippedStep:
 
     def force(self, **fields: Any) -> None:
         """Later steps take these ``Calibration`` fields whatever the first step finds (its checks still run)."""
-        self._forced = fields
+        self._forced = {**self._forced, **fields}
         if self.calibration is not None:
             self.calibration = replace(self.calibration, **fields)
 
@@ -261,11 +261,13 @@ def _sum_pass(
 
 
 def _norm_pass(step: ClippedStep, kind: NormKind, keeps: TapOptions | None, first: bool) -> NormPass:
-    if kind == "recorded":
-        return RecordedNorms(step.engine, step.module, verify=first)
-    if kind == "evaluated":
-        return EvaluatedNorms(step.engine, step.module, step.shifter, verify=first)
+    """The norm pass of a table row; on the bare module's first step, book-keeping's sum is verified against
+    autograd (a framework's parameters may be partitioned: ZeRO-3)."""
     module = step.owner == "module"
+    if kind == "recorded":
+        return RecordedNorms(step.engine, step.module, verify=first and module)
+    if kind == "evaluated":
+        return EvaluatedNorms(step.engine, step.module, step.shifter, verify=first and module)
     return TappedNorms(
         step.engine,
         step.module,
