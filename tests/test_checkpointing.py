@@ -216,7 +216,7 @@ def _live_inner_inputs(model, engine, batch, checkpointing: bool) -> tuple[int, 
     if checkpointing:
         with engine.norms_in_backward(batch["input_ids"].shape[0]) as collector:
             losses = per_example_loss(model, batch)
-            collector.counting = False
+            collector.begin_backward()
             gc.collect()
             alive = sum(r() is not None for r in refs)
             losses.sum().backward()
@@ -584,16 +584,23 @@ def test_the_layer_by_layer_pass_keeps_each_point_once_and_lets_it_go(monkeypatc
             )
         )
         seen.append(points)
+        kept = [part for _, part in found.tail.parts + points.norm_parts]
+        seen.append(
+            (found, [weakref.ref(t) for part in kept for t in vars(part).values() if torch.is_tensor(t)])
+        )
         return original(self, losses_of, found, factors, batch)
 
     layers = list(model.model.layers)
     monkeypatch.setattr(BodySum, "__call__", watched)
     checkpointed_steps(model, batch, 1.0, strategy=strategy, steps=2)
     assert strategy.calibration.layerwise
-    kept, points = seen
+    kept, points, (found, parts) = seen
     names = [(k, "LlamaRMSNorm") for k in range(3)] + [(k, "NoneType") for k in range(3)]
     assert kept == (sorted(names), 6, True)
     assert (points.gradients, points.norm_parts, points.first_input.gradient) == ({}, [], None)
+    # the tail's and the norms' per-example gradients are let go once summed, though the norm pass's result lives on
+    gc.collect()
+    assert parts and found.tail is not None and not any(ref() is not None for ref in parts)
 
 
 def test_through_zero2_the_layer_by_layer_pass_lets_each_kept_gradient_go_in_the_backward(

@@ -11,7 +11,7 @@ whole pass, and the check around its delivery:
   against it, written into set-aside gradients.
 - ``CheckedThroughFramework`` (DeepSpeed ZeRO-1/2, FSDP2), whose backward runs once: before the whole pass, whether
   the tail separates (checks.tail_separable, with ``autograd.grad``) and the layer-by-layer pass equals the chain
-  (``LayerPoints.matches_chain``); during it, each checkpointed layer's output against the norm pass's.
+  (``LayerByLayer.matches_chain``); during it, each checkpointed layer's output against the norm pass's.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from hf_dp.clipping.checks import check_projections, sums_match, tail_separable
 from hf_dp.clipping.delivery import MicroStep
 from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.layerwise import LayerByLayer
 from hf_dp.clipping.loss_scale import LossScale
 from hf_dp.clipping.norm_passes import Batch, FoundNorms
 from hf_dp.clipping.per_example import LossFn, clipped_total
@@ -78,7 +79,7 @@ class CheckedInGradients:
         collector = found.collector
         weights = self.scale.weights(factors)
         check_projections(self.engine.parameters, self.engine.parameter_name, collector, weights)
-        if not collector.options.keep_tail:
+        if found.tail is None:
             return step, Calibration()
         layerwise = found.points is not None and self._matches(
             replace(self.body, layerwise=True).body(losses_of, found, factors, batch, keep=True),
@@ -90,7 +91,7 @@ class CheckedInGradients:
             weights,
             found,
         )
-        return step, Calibration(skips_tail=skips_tail, tail_layers=collector.reached, layerwise=layerwise)
+        return step, Calibration(skips_tail=skips_tail, tail_layers=found.reached, layerwise=layerwise)
 
     def _matches(self, body: Sum | None, weights: torch.Tensor, found: FoundNorms) -> bool:
         """The body's sum (its surrogate's backward, with the whole pass's ``.grad`` set aside, plus its parts)
@@ -112,7 +113,7 @@ class CheckedInGradients:
         for param, weighted in body.take_parts():
             total = clipped_total(param, weighted, weights, body.drop)
             sums[id(param)] = total if sums[id(param)] is None else sums[id(param)] + total
-        return sums_match(params, sums, {id(p): p.grad for p in params}, found.collector.low_precision)
+        return sums_match(params, sums, {id(p): p.grad for p in params}, found.low_precision)
 
 
 @dataclass(frozen=True)
@@ -135,29 +136,23 @@ class CheckedThroughFramework:
         step = deliver()
         replay = found.replay
         replays = bool(replay and replay.complete and replay.matched)
-        return step, Calibration(skips_tail, found.collector.reached, layerwise and replays, replays)
+        return step, Calibration(skips_tail, found.reached, layerwise and replays, replays)
 
     def _tail(
         self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch
     ) -> tuple[bool, bool]:
         """Whether the body from h plus the tail's Σ_i c_i G_i is the whole pass, and whether layer by layer too."""
-        tail = found.collector.tail() if found.collector.options.keep_tail else None
+        tail = found.tail
         if tail is None:
             return False, False
         replay_rng(found.rng)
-        low_precision = found.collector.low_precision
+        low_precision = found.low_precision
         separable = tail_separable(
             tail, self.module, losses_of, factors, batch.units, lambda: self.engine.parameters, low_precision
         )
         if not (separable and layerwise_usable(found)):
             return separable, False
-        points = found.points
-        layerwise = points.matches_chain(
-            found.replay.kept,
-            points.below(tail.boundary),
-            tail.hidden_gradient(factors, batch.units),
-            factors,
-            batch.units,
-            low_precision,
-        )
+        layers = LayerByLayer(found.points, found.replay.kept, factors, batch.units)
+        below = found.points.below(tail.boundary)
+        layerwise = layers.matches_chain(below, tail.hidden_gradient(factors, batch.units), low_precision)
         return separable, layerwise

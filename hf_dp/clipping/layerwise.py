@@ -19,10 +19,11 @@ with its segment), only merges two segments, which stays exact (the later point'
 block whose parameters also reach the loss around its next point is not exact: the first step checks the result
 against the whole weighted pass and uses the layer-by-layer pass only if they agree.
 
-Through a framework whose backward must write the gradients (DeepSpeed ZeRO-1/2), each layer is a term of the
-loss, zero in the forward, whose backward recomputes the layer and returns its parameters' gradients
-(``layer_term``); there the first step checks the pass against the chained one without writing gradients
-(``matches_chain``).
+The norm pass's side is ``LayerPoints`` (what to keep, watched during the norm pass); the weighted pass's is
+``LayerByLayer``: each layer a term of the loss, zero in the forward, whose backward recomputes the layer and gives
+its parameters their gradients (``layer_term``), so that a framework whose backward must write the gradients
+(DeepSpeed ZeRO-1/2) reduces them as it accumulates them; through a framework the first step checks the pass
+against the chained one without writing gradients (``matches_chain``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class LayerPoints:
         self.layers = list(layers)
         self.owned = owned
         self._layer_of = {m: layer for layer in self.layers for m in layer.modules()}
-        self._norms = set().union(*(_stream_norms(layer) for layer in self.layers))  # the layers' points
+        self.stream_norms = set().union(
+            *(_stream_norms(layer) for layer in self.layers)
+        )  # the layers' points
         self.gradients: dict[tuple[nn.Module, nn.Module | None], torch.Tensor] = {}
         # the first layer's input, where the embeddings' part of the weighted pass starts
         self.first_input: TailBoundary | None = None
@@ -81,14 +84,15 @@ class LayerPoints:
 
     def holds_norm(self, module: nn.Module) -> bool:
         """Whether a clipped use is a norm of the residual stream inside a checkpointed layer (its G_i is kept)."""
-        return module in self._norms
+        return module in self.stream_norms
 
     def keep_norm_part(self, param: nn.Parameter, part: PerExampleGradient) -> None:
         self.norm_parts.append((param, part))
 
     def take_norm_parts(self) -> list[tuple[nn.Parameter, PerExampleGradient]]:
         """The norm modules' per-example gradients, handed over once (the points no longer hold them)."""
-        parts, self.norm_parts = self.norm_parts, []
+        parts = list(self.norm_parts)
+        self.norm_parts.clear()
         return parts
 
     def _keep(self, key: tuple[nn.Module, nn.Module | None], point: torch.Tensor) -> None:
@@ -151,7 +155,7 @@ class LayerPoints:
         handles = [layer.register_forward_pre_hook(enter) for layer in self.layers]
         handles += [layer.register_forward_hook(leave) for layer in self.layers]
         for module, layer in self._layer_of.items():
-            if module in self._norms:
+            if module in self.stream_norms:
                 handles.append(module.register_forward_pre_hook(point))
             elif module in self.owned and module is not layer:
                 handles.append(module.register_forward_pre_hook(used))
@@ -172,46 +176,47 @@ class LayerPoints:
             return self.order.index(boundary.module)
         return len(self.order)
 
-    def layer_term(
-        self, kept: Sequence[Kept], index: int, factors: torch.Tensor, units: PrivacyUnits | None
-    ) -> torch.Tensor | None:
-        """A zero whose gradient gives the ``index``-th layer's parameters their layer-by-layer part (``backward``'s)
+
+@dataclass(frozen=True)
+class LayerByLayer:
+    """The weighted pass below the tail one layer at a time, from what the norm pass kept (``points``, and the
+    layers' calls ``kept``, replay.py) and the clip factors: a term per layer whose backward recomputes it and
+    gives its segments' parameters their part (``layer_term``), the embeddings' term (``embeddings_term``), and the
+    first step's check against the chained pass (``matches_chain``)."""
+
+    points: LayerPoints
+    kept: Sequence[Kept]
+    factors: torch.Tensor
+    units: PrivacyUnits | None
+
+    def layer_term(self, index: int) -> torch.Tensor | None:
+        """A zero whose gradient gives the ``index``-th layer's parameters their layer-by-layer part
         when a framework's backward reaches it, so that the framework reduces them as it accumulates them (DeepSpeed
         ZeRO-1/2); None if the layer has no clipped parameter to give."""
-        layer = self.order[index]
+        layer = self.points.order[index]
         params = [p for p in self._segment_parameters(layer) if p.requires_grad]
         if not params:
             return None
         return _LayerGradients.apply(
             lambda scale: self._segment_gradients(
-                self._recomputed(layer, kept[index]), factors * scale, units
+                self._recomputed(layer, self.kept[index]), self.factors * scale
             ),
             *params,
         )
 
-    def embeddings_term(
-        self, factors: torch.Tensor, units: PrivacyUnits | None, forward: Callable[[], object]
-    ) -> torch.Tensor | None:
+    def embeddings_term(self, forward: Callable[[], object]) -> torch.Tensor | None:
         """⟨h₀, spread(c) ⊙ ∂(Σ_j L_j)/∂h₀⟩ at the first layer's input h₀ (``forward`` stopped there), whose gradient is
         the embeddings' part; None where no clipped parameter precedes the first layer."""
-        boundary = self.first_input
+        boundary = self.points.first_input
         if boundary is None or boundary.gradient is None:
             return None
         hidden = forward_to(boundary, forward)
         gradient, boundary.gradient = boundary.gradient, None
         if not hidden.requires_grad:
             return None
-        return paired(hidden, weighted_by_units(gradient, factors, units))
+        return paired(hidden, weighted_by_units(gradient, self.factors, self.units))
 
-    def matches_chain(
-        self,
-        kept: Sequence[Kept],
-        below: int,
-        top: torch.Tensor,
-        factors: torch.Tensor,
-        units: PrivacyUnits | None,
-        low_precision: bool,
-    ) -> bool:
+    def matches_chain(self, below: int, top: torch.Tensor, low_precision: bool) -> bool:
         """Whether the layer-by-layer pass equals the chained one, checked without writing ``.grad`` (a framework's
         backward runs once). ``top``: the chained pass's weighted gradient at the top layer's output (the tail's
         input). From the top, each layer is recomputed from its kept input, made a leaf, and back-propagated whole
@@ -219,10 +224,10 @@ class LayerPoints:
         modules' Σ_i c_i G_i for theirs), and the gradient at its input is the chain's at the layer below. At the
         bottom the first layer's input must get spread(c) ⊙ its kept gradient (the embeddings' part)."""
         chain = top
-        for layer, entry in reversed(list(zip(self.order[:below], kept[:below], strict=True))):
-            kept_top = self.gradients.get((layer, None))
+        for layer, entry in reversed(list(zip(self.points.order[:below], self.kept[:below], strict=True))):
+            kept_top = self.points.gradients.get((layer, None))
             if kept_top is not None and not tensors_match(
-                weighted_by_units(kept_top, factors, units), chain, low_precision
+                weighted_by_units(kept_top, self.factors, self.units), chain, low_precision
             ):
                 return False
             run = self._recomputed(layer, entry, leaf_input=True)
@@ -234,24 +239,26 @@ class LayerPoints:
                 run.points[-1][1], [run.leaf, *params], chain, retain_graph=True, allow_unused=True
             )
             chained = {id(p): g for p, g in zip(params, found[1:], strict=True)}
-            ours = self._segment_gradients(run, factors, units)
-            norm_parts = [(p, part) for p, part in self.norm_parts if any(p is q for q in norms)]
-            ours.update({id(p): total for p, total in clipped_sums(norm_parts, factors).items()})
+            ours = self._segment_gradients(run, self.factors)
+            norm_parts = [(p, part) for p, part in self.points.norm_parts if any(p is q for q in norms)]
+            ours.update({id(p): total for p, total in clipped_sums(norm_parts, self.factors).items()})
             if not sums_match(params, ours, chained, low_precision):
                 return False
             chain = found[0] if found[0] is not None else torch.zeros_like(run.leaf)
-        boundary = self.first_input
+        boundary = self.points.first_input
         if boundary is None or boundary.gradient is None:
             return True
-        return tensors_match(weighted_by_units(boundary.gradient, factors, units), chain, low_precision)
+        return tensors_match(
+            weighted_by_units(boundary.gradient, self.factors, self.units), chain, low_precision
+        )
 
     def _segment_parameters(self, layer: nn.Module) -> list[nn.Parameter]:
         """The clipped parameters a layer's segments may hold, each once: those of its modules but its norms."""
         found = {
             id(param): param
             for module in layer.modules()
-            if module in self.owned and module is not layer and module not in self._norms
-            for param in (getattr(module, name) for name in self.owned[module])
+            if module in self.points.owned and module is not layer and module not in self.points.stream_norms
+            for param in (getattr(module, name) for name in self.points.owned[module])
         }
         return list(found.values())
 
@@ -259,8 +266,8 @@ class LayerPoints:
         return [
             getattr(m, name)
             for m in layer.modules()
-            if m in self._norms and m in self.owned
-            for name in self.owned[m]
+            if m in self.points.stream_norms and m in self.points.owned
+            for name in self.points.owned[m]
         ]
 
     def _recomputed(self, layer: nn.Module, entry: Kept, leaf_input: bool = False) -> _Recomputed:
@@ -270,7 +277,7 @@ class LayerPoints:
         points: list[tuple[nn.Module | None, torch.Tensor]] = []
 
         def used(module: nn.Module, args: tuple) -> None:
-            for name in self.owned[module]:
+            for name in self.points.owned[module]:
                 param = getattr(module, name)
                 if param.requires_grad:
                     for segment in segments:
@@ -286,9 +293,9 @@ class LayerPoints:
             leaf = args[0] = args[0].detach().requires_grad_(True)
         handles = []
         for module in layer.modules():
-            if module in self._norms:
+            if module in self.points.stream_norms:
                 handles.append(module.register_forward_pre_hook(point))
-            elif module in self.owned and module is not layer:
+            elif module in self.points.owned and module is not layer:
                 handles.append(module.register_forward_pre_hook(used))
         try:
             output = entry.rerun(entry.function, args)
@@ -299,24 +306,22 @@ class LayerPoints:
         return _Recomputed(layer, points, segments, leaf)
 
     def _weighted_points(
-        self, run: _Recomputed, factors: torch.Tensor, units: PrivacyUnits | None
+        self, run: _Recomputed, factors: torch.Tensor
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[nn.Parameter]]]:
         """Segment k (the parameters last used before point k and after point k - 1) reaches the loss through point
         k: its point, spread(c) ⊙ the point's kept gradient, and its parameters, from the top, each kept gradient
         let go. A backward from a point towards its segment also runs through the earlier points its earlier uses
         feed."""
-        weighted = UnitWeights(factors, units)
+        weighted = UnitWeights(factors, self.units)
         for (module, tensor), params in reversed(list(zip(run.points, run.segments, strict=True))):
-            gradient = self.gradients.pop((run.layer, module), None)
+            gradient = self.points.gradients.pop((run.layer, module), None)
             if params and gradient is not None and tensor.requires_grad:
                 yield tensor, weighted(gradient), params
 
-    def _segment_gradients(
-        self, run: _Recomputed, factors: torch.Tensor, units: PrivacyUnits | None
-    ) -> dict[int, torch.Tensor]:
-        """``_layer_backward``'s gradients per parameter id, written nowhere."""
+    def _segment_gradients(self, run: _Recomputed, factors: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each segment's gradient from its point, per parameter id, written nowhere."""
         sums: dict[int, torch.Tensor] = {}
-        for tensor, gradient, params in self._weighted_points(run, factors, units):
+        for tensor, gradient, params in self._weighted_points(run, factors):
             found = torch.autograd.grad(tensor, params, gradient, retain_graph=True, allow_unused=True)
             sums.update({id(p): g for p, g in zip(params, found, strict=True) if g is not None})
         return sums

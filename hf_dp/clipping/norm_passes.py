@@ -13,7 +13,7 @@ the random state it started from (the weighted pass replays it) and its per-exam
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -21,12 +21,13 @@ from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.layerwise import LayerPoints
-from hf_dp.clipping.per_example import Dropped, LossFn
+from hf_dp.clipping.per_example import Dropped, LossFn, Materialised
 from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.replay import LayerReplay
 from hf_dp.clipping.rng_replay import RngState, replay_rng, rng_state
 from hf_dp.clipping.shifts import ParameterShifter
 from hf_dp.clipping.sums import Terms
+from hf_dp.clipping.tail import Tail
 from hf_dp.clipping.taps import NormCollector, TapOptions
 from hf_dp.clipping.units import PrivacyUnits
 
@@ -61,7 +62,13 @@ class FoundNorms:
     losses: torch.Tensor
     rng: RngState
     terms: Terms | None = None
-    collector: NormCollector | None = None
+    collector: NormCollector | None = None  # the taps' (its probes: the first step's check)
+    kept: list[tuple[nn.Parameter, Materialised]] = field(
+        default_factory=list
+    )  # explicit G_i (``keep_gradients``)
+    tail: Tail | None = None  # what the weighted pass needs to skip the tail (tail.py)
+    reached: int = 0  # how many checkpointed layers the tail reaches down over
+    low_precision: bool = False  # a tapped output was bf16/fp16 (the checks' tolerances)
     replay: LayerReplay | None = None  # the checkpointed layers' outputs (tail kept, or recorded)
     points: LayerPoints | None = None  # what the layer-by-layer weighted pass needs (layerwise.py)
     # the real units' losses must be finite (checked with the clip factors, pipeline.py: OVERFLOWED_LOSS)
@@ -151,13 +158,10 @@ class TappedNorms:
             self.engine.norms_in_backward(
                 batch.size, plan.clip_scale, batch.units, options, freeze=not self.taps_only
             ) as collector,
-            collector.watching(replay.layers if replay else []),
-            points.watching(lambda: collector.counting) if points else contextlib.nullcontext(),
+            collector.forward(replay.layers if replay else [], points),
         ):
-            collector.layer_points = points
             losses = losses_of(self.module)
-            collector.counting = False  # the backward's recomputations are not uses
-            collector.deepen()
+            collector.begin_backward()
             if self.taps_only:
                 torch.autograd.grad(losses.sum(), collector.anchor, allow_unused=True)
             else:
@@ -167,6 +171,10 @@ class TappedNorms:
             losses,
             state,
             collector=collector,
+            kept=collector.kept_gradients(),
+            tail=collector.tail(),
+            reached=collector.reached,
+            low_precision=collector.low_precision,
             replay=replay,
             points=points,
             finite_losses=self.finite_losses,

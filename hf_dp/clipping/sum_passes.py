@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.checks import TOLERANCES
+from hf_dp.clipping.layerwise import LayerByLayer
 from hf_dp.clipping.norm_passes import Batch, FoundNorms, LossFn
 from hf_dp.clipping.per_example import Dropped, PerExampleGradient, Weighted
 from hf_dp.clipping.rng_replay import replay_rng
@@ -87,7 +88,7 @@ class KeptSum:
     keeps: TapOptions = TapOptions(keep_gradients=True)
 
     def __call__(self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch) -> Sum:
-        parts = [(param, [(1.0, part)]) for param, part in found.collector.kept_gradients()]
+        parts = [(param, [(1.0, part)]) for param, part in found.kept]
         return Sum(parts, None, batch.overflowed, lazy=True)
 
 
@@ -102,7 +103,7 @@ def _layers(found: FoundNorms, use: LayerUse) -> contextlib.AbstractContextManag
         return contextlib.nullcontext()
     if use == "replay":
         return replay.replaying()
-    return replay.comparing(TOLERANCES.tail.at(found.collector.low_precision))
+    return replay.comparing(TOLERANCES.tail.at(found.low_precision))
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class BodySum:
     ) -> Sum | None:
         """The sum without the tail, or None where it cannot be formed; ``keep``: the norm pass's per-example
         gradients stay where they are (the first step's check forms the sum more than once)."""
-        tail = found.collector.tail()
+        tail = found.tail
         if tail is None or (self.layerwise and not layerwise_usable(found)):
             return None
         parts = list(tail.parts) if keep else tail.take_parts()
@@ -180,14 +181,12 @@ class BodySum:
     def _layer_terms(
         self, tail: Tail, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch
     ) -> Surrogate:
-        points, kept = found.points, found.replay.kept
+        layers = LayerByLayer(found.points, found.replay.kept, factors, batch.units)
 
         def surrogate() -> torch.Tensor:
             replay_rng(found.rng)
-            terms = [points.embeddings_term(factors, batch.units, lambda: losses_of(self.module))]
-            terms += [
-                points.layer_term(kept, k, factors, batch.units) for k in range(points.below(tail.boundary))
-            ]
+            terms = [layers.embeddings_term(lambda: losses_of(self.module))]
+            terms += [layers.layer_term(k) for k in range(found.points.below(tail.boundary))]
             terms = [t.float() for t in terms if t is not None]
             return torch.stack(terms).sum() if terms else factors.new_zeros((), dtype=torch.float32)
 

@@ -14,7 +14,7 @@ vocabulary 32k).
 
 The same holds with h the input of a checkpointed layer wherever no unit's loss reads another unit's rows or tokens
 (rows apart; packed records kept apart by their attention, checks.check_records_apart): the tail may reach down
-over the last layers (``deepen``) while their per-example gradients fit a budget. Each layer so kept leaves the
+over the last layers (``TailFinder.begin_backward``) while their per-example gradients fit a budget. Each layer so kept leaves the
 weighted pass without its recomputation and backward: three of the seven layer-forwards a checkpointed DP step
 costs, against four for the stock step. The first step checks the result against the whole weighted pass and uses
 the whole pass for good if they differ (a loss term that reaches the body other than through h, e.g. a router's
@@ -23,7 +23,8 @@ auxiliary loss).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -77,8 +78,10 @@ class Tail:
         return weighted_by_units(self.boundary.gradient, factors, units)
 
     def take_parts(self) -> list[tuple[nn.Parameter, PerExampleGradient]]:
-        """The tail's per-example gradients, handed over once (the tail no longer holds them)."""
-        parts, self.parts = self.parts, []
+        """The tail's per-example gradients, handed over once: the list the norm pass filled is emptied, so nothing
+        else holds them."""
+        parts = list(self.parts)
+        self.parts.clear()
         return parts
 
     def clipped_sums(
@@ -86,6 +89,174 @@ class Tail:
     ) -> dict[nn.Parameter, torch.Tensor]:
         """Σ_i c_i G_i per tail parameter (all its tail uses), float32 or wider."""
         return clipped_sums(self.parts, factors, dropped)
+
+
+class TailFinder:
+    """Which uses of the norm pass's first forward form the tail, and the tail's per-example gradients as the
+    backward reaches them. The tail is every use after the last checkpointed one, or (``begin_backward``) every use
+    from the first inside the lowest checkpointed layer it reaches down to: on the first step over the last layers
+    whose B per-example gradients fit ``floats``, on later steps over exactly the ``layers`` the first step checked.
+    ``checked_by_grad``: the first step checks the tail with ``autograd.grad`` (through a framework), which a
+    reentrant checkpoint refuses, so under one it reaches down over no layer. ``at_exit``: where no clipped
+    parameter is used after the last checkpointed layer (a frozen final norm and head: LoRA), the tail starts at
+    that layer's output.
+
+    Driven through ``use`` (each use of the first forward), ``watching`` (the checkpointed layers' calls),
+    ``begin_backward``, then ``holds`` / ``keep`` in the backward and ``tail`` after it."""
+
+    def __init__(
+        self,
+        owned: dict[nn.Module, list[str]],
+        count: int,
+        floats: int = 0,
+        layers: int | None = None,
+        checked_by_grad: bool = False,
+        at_exit: bool = False,
+    ) -> None:
+        self.owned, self.count = owned, count
+        self.floats, self.layers, self.checked_by_grad, self.at_exit = (
+            floats,
+            layers,
+            checked_by_grad,
+            at_exit,
+        )
+        self.reached = 0  # how many checkpointed layers the tail reaches down over
+        self._forward = True  # uses are numbered in the first forward only (not in recomputations)
+        self._saw_reentrant = False  # a use was numbered inside a reentrant checkpoint
+        self._calls, self._last_checkpointed = 0, 0
+        self._calls_of: dict[nn.Module, int] = {}
+        self._boundary: tuple[int, TailBoundary] | None = None  # right after the last checkpointed use
+        self._layer_calls: list[LayerCall] = []
+        self._deep: LayerCall | None = None  # the lowest checkpointed layer call the tail reaches down over
+        # the last checkpointed layer call's output, with the number of uses before it
+        self._exit: tuple[int, TailBoundary] | None = None
+        self._unreachable = False  # the forward lacks the layers ``layers`` asks for: no tail
+        self._deep_modules: set[nn.Module] = set()  # the modules inside the layers the tail reaches down over
+        self._parts: list[tuple[nn.Parameter, PerExampleGradient]] = []
+
+    def use(
+        self, module: nn.Module, x: torch.Tensor | None, checkpointed: bool, reentrant: bool = False
+    ) -> int:
+        """One more use in the first forward; its number. ``x``: its input, the tail's input where it is the first
+        use after the last checkpointed one (None, ``reentrant``: numbered under a reentrant checkpoint's no_grad)."""
+        self._calls += 1
+        self._calls_of[module] = self._calls_of.get(module, 0) + 1
+        self._saw_reentrant |= reentrant
+        if checkpointed:
+            self._last_checkpointed = self._calls
+        after_last = self._last_checkpointed and self._calls == self._last_checkpointed + 1
+        if after_last and not checkpointed and x is not None and x.requires_grad:
+            self._boundary = (self._calls, TailBoundary(module, self._calls_of[module]))
+            self._boundary[1].watch(x)
+        return self._calls
+
+    @contextlib.contextmanager
+    def watching(self, layers: Sequence[nn.Module]) -> Iterator[None]:
+        """During the forward: note each call of a checkpointed layer and watch its input, a candidate for the
+        tail's boundary, and (``at_exit``) the last call's output."""
+        if not ((self.floats or self.layers or self.at_exit) and layers):
+            yield
+            return
+
+        def enter(layer: nn.Module, args: tuple) -> None:
+            if not self._forward:
+                return
+            calls = sum(1 for c in self._layer_calls if c.boundary.module is layer) + 1
+            boundary = TailBoundary(layer, calls, wanted=False)
+            hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            differentiable = hidden is not None and hidden.requires_grad
+            if differentiable:
+                boundary.watch(hidden)
+            self._layer_calls.append(LayerCall(self._calls + 1, boundary, differentiable))
+
+        def leave(layer: nn.Module, args: tuple, output: object) -> None:
+            if not (self._forward and self.at_exit):
+                return
+            self._exit = None
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                call = self._layer_calls[-1].boundary.call  # this call's number, counted by ``enter``
+                boundary = TailBoundary(layer, call, wanted=False, at_output=True)
+                boundary.watch(output)
+                self._exit = (self._calls, boundary)
+
+        handles = [layer.register_forward_pre_hook(enter) for layer in layers]
+        handles += [layer.register_forward_hook(leave) for layer in layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def begin_backward(self) -> None:
+        """After the forward: reach the tail down over the last checkpointed layers, each called once with a
+        differentiable input, as far as ``floats`` or ``layers`` allow (a loss term on a hidden state between two
+        boundaries would be exact at one and not the other)."""
+        self._forward = False
+        calls = self._layer_calls
+        reachable = len({id(c.boundary.module) for c in calls}) == len(calls) and not (
+            self.checked_by_grad and self._saw_reentrant
+        )
+        reached, kept = [], 0
+        for call in reversed(calls if reachable else []):
+            size = sum(self.explicit_floats(m) for m in call.boundary.module.modules() if m in self.owned)
+            fits = len(reached) < self.layers if self.layers is not None else kept + size <= self.floats
+            if not call.differentiable or not fits:
+                break
+            kept += size
+            reached.append(call)
+        if self.layers is not None and len(reached) != self.layers:
+            self._unreachable = True
+            return
+        self.reached = len(reached)
+        if not reached:
+            if self._boundary is None and self._exit is not None and self._exit[0] == self._calls:
+                self._exit[1].wanted = True  # no clipped parameter after the last layer: h is its output
+            return
+        self._deep = reached[-1]
+        self._deep.boundary.wanted = True
+        self._deep_modules = {m for call in reached for m in call.boundary.module.modules()}
+        if self._boundary is not None:
+            self._boundary[1].wanted = False
+
+    def explicit_floats(self, module: nn.Module) -> int:
+        """The budget's measure of what a tail keeps of a module's per-example gradients: B explicit gradients of
+        its parameters. Kept as factors where those are smaller (``keep_form``), they are not counted smaller: at
+        8 x 1024, T 256 that raised the peak to 1.12x the stock step's for 3% of its time
+        (benchmarks/results/archive/llm_memory_ckpt_cpu_8x1024_T256_B4_factors_counted.md)."""
+        return self.count * sum(getattr(module, name).numel() for name in self.owned[module])
+
+    def holds(self, module: nn.Module, call: int) -> bool:
+        """Whether a use belongs to the tail: by its number in the first forward, or (a reentrant checkpoint's
+        recomputation, which is tapped unnumbered) by the layer it is inside."""
+        if not self._last_checkpointed:
+            return False
+        if module in self._deep_modules:
+            return True
+        first = self._deep.first_use if self._deep is not None else self._last_checkpointed + 1
+        return call >= first  # an unnumbered use (0) is not: every number is at least 1
+
+    def keep(self, param: nn.Parameter, part: PerExampleGradient) -> PerExampleGradient:
+        """Keep a tail use's per-example gradients for the weighted pass, in the form its norm is computed from."""
+        part = keep_form(part, param.shape)
+        self._parts.append((param, part))
+        return part
+
+    def tail(self) -> Tail | None:
+        """After the backward: the tail the weighted pass may skip (None: no checkpointed use, or no tail)."""
+        if self._unreachable:
+            return None
+        if self._deep is not None:
+            boundary = self._deep.boundary
+            return None if boundary.gradient is None else Tail(boundary, self._parts)
+        if self._exit is not None and self._exit[1].wanted:  # wanted only where no tail use follows
+            boundary = self._exit[1]
+            return None if boundary.gradient is None else Tail(boundary)
+        if self._boundary is None or not self._parts:
+            return None
+        call, boundary = self._boundary
+        if call != self._last_checkpointed + 1 or boundary.gradient is None:
+            return None
+        return Tail(boundary, self._parts)
 
 
 def clipped_sums(

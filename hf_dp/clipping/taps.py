@@ -41,7 +41,7 @@ from hf_dp.clipping.per_example import (
     combined_squared_norm,
     gram,
 )
-from hf_dp.clipping.tail import LayerCall, Tail, TailBoundary, keep_form
+from hf_dp.clipping.tail import Tail, TailFinder, keep_form
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 
 
@@ -88,7 +88,8 @@ class NormCollector:
     ``probe`` (the first step): also ⟨G_i, V_p⟩ for a random V_p per parameter (``direction``, regenerated from
     its seed when needed, never stored), so the strategy can check that the norm pass saw every use of every
     parameter against autograd's gradient. ``keep_tail``: also keep what the weighted pass needs to skip the
-    uses after the last checkpointed one (``tail``, see tail.py).
+    tail (``tail_finder``, tail.TailFinder). Driven through ``forward`` (the first forward), ``begin_backward``,
+    then ``norms`` once the backward is done.
     """
 
     def __init__(
@@ -130,21 +131,19 @@ class NormCollector:
         self.kept: dict[int, tuple[nn.Parameter, torch.Tensor]] | None = (
             {} if options.keep_gradients else None
         )
-        # the first forward's uses in order: the tail is every use after the last checkpointed one, or (``deepen``)
-        # every use from the first inside the lowest checkpointed layer it reaches down to
-        self.saw_reentrant = False  # a use was counted inside a reentrant checkpoint
-        self._calls, self._last_checkpointed = 0, 0
-        self._calls_of: dict[nn.Module, int] = {}
-        self._boundary: tuple[int, TailBoundary] | None = None  # (its use's number, the boundary)
-        self._layer_calls: list[LayerCall] = []
-        self._deep: LayerCall | None = None
-        # the last checkpointed layer call's output, with the number of uses before it: the boundary where no clipped
-        # parameter is used after it (a frozen head and final norm, LoRA)
-        self._exit: tuple[int, TailBoundary] | None = None
-        self.reached = 0  # how many checkpointed layers the tail reaches down over
-        self._unreachable = False  # the forward lacks the layers ``tail_layers`` asks for: no tail
-        self._deep_modules: set[nn.Module] = set()  # the modules inside the layers the tail reaches down over
-        self._tail_parts: list[tuple[nn.Parameter, PerExampleGradient]] = []
+        # what the weighted pass needs to skip the model's tail (tail.py)
+        self.tail_finder = (
+            TailFinder(
+                self.owned,
+                count,
+                options.tail_floats,
+                options.tail_layers,
+                options.tail_checked_by_grad,
+                options.tail_at_exit,
+            )
+            if options.keep_tail
+            else None
+        )
         self.layer_points: LayerPoints | None = None  # ``layerwise``: set by the norm pass
 
     def direction(self, param: nn.Parameter) -> torch.Tensor:
@@ -156,8 +155,7 @@ class NormCollector:
     def admits(self, module: nn.Module) -> bool:
         """Reentrant checkpointing runs the first forward under no_grad: counted here, tapped when recomputed."""
         if self.counting and not torch.is_grad_enabled() and in_reentrant_checkpoint():
-            self.count(module, checkpointed=True)
-            self.saw_reentrant = True
+            self.count(module, None, checkpointed=True, reentrant=True)
         return True
 
     def receive(
@@ -172,155 +170,64 @@ class NormCollector:
             )
         return self.tap(module, x, output)
 
-    def count(self, module: nn.Module, checkpointed: bool = False) -> int:
-        """One more use of the module's parameters in the forward (not in a recomputation); its number."""
+    def count(
+        self, module: nn.Module, x: torch.Tensor | None, checkpointed: bool = False, reentrant: bool = False
+    ) -> int:
+        """One more use of the module's parameters in the forward (not in a recomputation); its number in the tail
+        finder (0 without one)."""
         for name in self.owned[module]:
             pid = id(getattr(module, name))
             self.uses[pid] = self.uses.get(pid, 0) + 1
-        self._calls += 1
-        self._calls_of[module] = self._calls_of.get(module, 0) + 1
-        if checkpointed:
-            self._last_checkpointed = self._calls
-        return self._calls
+        return 0 if self.tail_finder is None else self.tail_finder.use(module, x, checkpointed, reentrant)
 
     def tap(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         self.low_precision |= output.dtype in LOW_PRECISION
         receive = self.add
         if self.counting:
-            checkpointed = is_checkpointing()
-            call = self.count(module, checkpointed)
+            call = self.count(module, x, is_checkpointing())
             if isinstance(module, nn.Embedding):
                 pid = id(module.weight)
                 ids = x if self.units is None else self.units.regroup(x)
                 self._ids[pid] = None if pid in self._ids else ids.reshape(ids.shape[0], -1)
-            if self.options.keep_tail:
+            if self.tail_finder is not None:
                 receive = functools.partial(self.add, call=call)  # its number tells whether it is in the tail
-                after_last = self._last_checkpointed and call == self._last_checkpointed + 1
-                if after_last and not checkpointed and x.requires_grad:
-                    self._boundary = (call, TailBoundary(module, self._calls_of[module]))
-                    self._boundary[1].watch(x)
         return tap(output, self.anchor, receive, module, x)
 
     @contextlib.contextmanager
-    def watching(self, layers: Sequence[nn.Module]) -> Iterator[None]:
-        """During the forward (``tail_floats`` > 0, or ``tail_at_exit``): note each call of a checkpointed layer and
-        watch its input, a candidate for the tail's boundary, and (``tail_at_exit``) the last call's output."""
-        options = self.options
-        if not (
-            options.keep_tail
-            and (options.tail_floats or options.tail_layers or options.tail_at_exit)
-            and layers
+    def forward(self, layers: Sequence[nn.Module], points: LayerPoints | None) -> Iterator[None]:
+        """The norm pass's first forward: its uses counted, the checkpointed ``layers`` watched for the tail
+        (tail.TailFinder) and, with ``points``, for the layer-by-layer pass (layerwise.py)."""
+        self.layer_points = points
+        with (
+            self.tail_finder.watching(layers) if self.tail_finder else contextlib.nullcontext(),
+            points.watching(lambda: self.counting) if points else contextlib.nullcontext(),
         ):
             yield
-            return
 
-        def enter(layer: nn.Module, args: tuple) -> None:
-            if not self.counting:
-                return
-            calls = sum(1 for c in self._layer_calls if c.boundary.module is layer) + 1
-            boundary = TailBoundary(layer, calls, wanted=False)
-            hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            differentiable = hidden is not None and hidden.requires_grad
-            if differentiable:
-                boundary.watch(hidden)
-            self._layer_calls.append(LayerCall(self._calls + 1, boundary, differentiable))
-
-        def leave(layer: nn.Module, args: tuple, output: object) -> None:
-            if not (self.counting and options.tail_at_exit):
-                return
-            self._exit = None
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                call = self._layer_calls[-1].boundary.call  # this call's number, counted by ``enter``
-                boundary = TailBoundary(layer, call, wanted=False, at_output=True)
-                boundary.watch(output)
-                self._exit = (self._calls, boundary)
-
-        handles = [layer.register_forward_pre_hook(enter) for layer in layers]
-        handles += [layer.register_forward_hook(leave) for layer in layers]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def deepen(self) -> None:
-        """After the forward, before the backward: reach the tail down over the last checkpointed layers, each called
-        once with a differentiable input: the first step over those whose B per-example gradients
-        (``explicit_floats``) fit ``tail_floats``, later steps over the ``tail_layers`` it checked (a loss term on a hidden state between
-        two boundaries would be exact at one and not the other)."""
-        calls = self._layer_calls
-        reachable = len({id(c.boundary.module) for c in calls}) == len(calls) and not (
-            self.options.tail_checked_by_grad and self.saw_reentrant
-        )
-        reached, kept = [], 0
-        for call in reversed(calls if reachable else []):
-            size = sum(self.explicit_floats(m) for m in call.boundary.module.modules() if m in self.owned)
-            if self.options.tail_layers is not None:
-                fits = len(reached) < self.options.tail_layers
-            else:
-                fits = kept + size <= self.options.tail_floats
-            if not call.differentiable or not fits:
-                break
-            kept += size
-            reached.append(call)
-        if self.options.tail_layers is not None and len(reached) != self.options.tail_layers:
-            self._unreachable = True
-            return
-        self.reached = len(reached)
-        if not reached:
-            if self._boundary is None and self._exit is not None and self._exit[0] == self._calls:
-                self._exit[1].wanted = True  # no clipped parameter after the last layer: h is its output
-            return
-        self._deep = reached[-1]
-        self._deep.boundary.wanted = True
-        self._deep_modules = {m for call in reached for m in call.boundary.module.modules()}
-        if self._boundary is not None:
-            self._boundary[1].wanted = False
-
-    def explicit_floats(self, module: nn.Module) -> int:
-        """The budget's measure of what a tail keeps of a module's per-example gradients: B explicit gradients of
-        its parameters. Kept as factors where those are smaller (tail.keep_form), they are not counted smaller: at
-        8 x 1024, T 256 that raised the peak to 1.12x the stock step's for 3% of its time
-        (benchmarks/results/archive/llm_memory_ckpt_cpu_8x1024_T256_B4_factors_counted.md)."""
-        return self.squared.shape[0] * sum(getattr(module, name).numel() for name in self.owned[module])
-
-    def in_tail(self, module: nn.Module, call: int) -> bool:
-        """Whether a use belongs to the tail: by its number in the first forward, or (a reentrant checkpoint's
-        recomputation, which is tapped unnumbered) by the layer it is inside."""
-        if not self._last_checkpointed:
-            return False
-        if module in self._deep_modules:
-            return True
-        first = self._deep.first_use if self._deep is not None else self._last_checkpointed + 1
-        return call >= first  # an unnumbered use (0) is not: every number is at least 1
+    def begin_backward(self) -> None:
+        """Between the forward and the backward: recomputations are not uses, and the tail reaches down."""
+        self.counting = False
+        if self.tail_finder is not None:
+            self.tail_finder.begin_backward()
 
     def tail(self) -> Tail | None:
-        """After the backward: the tail the weighted pass may skip (None: no checkpointed use, or no tail)."""
-        if self._unreachable:
-            return None
-        if self._deep is not None:
-            boundary = self._deep.boundary
-            return None if boundary.gradient is None else Tail(boundary, self._tail_parts)
-        if self._exit is not None and self._exit[1].wanted:  # wanted only where no tail use follows (deepen)
-            boundary = self._exit[1]
-            return None if boundary.gradient is None else Tail(boundary)
-        if self._boundary is None or not self._tail_parts:
-            return None
-        call, boundary = self._boundary
-        if call != self._last_checkpointed + 1 or boundary.gradient is None:
-            return None
-        return Tail(boundary, self._tail_parts)
+        """After the backward: the tail the weighted pass may skip (tail.TailFinder.tail), or None."""
+        return None if self.tail_finder is None else self.tail_finder.tail()
+
+    @property
+    def reached(self) -> int:
+        """How many checkpointed layers the tail reaches down over."""
+        return 0 if self.tail_finder is None else self.tail_finder.reached
 
     def add(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor, call: int = 0) -> None:
         x, grad_output = regroup_for_rule(self.units, x, grad_output, self.layers.where(module))
         found = self.layers.rules[module](module, x, grad_output)
-        in_tail = self.options.keep_tail and self.in_tail(module, call)
+        in_tail = self.tail_finder is not None and self.tail_finder.holds(module, call)
         for name in self.owned[module]:
             param = getattr(module, name)
             pid, part = id(param), found[name]
             if in_tail:  # kept for the weighted pass, in the form its norm is also computed from
-                part = keep_form(part, param.shape)
-                self._tail_parts.append((param, part))
+                part = self.tail_finder.keep(param, part)
             elif self.layer_points is not None and self.layer_points.holds_norm(module):
                 part = keep_form(part, param.shape)
                 self.layer_points.keep_norm_part(param, part)
