@@ -2,15 +2,13 @@
 
 from hf_dp.accounting import PrivacyAccountant, calibrate_noise_multiplier, compute_epsilon
 from hf_dp.arguments import DPTrainingArguments
-from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
-from hf_dp.clipping.rules import register_rule
+from hf_dp.clipping.rules import UnsupportedModuleError, register_rule
 from hf_dp.losses import per_example_loss
 from hf_dp.mechanism import GaussianMechanism
 from hf_dp.optim.registry import make_dp_optimizer, register_dp_optimizer
 from hf_dp.trainer import DPTrainer, DPTrainerMixin
 
 __all__ = [
-    "ClippingEngine",
     "DPTrainer",
     "DPTrainerMixin",
     "DPTrainingArguments",

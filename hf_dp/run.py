@@ -274,8 +274,8 @@ class PrivateRun:
         """ε on every log line; the count of examples clipped to zero for overflowing (like the loss, a count over
         the drawn batches without noise: NOT private)."""
         logs = {**logs, "epsilon": self.epsilon()}
-        if self.engine is not None and self.engine.nonfinite_examples:
-            logs["nonfinite_examples"] = self.engine.nonfinite_examples
+        if self.engine is not None and self.engine.sums.nonfinite_examples:
+            logs["nonfinite_examples"] = self.engine.sums.nonfinite_examples
         return logs
 
     def public_ledger(self) -> dict[str, Any]:

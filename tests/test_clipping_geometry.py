@@ -13,6 +13,7 @@ from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.geometry import FactoredScale
 from hf_dp.losses import per_example_loss
 from tests import models, oracle
+from tests.engine_steps import clip_and_accumulate, clipped_backward
 
 MODELS = {
     "gpt2_tied": (models.gpt2, lambda: models.token_batch()),
@@ -64,7 +65,7 @@ def engine_combined(
         with torch.no_grad():
             for p, value in saved.items():
                 p.copy_(value)
-    norms = engine.clip_and_accumulate(gradients, max_norm, mask, clip_scale=scale)
+    norms = clip_and_accumulate(engine, gradients, max_norm, mask, clip_scale=scale)
     engine.remove_hooks()
     return {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}, norms.double()
 
@@ -123,7 +124,7 @@ def test_clipped_backward_takes_norm_and_scale() -> None:
     engine = ClippingEngine(model)
     with engine.record(5):
         losses = per_example_loss(model, batch)
-    norms = engine.clipped_backward(losses, 0.05, verify=True, clip_scale=scale)
+    norms = clipped_backward(engine, losses, 0.05, verify=True, clip_scale=scale)
     torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-10, atol=0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, reference[name], rtol=1e-9, atol=1e-15)
@@ -134,13 +135,13 @@ def test_plain_path_is_one_evaluation_of_weight_one() -> None:
     engine = ClippingEngine(model)
     with engine.record(5):
         losses = per_example_loss(model, batch)
-    norms = engine.clipped_backward(losses, 0.1)
+    norms = clipped_backward(engine, losses, 0.1)
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     with engine.record(5):
         losses = per_example_loss(model, batch)
     gradients = engine.per_example_gradients(losses)
-    assert torch.equal(engine.clip_and_accumulate([(gradients, 1.0)], 0.1), norms)
+    assert torch.equal(clip_and_accumulate(engine, [(gradients, 1.0)], 0.1), norms)
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, plain[name]), name
 
@@ -192,6 +193,6 @@ def test_scales_that_do_not_fit_are_refused() -> None:
         losses = per_example_loss(model, batch)
     gradients = engine.per_example_gradients(losses)
     with pytest.raises(ValueError, match="FactoredScale .* needs a 2-D parameter"):
-        engine.clip_and_accumulate([(gradients, 1.0)], 1.0, clip_scale={bias: FactoredScale(bias, bias)})
+        clip_and_accumulate(engine, [(gradients, 1.0)], 1.0, clip_scale={bias: FactoredScale(bias, bias)})
     with pytest.raises(ValueError, match="shaped like its parameter"):
-        engine.clip_and_accumulate([(gradients, 1.0)], 1.0, clip_scale={bias: bias[:3]})
+        clip_and_accumulate(engine, [(gradients, 1.0)], 1.0, clip_scale={bias: bias[:3]})

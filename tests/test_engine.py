@@ -9,6 +9,7 @@ from torch import nn
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.losses import per_example_loss
 from tests import models, oracle
+from tests.engine_steps import clipped_backward, per_example_norms
 
 MODELS = {
     "gpt2_tied": (models.gpt2, lambda: models.token_batch()),
@@ -34,7 +35,7 @@ def engine_clipped_sum(model, batch, max_norm, mode, dtype=torch.float64):
     model.zero_grad(set_to_none=True)
     with engine.record(batch["input_ids"].shape[0]):
         losses = per_example_loss(model, batch)
-    norms = engine.clipped_backward(losses, max_norm, verify=True)
+    norms = clipped_backward(engine, losses, max_norm, verify=True)
     engine.remove_hooks()
     grads = {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
     return grads, norms.double()
@@ -85,7 +86,7 @@ def test_every_layer_materialised_inside_the_backward_matches_brute_force(monkey
         engine.layers.rules[module] is None for module in kept
     )  # only the torch.func fallback's are kept
     model.zero_grad(set_to_none=True)
-    norms = engine.clipped_backward(losses, max_norm, verify=True)
+    norms = clipped_backward(engine, losses, max_norm, verify=True)
     engine.remove_hooks()
     ours = {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
     torch.testing.assert_close(norms.double(), ref_norms, rtol=TOLERANCE[dtype], atol=0)
@@ -114,7 +115,7 @@ def test_only_trained_parameters_are_materialised_in_the_backward(monkeypatch) -
         recording._anchor is not None
     )  # the token-wise layers were taken in the backward (the pooler is not)
     model.zero_grad(set_to_none=True)
-    norms = engine.clipped_backward(losses, 1e9)
+    norms = clipped_backward(engine, losses, 1e9)
     engine.remove_hooks()
     assert not built
     torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-8, atol=0)
@@ -223,7 +224,7 @@ def test_functorch_fallback_for_modules_without_rule() -> None:
     engine = ClippingEngine(model)
     with engine.record(6):
         losses = _tiny_loss(model, batch)
-    norms = engine.clipped_backward(losses, 0.2, verify=True)
+    norms = clipped_backward(engine, losses, 0.2, verify=True)
     torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-10, atol=0)
     assert_close({n: p.grad for n, p in model.named_parameters()}, reference, rtol=1e-9, floor=1e-9)
 
@@ -257,7 +258,7 @@ def test_parameter_used_outside_its_module_is_caught() -> None:
     with engine.record(3):
         losses = model(torch.randn(3, 4)).pow(2).sum(dim=1)
     with pytest.raises(UnsupportedModuleError, match="head.weight gets gradient from outside"):
-        engine.clipped_backward(losses, 1.0, verify=True)
+        clipped_backward(engine, losses, 1.0, verify=True)
 
 
 def test_example_mask_drops_placeholder_examples() -> None:
@@ -266,7 +267,7 @@ def test_example_mask_drops_placeholder_examples() -> None:
     engine = ClippingEngine(model)
     with engine.record(4):
         losses = per_example_loss(model, batch)
-    engine.clipped_backward(losses, 0.5, example_mask=torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    clipped_backward(engine, losses, 0.5, example_mask=torch.tensor([1.0, 0.0, 1.0, 0.0]))
     ours = {n: p.grad.double() for n, p in model.named_parameters()}
     kept = {k: v[[0, 2]] for k, v in batch.items()}
     model.zero_grad(set_to_none=True)
@@ -283,7 +284,7 @@ def test_automatic_clipping_matches_brute_force() -> None:
     engine = ClippingEngine(model, clipping_fn="automatic")
     with engine.record(batch["input_ids"].shape[0]):
         losses = per_example_loss(model, batch)
-    engine.clipped_backward(losses, 0.7)
+    clipped_backward(engine, losses, 0.7)
     assert_close({n: p.grad for n, p in named.items()}, reference, rtol=1e-9, floor=1e-6)
 
 
@@ -296,7 +297,7 @@ def test_norms_agree_with_opacus_per_sample_gradients() -> None:
     engine = ClippingEngine(model)
     with engine.record(batch["input_ids"].shape[0]):
         losses = per_example_loss(model, batch)
-    norms = engine.per_example_norms([(engine.per_example_gradients(losses), 1.0)])
+    norms = per_example_norms(engine, [(engine.per_example_gradients(losses), 1.0)])
     engine.remove_hooks()
 
     opacus_model = GradSampleModule(
@@ -348,7 +349,7 @@ def test_an_embedding_that_makes_its_own_positions_is_refused_naming_it() -> Non
     with pytest.raises(
         UnsupportedModuleError, match="BartLearnedPositionalEmbedding looks up rows its input does not"
     ):
-        engine.clipped_backward(losses, 1.0)
+        clipped_backward(engine, losses, 1.0)
 
 
 def test_a_float_input_of_batch_one_is_refused_not_spread_over_the_examples() -> None:
@@ -419,7 +420,7 @@ def test_a_trainable_gru_is_refused_naming_it_and_a_frozen_one_trains() -> None:
     reference, ref_norms = oracle.per_example(model, batch, max_norm=0.3, loss_fn=loss)
     with engine.record(4):
         losses = loss(model, batch)
-    norms = engine.clipped_backward(losses, 0.3, verify=True)
+    norms = clipped_backward(engine, losses, 0.3, verify=True)
     torch.testing.assert_close(norms, ref_norms.to(norms), rtol=1e-9, atol=1e-12)
 
 
@@ -456,7 +457,7 @@ def test_a_registered_rule_for_a_users_module_is_exact(monkeypatch) -> None:
     engine = ClippingEngine(model, allow_functorch_fallback=False)  # the rule, not the fallback
     with engine.record(5):
         losses = loss(model, batch)
-    norms = engine.clipped_backward(losses, 0.2, verify=True)
+    norms = clipped_backward(engine, losses, 0.2, verify=True)
     assert calls and rules.rule_for(model[1]) is gain_rule
     torch.testing.assert_close(norms, ref_norms.to(norms), rtol=1e-9, atol=1e-12)
     assert_close({n: p.grad for n, p in model.named_parameters()}, reference, rtol=1e-9, floor=1e-9)

@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.losses import per_example_loss
 from tests import models, oracle
+from tests.engine_steps import per_example_norms
 from tests.trainer_utils import TokenRows, make_trainer, pad_collate, snapshot
 
 BASE_SEED = 11
@@ -130,7 +131,7 @@ def test_clipped_norms_involve_only_the_adapters(trained):
     model.eval()
     with engine.record(batch["input_ids"].shape[0]):
         losses = per_example_loss(model, batch)
-    norms = engine.per_example_norms([(engine.per_example_gradients(losses), 1.0)])
+    norms = per_example_norms(engine, [(engine.per_example_gradients(losses), 1.0)])
     _, adapter_norms = oracle.per_example(model, batch, max_norm=1e9)
     torch.testing.assert_close(norms, adapter_norms.to(norms), rtol=1e-4, atol=1e-7)
     assert (_all_parameter_norms(model, batch) > 1.01 * adapter_norms).all()

@@ -17,6 +17,7 @@ from hf_dp.noise import GaussianNoise
 from hf_dp.optim.disk import DiSK, build
 from hf_dp.optim.registry import make_dp_optimizer
 from tests import models, oracle
+from tests.engine_steps import clip_and_accumulate
 
 
 def disk(params, base: str = "sgd", kappa: float = 0.7, gamma: float = 0.5, **base_kwargs) -> DiSK:
@@ -291,9 +292,9 @@ def test_one_private_step_through_engine_and_mechanism() -> None:
             with torch.no_grad():
                 for p, value in saved.items():
                     p.copy_(value)
-        engine.clip_and_accumulate(gradients, plan.clip_norm, clip_scale=plan.clip_scale)
+        clip_and_accumulate(engine, gradients, plan.clip_norm, clip_scale=plan.clip_scale)
         filtered = {n: optimizer.state[p]["filtered"].clone() for n, p in model.named_parameters() if step}
-        mechanism.release(model.parameters(), plan, engine.take_sums())
+        mechanism.release(model.parameters(), plan, engine.sums.take())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         for name, p in model.named_parameters():

@@ -56,7 +56,7 @@ class IntoGradients:
         with torch.no_grad():
             for param, weighted in computed.take_parts():
                 for weight, part in weighted:
-                    self.engine.add_to_sum(
+                    self.engine.sums.add(
                         param, computed.drop.apply(part), weights if weight == 1 else weight * weights
                     )
         if computed.surrogate is not None:

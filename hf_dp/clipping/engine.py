@@ -1,12 +1,12 @@
-"""The clipping engine of one model: its hooks, and the two ways to a micro-batch's per-example norms.
+"""The clipping engine of one model: its hooks, its clipped parameters, and the two ways to a micro-batch's
+per-example norms.
 
 ``record`` + ``per_example_gradients``: book-keeping (Bu et al. 2023, bookkeeping.py), one backward for the
-output gradients, then the factored per-example gradients. ``norms_in_backward``: the norms inside a backward
-of Σ_i L_i, for activation checkpointing and FSDP2 (taps.py). Either way c_i = clip factor of ‖s ⊙ u_i‖ and
-Σ_i c_i G_i is written by the engine's ``SumWriter`` (sums.py). A step may evaluate each example at several
-parameter points and clip the weighted combination u_i = Σ_e w_e g_i^e once (DiSK), in a scaled geometry
-‖s ⊙ u_i‖ ≤ C (scale-then-privatize, DP²): ``per_example_gradients`` once per evaluation, then
-``clip_and_accumulate`` once. Which passes a step takes is the pipeline's choice (pipeline.py).
+output gradients, then the factored per-example gradients; ``norms_and_terms`` combines several evaluations
+u_i = Σ_e w_e g_i^e (DiSK) and takes ‖s ⊙ u_i‖ in a scaled geometry (scale-then-privatize, DP²).
+``norms_in_backward``: the norms inside a backward of Σ_i L_i, for activation checkpointing and FSDP2 (taps.py).
+The clip factors and the clipped sums are the engine's ``SumWriter``'s (``sums``, sums.py); which passes a step
+takes is the pipeline's choice (pipeline.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from torch import nn
 from hf_dp.clipping.bookkeeping import EvaluationGradients, Recording, combined_terms, norms_of
 from hf_dp.clipping.geometry import ClippingFn, ClippingMode, ClipScales, scales_by_id
 from hf_dp.clipping.hooks import ForwardHooks, Layers, UnsupportedModuleError, assign_parameters
-from hf_dp.clipping.per_example import Dropped, PerExampleGradient
 from hf_dp.clipping.quantized import check_quantized_base
-from hf_dp.clipping.sums import Clipped, ClippedSums, SumWriter, Terms
+from hf_dp.clipping.sums import SumWriter, Terms
 from hf_dp.clipping.taps import NormCollector, TapOptions
 from hf_dp.clipping.units import PrivacyUnits
 
@@ -49,7 +48,8 @@ def frozen(params: list[nn.Parameter]) -> Iterator[None]:
 
 
 class ClippingEngine:
-    """Hooks a model so that ``clipped_backward(per_example_losses)`` adds Σ_i c_i ∇L_i to each ``.grad``."""
+    """A model's forward hooks (``layers``: which module clips which parameter), its per-example norms, and the
+    writer of its clipped sums (``sums``)."""
 
     def __init__(
         self,
@@ -73,16 +73,6 @@ class ClippingEngine:
     def parameters(self) -> list[nn.Parameter]:
         """What this engine clips, each once, as its modules hold them now (FSDP2 swaps in sharded ones)."""
         return self.layers.parameters
-
-    @property
-    def nonfinite_examples(self) -> int:
-        """Examples clipped to zero because their gradient overflowed."""
-        return self.sums.nonfinite_examples
-
-    @property
-    def low_precision_sums(self) -> dict[nn.Parameter, torch.Tensor]:
-        """The float32 clipped sums of bf16/fp16 parameters, which the mechanism noises and casts."""
-        return self.sums.low_precision
 
     def parameter_name(self, param: nn.Parameter) -> str:
         """The parameter's name in the model, as the modules hold it now."""
@@ -139,15 +129,6 @@ class ClippingEngine:
             )
         return norms, terms
 
-    def per_example_norms(
-        self,
-        evaluations: Sequence[tuple[EvaluationGradients, float]],
-        *,
-        clip_scale: ClipScales | None = None,
-    ) -> torch.Tensor:
-        """‖s ⊙ u_i‖ with u_i = Σ_e w_e g_i^e, shape (B,); no ``.grad``."""
-        return self.norms_and_terms(evaluations, clip_scale)[0]
-
     @contextlib.contextmanager
     def norms_in_backward(
         self,
@@ -180,68 +161,3 @@ class ClippingEngine:
                 yield collector
         finally:
             self._hooks.receiver = None
-
-    # ---- the clipped sum ------------------------------------------------------------------------------
-
-    def clip_factors(self, norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
-        """c_i at ``clip_norm`` with this engine's clipping function (0 for a non-finite norm, counted)."""
-        return self.sums.clip_factors(norms, clip_norm)
-
-    def clip(
-        self, norms: torch.Tensor, clip_norm: float, mask: torch.Tensor, losses: torch.Tensor | None = None
-    ) -> Clipped:
-        """c_i · mask_i and what the sums leave out, from one host read for the micro-batch (``SumWriter.clip``)."""
-        return self.sums.clip(norms, clip_norm, mask, losses)
-
-    def add_to_sum(self, param: nn.Parameter, part: PerExampleGradient, weights: torch.Tensor) -> None:
-        """The clipped sum += Σ_i w_i G_i: in ``.grad``, or for a bf16/fp16 parameter in its float32 sum."""
-        self.sums.add(param, part, weights)
-
-    def add_terms(self, terms: Terms, weights: torch.Tensor, overflowed: torch.Tensor | Dropped) -> None:
-        """The clipped sum += Σ_e w_e Σ_i weights_i G_i^e, without the ``overflowed`` examples."""
-        with torch.no_grad():
-            self.sums.add_terms(terms, weights, overflowed)
-
-    def move_to_low_precision_sums(self) -> None:
-        """After autograd wrote a micro-batch's clipped sum into a bf16/fp16 ``.grad``: add it to the float32 sum."""
-        self.sums.move_from_gradients(self.parameters)
-
-    def take_sums(self) -> ClippedSums:
-        """The logical batch's clipped sums for the release; the engine's float32 sums start empty again."""
-        return self.sums.take()
-
-    def clipped_backward(
-        self,
-        per_example_loss: torch.Tensor,
-        clip_norm: float,
-        example_mask: torch.Tensor | None = None,
-        *,
-        verify: bool = False,
-        clip_scale: ClipScales | None = None,
-    ) -> torch.Tensor:
-        """Add Σ_i c_i ∇L_i to every clipped parameter's ``.grad``; return the per-example norms ‖s ⊙ ∇L_i‖.
-        ``example_mask`` (B,) zeroes c_i of padding examples; ``verify`` as in ``per_example_gradients``."""
-        gradients = self.per_example_gradients(per_example_loss, verify=verify)
-        return self.clip_and_accumulate([(gradients, 1.0)], clip_norm, example_mask, clip_scale=clip_scale)
-
-    def clip_and_accumulate(
-        self,
-        evaluations: Sequence[tuple[EvaluationGradients, float]],
-        clip_norm: float,
-        example_mask: torch.Tensor | None = None,
-        *,
-        clip_scale: ClipScales | None = None,
-    ) -> torch.Tensor:
-        """Clip each example's weighted combination u_i = Σ_e w_e g_i^e once, in the geometry ‖s ⊙ u_i‖.
-
-        c_i = clip factor of ‖s ⊙ u_i‖ at ``clip_norm``, times ``example_mask``; then ``.grad`` += Σ_e w_e Σ_i c_i g_i^e,
-        the UN-scaled clipped sum (the mechanism scales the noise instead). Returns ‖s ⊙ u_i‖, shape (B,).
-        Clipping the combination, not each evaluation, keeps the sensitivity at C (docs/clipping.md).
-        """
-        norms, terms = self.norms_and_terms(evaluations, clip_scale)
-        with torch.no_grad():
-            factors = self.clip_factors(norms, clip_norm)
-            if example_mask is not None:
-                factors = factors * example_mask.to(factors.dtype)
-        self.add_terms(terms, factors, ~torch.isfinite(norms))
-        return norms

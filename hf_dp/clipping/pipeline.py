@@ -131,7 +131,7 @@ class ClippedStep:
 
     def take_sums(self) -> ClippedSums:
         """The logical batch's clipped sums for the mechanism (where the framework owns the gradients: ``.grad``)."""
-        return ClippedSums() if self._guard is None else self.engine.take_sums()
+        return ClippedSums() if self._guard is None else self.engine.sums.take()
 
     def run(
         self,
@@ -161,7 +161,7 @@ class ClippedStep:
             self.norms_in_backward = True
             parts = select(self, plan, batch, model)
             found = parts.norms(losses_of, batch, plan)
-        clipped = self.engine.clip(
+        clipped = self.engine.sums.clip(
             self.scale.unscale(found.norms),
             plan.clip_norm,
             batch.mask,
@@ -180,7 +180,9 @@ class ClippedStep:
         if self.calibration is None:
             self.calibration = replace(found_calibration, **self._forced)
         if self._guard is not None:
-            self.engine.move_to_low_precision_sums()  # after the checks, which read what the backward wrote
+            self.engine.sums.move_from_gradients(
+                self.engine.parameters
+            )  # after the checks, which read what the backward wrote
             self._guard.written()
         return step
 

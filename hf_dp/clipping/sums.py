@@ -60,15 +60,9 @@ class SumWriter:
         self.nonfinite_examples = 0  # examples clipped to zero because their gradient overflowed
         self.low_precision: dict[nn.Parameter, torch.Tensor] = {}  # the float32 sums of bf16/fp16 parameters
 
-    def clip_factors(self, norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
-        """c_i at ``clip_norm`` (geometry.clip_factors); c_i = 0 for an example whose gradient is not finite (an
-        overflow in low precision): it then contributes nothing, within the sensitivity C. Counted in
-        ``nonfinite_examples``."""
-        finite = torch.isfinite(norms)
-        self.nonfinite_examples += int((~finite).sum())
-        return self._factors(norms, finite, clip_norm)
-
     def _factors(self, norms: torch.Tensor, finite: torch.Tensor, clip_norm: float) -> torch.Tensor:
+        """c_i at ``clip_norm`` (geometry.clip_factors); 0 for an example whose gradient is not finite (an overflow
+        in low precision): it then contributes nothing, within the sensitivity C."""
         if not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
         return torch.where(finite, clip_factors(norms.nan_to_num(), clip_norm, self.clipping_fn), 0.0)
@@ -80,7 +74,7 @@ class SumWriter:
         mask: torch.Tensor,
         losses: torch.Tensor | None = None,
     ) -> Clipped:
-        """A micro-batch's c_i · mask_i (``clip_factors``) and, from ONE host read (a device synchronisation)
+        """A micro-batch's c_i · mask_i (``_factors``) and, from ONE host read (a device synchronisation)
         whatever the number of parameters: the examples whose norm is not finite (counted in
         ``nonfinite_examples``), those whose factor is 0, and with ``losses`` whether a real unit's loss is not
         finite. The read is one integer, n_nonfinite + (B + 1)·n_zero + (B + 1)²·n_bad_losses."""
@@ -111,15 +105,6 @@ class SumWriter:
             wide if wide is not None else torch.empty(param.shape, dtype=torch.float32, device=param.device)
         )
         self.low_precision[param] = part.accumulate(wide, weights, like)
-
-    def add_terms(self, terms: Terms, weights: torch.Tensor, overflowed: torch.Tensor | Dropped) -> None:
-        """Σ_e w_e Σ_i weights_i G_i^e for every parameter's weighted parts, without the ``overflowed`` examples'
-        rows (0 · inf would be nan), decided once for all the parameters."""
-        if not isinstance(overflowed, Dropped):
-            overflowed = Dropped.where(overflowed)
-        for param, weighted in terms.values():
-            for weight, part in weighted:
-                self.add(param, overflowed.apply(part), weights if weight == 1 else weight * weights)
 
     def move_from_gradients(self, params: list[nn.Parameter]) -> None:
         """After autograd wrote a micro-batch's clipped sum into a bf16/fp16 ``.grad``: add it to the float32 sum."""

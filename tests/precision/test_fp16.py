@@ -76,7 +76,7 @@ def test_fp16_clipped_sum_matches_the_float64_brute_force(case: str) -> None:
         assert relative_error(ours, reference) < TOLERANCE
     assert strategy.calibration.skips_tail is checkpointing
     assert strategy.calibration.layerwise is checkpointing
-    assert engine.nonfinite_examples == 0
+    assert engine.sums.nonfinite_examples == 0
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
 
@@ -145,7 +145,7 @@ def test_the_loss_is_scaled_so_small_gradients_survive_fp16(checkpointing: bool)
     _run(model, losses_of, 2e-6, checkpointing, scale=1.0)
     assert all(not p.grad.any() for p in model.parameters())  # the failure the scaling prevents
     engine = _run(model, losses_of, 2e-6, checkpointing, scale=2.0**20)
-    assert engine.nonfinite_examples == 0
+    assert engine.sums.nonfinite_examples == 0
     for param, reference in zip(model.parameters(), expected.values(), strict=True):
         assert (param.grad.double() - reference).norm() < TOLERANCE * reference.norm()
 
@@ -204,7 +204,7 @@ def test_an_overflowing_example_weighs_zero_and_is_counted(overflow: str, checkp
     model, losses_of, max_norm, scale, check = OVERFLOWS[overflow]()
     expected = _brute_force(model, losses_of, max_norm, keep=[0, 1, 3])
     engine = _run(model, losses_of, max_norm, checkpointing, scale)
-    assert engine.nonfinite_examples == 1
+    assert engine.sums.nonfinite_examples == 1
     for param, reference in zip(model.parameters(), expected.values(), strict=True):
         assert torch.isfinite(param.grad).all()
         check(param.grad, reference)
@@ -230,7 +230,7 @@ def test_a_train_step_with_an_overflowing_example_still_releases_a_noisy_step(tm
     before = snapshot(trainer.model)
     released = released_gradients(trainer)
     trainer.train()
-    assert trainer.dp.engine.nonfinite_examples == 1
+    assert trainer.dp.engine.sums.nonfinite_examples == 1
     assert any(entry.get("nonfinite_examples") == 1 for entry in trainer.state.log_history)
     assert released and all(torch.isfinite(g).all() for g in released.values())
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

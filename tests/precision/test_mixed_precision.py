@@ -87,7 +87,7 @@ def test_low_precision_noise_is_drawn_and_added_in_float32(tmp_path, monkeypatch
     released = released_gradients(trainer)
     trainer.train()
     assert drawn_in and set(drawn_in) == {torch.float32}
-    assert trainer.dp.engine.low_precision_sums == {}  # consumed by the release
+    assert trainer.dp.engine.sums.low_precision == {}  # consumed by the release
     assert released and all(torch.isfinite(g).all() for g in released.values())
 
 
@@ -106,7 +106,7 @@ def test_an_overflowing_forward_is_dropped_by_book_keeping_and_refused_with_chec
     x[1] = float("inf")
     engine = ClippingEngine(model)
     clipped_step(engine, model, Backend()).run(lambda m: m(x).squeeze(1), torch.ones(4), StepPlan(1.0), model)
-    assert engine.nonfinite_examples == 1 and torch.isfinite(model.layer.weight.grad).all()
+    assert engine.sums.nonfinite_examples == 1 and torch.isfinite(model.layer.weight.grad).all()
     model.zero_grad(set_to_none=True)
     strategy = clipped_step(engine, model, Backend(checkpointing=True))
     with pytest.raises(FloatingPointError, match="loss overflowed") as info:
