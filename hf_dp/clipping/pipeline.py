@@ -15,6 +15,7 @@ docs/clipping.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any, Literal
 
 import torch
@@ -60,9 +61,18 @@ DEEP_TAIL_SHARE = 0.5
 # Who writes the gradients: the bare module (one process, DDP), the framework (DeepSpeed), or the framework with
 # sharded parameters (FSDP2, whose norm pass differentiates towards its taps only).
 Owner = Literal["module", "framework", "sharded"]
-# What the step needs: several evaluations (DiSK), one pass (the norm pass's per-example gradients give the sum),
-# the first step's checks, the body without the tail (the first step found it exact), or the whole weighted pass.
-Need = Literal["evaluations", "one pass", "first step", "body", "whole"]
+
+
+class Need(Enum):
+    """What a micro-batch needs of the table."""
+
+    EVALUATIONS = "several evaluations"  # DiSK: u_i combines evaluations at several parameter points
+    ONE_PASS = "one pass"  # the norm pass's per-example gradients give the sum
+    FIRST_STEP = "first step"  # the whole weighted pass and the checks that fix the Calibration
+    BODY = "body"  # the weighted pass without the tail (the first step found it exact)
+    WHOLE = "whole"  # the whole weighted pass
+
+
 NormKind = Literal["recorded", "evaluated", "tapped"]
 SumKind = Literal["factored", "kept", "body", "whole"]
 
@@ -70,13 +80,13 @@ SumKind = Literal["factored", "kept", "body", "whole"]
 # delivery by the gradients' owner. Several evaluations need book-keeping's norms (refused before training
 # elsewhere: run.PrivateRun.bind_optimizer, distributed.py).
 TABLE: dict[tuple[bool, Need], tuple[NormKind, SumKind]] = {
-    (False, "evaluations"): ("evaluated", "factored"),
-    (False, "one pass"): ("recorded", "factored"),
-    (False, "whole"): ("recorded", "whole"),
-    (True, "one pass"): ("tapped", "kept"),
-    (True, "first step"): ("tapped", "whole"),
-    (True, "body"): ("tapped", "body"),
-    (True, "whole"): ("tapped", "whole"),
+    (False, Need.EVALUATIONS): ("evaluated", "factored"),
+    (False, Need.ONE_PASS): ("recorded", "factored"),
+    (False, Need.WHOLE): ("recorded", "whole"),
+    (True, Need.ONE_PASS): ("tapped", "kept"),
+    (True, Need.FIRST_STEP): ("tapped", "whole"),
+    (True, Need.BODY): ("tapped", "body"),
+    (True, Need.WHOLE): ("tapped", "whole"),
 }
 
 
@@ -91,7 +101,7 @@ def kept_gradients_fit(engine: ClippingEngine, count: int) -> bool:
 
 
 @dataclass(frozen=True)
-class Parts:
+class Passes:
     """One step's choice: its norm pass, sum pass and delivery, and on the first step the check around it."""
 
     norms: NormPass
@@ -153,14 +163,14 @@ class ClippedStep:
                 self._guard.written()
                 return MicroStep(mask.new_zeros(batch.size), None)
         losses_of = self.scale.wrap(losses_of)
-        parts = select(self, plan, batch, model)
-        found = parts.norms(losses_of, batch, plan)
+        passes = select(self, plan, batch, model)
+        found = passes.norms(losses_of, batch, plan)
         if (
             found is None
         ):  # the user's own torch.utils.checkpoint: the norms come from inside a backward for good
             self.norms_in_backward = True
-            parts = select(self, plan, batch, model)
-            found = parts.norms(losses_of, batch, plan)
+            passes = select(self, plan, batch, model)
+            found = passes.norms(losses_of, batch, plan)
         clipped = self.engine.sums.clip(
             self.scale.unscale(found.norms),
             plan.clip_norm,
@@ -171,10 +181,10 @@ class ClippedStep:
             raise FloatingPointError(OVERFLOWED_LOSS)
         factors = clipped.factors
         batch = replace(batch, overflowed=clipped.overflowed, dropped=clipped.dropped)
-        computed = parts.sum(losses_of, found, factors, batch)
-        deliver = lambda: parts.delivery(computed, factors, found.losses)  # noqa: E731
-        if parts.check is not None:
-            step, found_calibration = parts.check(deliver, losses_of, found, factors, batch)
+        computed = passes.sum(losses_of, found, factors, batch)
+        deliver = lambda: passes.delivery(computed, factors, found.losses)  # noqa: E731
+        if passes.check is not None:
+            step, found_calibration = passes.check(deliver, losses_of, found, factors, batch)
         else:
             step, found_calibration = deliver(), Calibration()
         if self.calibration is None:
@@ -202,19 +212,21 @@ class ClippedStep:
     def need(self, plan: StepPlan, batch: Batch) -> Need:
         """What this micro-batch needs of the table."""
         if not plan.single_evaluation:
-            return "evaluations"
+            return Need.EVALUATIONS
         if not self.norms_in_backward:
-            return "one pass" if self.owner == "module" or self.framework_has_whole_parameters else "whole"
+            return (
+                Need.ONE_PASS if self.owner == "module" or self.framework_has_whole_parameters else Need.WHOLE
+            )
         first = self.calibration is None
         if kept_gradients_fit(self.engine, batch.size) and (
             self.framework_has_whole_parameters or (self.owner == "module" and not first)
         ):
-            return "one pass"  # the norm pass's explicit per-example gradients give the sum
+            return Need.ONE_PASS  # the norm pass's explicit per-example gradients give the sum
         if self.owner != "module" and not self.framework_may_replay:
-            return "whole"
+            return Need.WHOLE
         if first:
-            return "first step"
-        return "body" if self.calibration.skips_tail else "whole"
+            return Need.FIRST_STEP
+        return Need.BODY if self.calibration.skips_tail else Need.WHOLE
 
 
 def _tail_keeps(step: ClippedStep, first: bool, calibration: Calibration) -> TapOptions:
@@ -249,8 +261,8 @@ def _sum_pass(
     module = step.owner == "module"
     runs_on = step.module if module else model
     if (
-        need == "first step"
-    ):  # the whole pass, checked (calibration.py); through a framework its layers compared
+        need is Need.FIRST_STEP
+    ):  # the whole pass, checked (calibration.py); through a framework, its layers compared
         return WholeSum(runs_on, "run" if module else "compare", _tail_keeps(step, True, calibration))
     replays = not module and calibration.replays
     whole = WholeSum(runs_on, "replay" if replays else "run", TapOptions(record_layers=replays))
@@ -287,25 +299,25 @@ def _delivery(step: ClippedStep, model: nn.Module) -> Delivery:
     return IntoUnshardedGradients(model, step.backend.world_size)
 
 
-def select(step: ClippedStep, plan: StepPlan, batch: Batch, model: nn.Module) -> Parts:
+def select(step: ClippedStep, plan: StepPlan, batch: Batch, model: nn.Module) -> Passes:
     """The norm pass, sum pass and delivery of this micro-batch (``TABLE``), with the first step's check where it
     has one; a combination the table lacks is an internal error that names it."""
     need = step.need(plan, batch)
     key = (step.norms_in_backward, need)
     if key not in TABLE:
         raise RuntimeError(
-            f"hf_dp internal error: no clipped step for (owner={step.owner!r}, norms in backward, need) = {key}"
+            f"hf_dp internal error: no clipped step for owner {step.owner!r}, norms in backward {key[0]}, need {need.value!r}"
         )
     norm_kind, sum_kind = TABLE[key]
     calibration = step.calibration or Calibration()
     sum_pass = _sum_pass(step, sum_kind, need, model, calibration)
     check = None
-    if need == "first step" and step.owner == "module":
+    if need is Need.FIRST_STEP and step.owner == "module":
         check = CheckedInGradients(step.engine, step.scale, BodySum(step.module, sum_pass, sum_pass.keeps))
-    elif need == "first step":
+    elif need is Need.FIRST_STEP:
         check = CheckedThroughFramework(step.engine, step.module)
     norm_pass = _norm_pass(step, norm_kind, sum_pass.keeps, first=step.calibration is None)
-    return Parts(norm_pass, sum_pass, _delivery(step, model), check)
+    return Passes(norm_pass, sum_pass, _delivery(step, model), check)
 
 
 @dataclass
