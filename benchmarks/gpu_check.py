@@ -970,13 +970,14 @@ def run_qlora(config: Config, record: Record) -> None:
 
 @contextlib.contextmanager
 def labelled_dp_phases():
-    """Every norm pass, sum pass and the noise release under a ``record_function`` range named after it."""
+    """Every norm pass, sum pass, delivery (where a sum's surrogate runs) and the noise release under a
+    ``record_function`` range named after it."""
     from hf_dp import mechanism
-    from hf_dp.clipping import norm_passes, sum_passes
+    from hf_dp.clipping import delivery, norm_passes, sum_passes
 
     targets = [
         (cls, "__call__", f"hf_dp.{cls.__name__}")
-        for module in (norm_passes, sum_passes)
+        for module in (norm_passes, sum_passes, delivery)
         for cls in vars(module).values()
         if isinstance(cls, type) and cls.__module__ == module.__name__ and "__call__" in vars(cls)
     ] + [(mechanism.GaussianMechanism, "release", "hf_dp.noise")]

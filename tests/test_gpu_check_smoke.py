@@ -133,6 +133,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         assert _finite_positive(step["wall_s"]) and step["top_ops"], (variant, step)
     phases = profiled["full-bf16-ckpt-B2-T16"]["dp"]["phases"]
     assert any(k.endswith("Norms") for k in phases) and any(k.endswith("Sum") for k in phases), phases
+    assert "hf_dp.IntoGradients" in phases, phases  # the delivery, where the weighted pass's surrogate runs
     assert "hf_dp.noise" in phases and not profiled["full-bf16-ckpt-B2-T16"]["stock"]["phases"]
     assert profiled["full-bf16-ckpt-B2-T16"]["dp"]["skips_tail"] is True
     assert profiled["full-bf16-ckpt-B2-T16"]["dp"]["layerwise"] is True
