@@ -62,6 +62,21 @@ class DPTrainingArguments(TrainingArguments):
         default="abadi",
         metadata={"help": "'abadi': min(1, C/‖g‖); 'automatic': C/(‖g‖ + 0.01) (Bu et al. 2022)."},
     )
+    clipping_groups: str = field(
+        default="all",
+        metadata={
+            "help": "Group-wise clipping (He et al. 2022): 'all' (one norm per example), 'layer' (each transformer "
+            "block, the embeddings, the head), 'parameter' (each trainable tensor) or comma-separated module-name "
+            "prefixes; group g is clipped to C_g = C/sqrt(G) (or clipping_group_norms), so the sensitivity stays C, "
+            "in one backward per step. One process or DDP."
+        },
+    )
+    clipping_group_norms: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "C_g per group, in the groups' order; sqrt(Σ C_g²) must equal per_sample_max_grad_norm."
+        },
+    )
     accountant: AccountantName = field(
         default="prv",
         metadata={"help": "'prv' (Gopi et al. 2021) or 'rdp' (Mironov 2017)."},
@@ -260,6 +275,8 @@ class DPTrainingArguments(TrainingArguments):
             return
         if not (self.per_sample_max_grad_norm > 0 and math.isfinite(self.per_sample_max_grad_norm)):
             fail(f"per_sample_max_grad_norm must be > 0 and finite, got {self.per_sample_max_grad_norm}")
+        if self.clipping_group_norms is not None and self.clipping_groups == "all":
+            fail("clipping_group_norms needs groups: set clipping_groups ('layer', 'parameter' or prefixes)")
         if self.target_epsilon is not None and self.noise_multiplier is not None:
             fail("give exactly one of target_epsilon (σ is then calibrated) and noise_multiplier")
         if self.target_epsilon is not None and not (self.target_epsilon > 0 and _finite(self.target_epsilon)):

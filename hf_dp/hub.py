@@ -82,9 +82,16 @@ def privacy_metadata(report: dict[str, Any], dataset: str | list[str] | None = N
             "optimizer_kwargs": report["optimizer_kwargs"],
             "clipping_mode": report["clipping_mode"],
             "clipping_fn": report["clipping_fn"],
+            "clipping_groups": report.get("clipping_groups"),
             "disable_dp": report["disable_dp"],
         }
     )
+
+
+def _groups(report: dict[str, Any]) -> str:
+    """Group-wise clipping as the card states it (nothing for flat clipping)."""
+    groups = report.get("clipping_groups", "")
+    return f"; {groups}" if groups.startswith("group-wise") else ""
 
 
 def _dataset_words(dataset: str | list[str] | None) -> str:
@@ -154,7 +161,7 @@ def privacy_section(report: dict[str, Any], dataset: str | list[str] | None = No
         f"- accounting: {accountant} over {report['steps']} steps{target}; {report['accounting']}\n"
         f"- sampling: {sampling}\n"
         f"- per-example clip norm C = {report['max_grad_norm']:g} ({report['clipping_fn']} clipping, "
-        f"{report['clipping_mode']} mode); {noise}\n"
+        f"{report['clipping_mode']} mode{_groups(report)}); {noise}\n"
         f"- optimizer: {_optimizer_name(report)}{kwargs}\n"
         f"- noise and batches: {randomness}{large_delta}\n\n"
         "The guarantee covers the released weights only for this fine-tuning data: not the data a base model "

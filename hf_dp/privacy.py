@@ -233,6 +233,9 @@ def privacy_report(
         "optimizer_kwargs": dict(update_rule[1]),
         "clipping_mode": args.clipping_mode,
         "clipping_fn": args.clipping_fn,
+        "clipping_groups": "flat: one norm per example"
+        if args.clipping_groups == "all"
+        else args.clipping_groups,
         "noise_randomness": randomness,
         "allow_large_delta": args.allow_large_delta,
         "disable_dp": args.disable_dp,

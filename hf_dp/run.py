@@ -108,7 +108,21 @@ class PrivateRun:
         if checkpointing is not None:
             self.backend = dataclasses.replace(self.backend, checkpointing=checkpointing)
         if self.plan.private:
-            self.engine = ClippingEngine(model, self.args.clipping_fn, self.args.clipping_mode)
+            args = self.args
+            self.engine = ClippingEngine(
+                model,
+                args.clipping_fn,
+                args.clipping_mode,
+                grouping=args.clipping_groups,
+                group_norms=args.clipping_group_norms,
+                clip_norm=args.per_sample_max_grad_norm,
+            )
+            if self.engine.groups is not None and self.backend.framework_owns_gradients:
+                self.engine.remove_hooks()
+                raise ValueError(
+                    f"clipping_groups={args.clipping_groups!r} runs on one process or with DDP, not with DeepSpeed or "
+                    "FSDP yet: use clipping_groups='all' there"
+                )
             weakref.finalize(self, self.engine.remove_hooks)
         self.clipping = clipped_step(self.engine, model, self.backend)
 
@@ -196,6 +210,11 @@ class PrivateRun:
         if self.optimizer is not None:
             return
         shifted = shifted_evaluations(update_rule[0])
+        if shifted and self.engine is not None and self.engine.groups is not None:
+            raise ValueError(
+                f"{update_rule[0]} evaluates each example at two parameter points (DiSK), whose combination "
+                "group-wise clipping does not clip yet: use clipping_groups='all' or another dp_optimizer"
+            )
         if shifted and (self.clipping.norms_in_backward or self.backend.framework_owns_gradients):
             raise ValueError(
                 f"{update_rule[0]} evaluates each example at two parameter points (DiSK), which activation "
@@ -290,7 +309,11 @@ class PrivateRun:
         """The guarantee as plain values: what the model card, the metrics and the logs state."""
         steps = self.mechanism.step if self.mechanism is not None and self.plan.private else global_step
         randomness = "secure_mode" if self.args.secure_mode else self.secret.source
-        return privacy_report(self.plan, self.accountant, self.args, steps, randomness, self.update_rule)
+        report = privacy_report(self.plan, self.accountant, self.args, steps, randomness, self.update_rule)
+        groups = self.engine.groups if self.engine is not None else None
+        if groups is not None:
+            report["clipping_groups"] = groups.describe(self.args.per_sample_max_grad_norm)
+        return report
 
 
 def update_rule_of(args, optimizer_cls_and_kwargs, optimizer_passed_in) -> UpdateRule:

@@ -49,11 +49,13 @@ def clipped_sum(
     clipping_fn: str = "abadi",
     mask: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
+    groups: dict[str, tuple[str, float]] | None = None,
 ) -> Reference:
     """Σ_u c_u g_u, one backward per unit and evaluation. ``evaluations``: (weight, {Parameter: shift} or None)
     pairs, θ shifted in place for the unit's loss and restored after; ``scale``: Parameter → a dense tensor or
     a FactoredScale (the geometry the norm is taken in; the sum itself is unscaled); ``mask``: a weight per
-    unit (0 drops it)."""
+    unit (0 drops it); ``groups``: parameter name → (its group, C_g), each group of g_u clipped on its own to C_g
+    (group-wise clipping; ``max_norm`` unused)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     scales = {}
@@ -86,10 +88,19 @@ def clipped_sum(
             )
         )
         norms.append(norm)
-        factor = clip_factor(norm.item(), max_norm, clipping_fn)
-        factor *= 1.0 if mask is None else float(mask[u])
+        weight = 1.0 if mask is None else float(mask[u])
+        if groups is None:
+            factors = dict.fromkeys((n for n, _ in named), clip_factor(norm.item(), max_norm, clipping_fn))
+        else:
+            squared: dict[str, float] = {}
+            for (n, p), g in zip(named, combined, strict=True):
+                g = g if id(p) not in scales else g * scales[id(p)]
+                squared[groups[n][0]] = squared.get(groups[n][0], 0.0) + g.pow(2).sum().item()
+            factors = {
+                n: clip_factor(squared[groups[n][0]] ** 0.5, groups[n][1], clipping_fn) for n, _ in named
+            }
         for (n, _), g in zip(named, combined, strict=True):
-            total[n] += factor * g
+            total[n] += weight * factors[n] * g
     return Reference(total, torch.stack(norms), torch.stack(losses))
 
 

@@ -117,6 +117,39 @@ class CheckedInGradients:
 
 
 @dataclass(frozen=True)
+class CheckedGroups:
+    """Group-wise clipping's first step on the bare module (groups.py), whose sums the norm pass formed: the taps
+    saw every use of every parameter, checked along random probes against autograd's gradient of Σ_i mask_i L_i,
+    from one more forward and backward on this step only, its ``.grad`` set aside (None or 0 before the first
+    micro-batch, checks.GradientGuard); nothing is left to find."""
+
+    engine: ClippingEngine
+    module: torch.nn.Module
+
+    def __call__(
+        self,
+        deliver: Callable[[], MicroStep],
+        losses_of: LossFn,
+        found: FoundNorms,
+        factors: torch.Tensor | None,
+        batch: Batch,
+    ) -> tuple[MicroStep, Calibration]:
+        params = self.engine.parameters
+        kept = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        replay_rng(found.rng)
+        losses = losses_of(self.module)
+        (losses * batch.mask.to(losses.dtype)).sum().backward()
+        gradients = {id(p): p.grad for p in params}
+        for param, grad in zip(params, kept, strict=True):
+            param.grad = grad
+        mask = batch.mask.to(found.norms.dtype)
+        check_projections(params, self.engine.parameter_name, found.collector, mask, gradients)
+        return deliver(), Calibration()
+
+
+@dataclass(frozen=True)
 class CheckedThroughFramework:
     """Before the whole pass (as the framework wrapped the model, its layers compared: sum_passes.WholeSum), the
     tail and the layers on the bare ``module`` without a backward that writes gradients."""

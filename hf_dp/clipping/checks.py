@@ -218,17 +218,19 @@ def check_projections(
     name_of: Callable[[nn.Parameter], str],
     collector: NormCollector,
     weights: torch.Tensor,
+    gradients: dict[int, torch.Tensor | None] | None = None,
 ) -> None:
     """⟨Σ_i c_i g_i, V_p⟩ from autograd (the first micro-batch's ``.grad``, None or 0 before it: GradientGuard) must
     equal Σ_i c_i ⟨G_i, V_p⟩ from the norm pass for every parameter p: otherwise some use of p escaped the taps and
     its norm would be too small. The error is measured against ‖Σ_i c_i g_i‖ too (the typical size of a projection
-    on V_p ~ N(0, I), which may land near 0 by chance)."""
+    on V_p ~ N(0, I), which may land near 0 by chance). ``gradients``: autograd's, per parameter id, where not in
+    ``.grad``."""
     tolerance = TOLERANCES.projections.at(collector.low_precision)
     for param in params:
         projection = collector.projections.get(id(param))
         ours = 0.0 if projection is None else float((weights.double() * projection.double()).sum())
         scale = 0.0 if projection is None else float((weights.double() * projection.double()).abs().sum())
-        grad = param.grad
+        grad = param.grad if gradients is None else gradients.get(id(param))
         theirs = 0.0 if grad is None else float((grad.double() * collector.direction(param).double()).sum())
         gradient = 0.0 if grad is None else float(grad.double().norm())
         if abs(ours - theirs) > tolerance * max(scale, abs(theirs), gradient, 1e-6):

@@ -52,7 +52,9 @@ class IntoGradients:
     scale: LossScale
 
     def __call__(self, computed: Sum, factors: torch.Tensor, losses: torch.Tensor) -> MicroStep:
-        weights = self.scale.weights(factors)
+        for param, total in computed.totals.items():
+            self.engine.sums.add_total(param, total)
+        weights = self.scale.weights(factors) if factors is not None else None
         with torch.no_grad():
             for param, weighted in computed.take_parts():
                 for weight, part in weighted:

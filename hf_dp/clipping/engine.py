@@ -19,6 +19,7 @@ from torch import nn
 
 from hf_dp.clipping.bookkeeping import EvaluationGradients, Recording, combined_terms, norms_of
 from hf_dp.clipping.geometry import ClippingFn, ClippingMode, ClipScales, scales_by_id
+from hf_dp.clipping.groups import ClipGroups, GroupSums, clip_groups
 from hf_dp.clipping.hooks import ForwardHooks, Layers, UnsupportedModuleError, assign_parameters
 from hf_dp.clipping.quantized import check_quantized_base
 from hf_dp.clipping.sums import SumWriter, Terms
@@ -57,7 +58,12 @@ class ClippingEngine:
         clipping_fn: ClippingFn = "abadi",
         mode: ClippingMode = "ghost",
         allow_functorch_fallback: bool = True,
+        grouping: str | Sequence[str] = "all",
+        group_norms: Sequence[float] | None = None,
+        clip_norm: float = 1.0,
     ) -> None:
+        """``grouping``, ``group_norms``: group-wise clipping (groups.py; ``clip_norm`` C, which the groups'
+        norms share)."""
         self.model = model
         self.low_precision_base = check_quantized_base(model)  # a quantised layer computes in bf16/fp16
         self.materialise = mode == "per_sample"
@@ -68,6 +74,10 @@ class ClippingEngine:
         self.saw_checkpointing = False  # a recorded forward ran under torch.utils.checkpoint
         self._recording: Recording | None = None  # the last micro-batch's book-keeping forward
         self._hooks = ForwardHooks(list(self.layers.owned))
+        names = self.layers.parameter_names()
+        self.groups: ClipGroups | None = clip_groups(
+            [(names.get(id(p), "?"), p) for p in self.parameters], grouping, group_norms, clip_norm
+        )
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -137,12 +147,14 @@ class ClippingEngine:
         units: PrivacyUnits | None = None,
         options: TapOptions = NO_OPTIONS,
         freeze: bool = True,
+        group_sums: GroupSums | None = None,
     ) -> Iterator[NormCollector]:
         """Tap the forward of one micro-batch; ``backward()`` of Σ_i L_i then fills ``collector.norms()`` without
         keeping any layer input alive and without touching ``.grad`` (the clipped parameters are frozen).
         ``batch_size`` counts the privacy units ``units`` groups the rows into (None: one a row). ``freeze=False``
         when the backward differentiates towards ``collector.anchor`` only (FSDP2, which decides from
-        ``requires_grad`` in a forward which gradients it will reduce: frozen there, they never would be)."""
+        ``requires_grad`` in a forward which gradients it will reduce: frozen there, they never would be).
+        ``group_sums``: group-wise clipping, each group's clipped sum formed in the backward (groups.py)."""
         missing = [
             self.layers.module_names.get(m, "?") for m, rule in self.layers.rules.items() if rule is None
         ]
@@ -153,7 +165,9 @@ class ClippingEngine:
                 "hf_dp.clipping.rules.register_rule, freeze it, or turn checkpointing off"
             )
         scales = scales_by_id(clip_scale, self.parameters)
-        collector = NormCollector(self.layers, batch_size, units, scales, self.materialise, options)
+        collector = NormCollector(
+            self.layers, batch_size, units, scales, self.materialise, options, group_sums
+        )
         collector.low_precision = self.low_precision_base
         self._hooks.receiver = collector
         try:

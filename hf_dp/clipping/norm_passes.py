@@ -13,6 +13,7 @@ the random state it started from (the weighted pass replays it) and its per-exam
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,6 +21,8 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.geometry import clip_factors
+from hf_dp.clipping.groups import GroupSums
 from hf_dp.clipping.layerwise import LayerPoints
 from hf_dp.clipping.per_example import Dropped, LossFn, Materialised
 from hf_dp.clipping.plan import StepPlan
@@ -73,6 +76,8 @@ class FoundNorms:
     points: LayerPoints | None = None  # what the layer-by-layer weighted pass needs (layerwise.py)
     # the real units' losses must be finite (checked with the clip factors, pipeline.py: OVERFLOWED_LOSS)
     finite_losses: bool = False
+    # group-wise clipping: the clipped sums the backward formed (groups.py), and ``norms`` is (U, G)
+    group_totals: dict[nn.Parameter, torch.Tensor] | None = None
 
 
 OVERFLOWED_LOSS = (
@@ -145,10 +150,13 @@ class TappedNorms:
     options: TapOptions = TapOptions()
     taps_only: bool = False
     finite_losses: bool = True
+    grouped: bool = False  # group-wise clipping: each group's clipped sum formed in the backward (groups.py)
+    loss_scale: float = 1.0  # fp16's S, which scales the losses given (group-wise clipping unscales by it)
 
     def __call__(self, losses_of: LossFn, batch: Batch, plan: StepPlan) -> FoundNorms:
         state = rng_state()
         options = self.options
+        group_sums = self._group_sums(batch, plan) if self.grouped else None
         replay = LayerReplay(self.module) if options.keep_tail or options.record_layers else None
         points = (
             LayerPoints(replay.layers, self.engine.layers.owned) if replay and options.layerwise else None
@@ -156,7 +164,7 @@ class TappedNorms:
         with (
             replay.recording(keep_calls=points is not None) if replay else contextlib.nullcontext(),
             self.engine.norms_in_backward(
-                batch.size, plan.clip_scale, batch.units, options, freeze=not self.taps_only
+                batch.size, plan.clip_scale, batch.units, options, not self.taps_only, group_sums
             ) as collector,
             collector.forward(replay.layers if replay else [], points),
         ):
@@ -178,4 +186,11 @@ class TappedNorms:
             replay=replay,
             points=points,
             finite_losses=self.finite_losses,
+            group_totals=None if group_sums is None else group_sums.totals,
         )
+
+    def _group_sums(self, batch: Batch, plan: StepPlan) -> GroupSums:
+        params = self.engine.parameters
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        clip = functools.partial(clip_factors, fn=self.engine.sums.clipping_fn)
+        return GroupSums(self.engine.groups, params, plan.clip_norm, clip, batch.mask, dtype, self.loss_scale)

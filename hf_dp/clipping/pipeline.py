@@ -24,6 +24,7 @@ from torch import nn
 from hf_dp.backend import Backend
 from hf_dp.clipping.calibration import (
     Calibration,
+    CheckedGroups,
     CheckedInGradients,
     CheckedThroughFramework,
     FirstStepCheck,
@@ -43,7 +44,7 @@ from hf_dp.clipping.norm_passes import (
 from hf_dp.clipping.per_example import LossFn
 from hf_dp.clipping.plan import StepPlan
 from hf_dp.clipping.shifts import ParameterShifter
-from hf_dp.clipping.sum_passes import BodySum, FactoredSum, KeptSum, SumPass, WholeSum
+from hf_dp.clipping.sum_passes import BodySum, FactoredSum, GroupedSum, KeptSum, SumPass, WholeSum
 from hf_dp.clipping.sums import ClippedSums
 from hf_dp.clipping.taps import TapOptions
 from hf_dp.clipping.units import PrivacyUnits
@@ -71,10 +72,11 @@ class Need(Enum):
     FIRST_STEP = "first step"  # the whole weighted pass and the checks that fix the Calibration
     BODY = "body"  # the weighted pass without the tail (the first step found it exact)
     WHOLE = "whole"  # the whole weighted pass
+    GROUPS = "groups"  # group-wise clipping: every group clipped and summed in the norm pass's backward
 
 
 NormKind = Literal["recorded", "evaluated", "tapped"]
-SumKind = Literal["factored", "kept", "body", "whole"]
+SumKind = Literal["factored", "kept", "body", "whole", "grouped"]
 
 # (norms inside a backward, need) → (how the norms are obtained, what the clipped sum is); ``select`` adds the
 # delivery by the gradients' owner. Several evaluations need book-keeping's norms (refused before training
@@ -87,6 +89,7 @@ TABLE: dict[tuple[bool, Need], tuple[NormKind, SumKind]] = {
     (True, Need.FIRST_STEP): ("tapped", "whole"),
     (True, Need.BODY): ("tapped", "body"),
     (True, Need.WHOLE): ("tapped", "whole"),
+    (True, Need.GROUPS): ("tapped", "grouped"),
 }
 
 
@@ -122,7 +125,8 @@ class ClippedStep:
         self.engine, self.module, self.backend = engine, module, backend
         self.owner: Owner = "sharded" if backend.fsdp else "framework" if backend.deepspeed else "module"
         self.scale = LossScale.of(backend)
-        self.norms_in_backward = backend.checkpointing or backend.fsdp
+        # group-wise clipping forms its sums in the norm pass's backward (groups.py)
+        self.norms_in_backward = backend.checkpointing or backend.fsdp or engine.groups is not None
         self.calibration: Calibration | None = None
         self.shifter = ParameterShifter()
         self._forced: dict[str, Any] = {}
@@ -171,16 +175,19 @@ class ClippedStep:
             self.norms_in_backward = True
             passes = select(self, plan, batch, model)
             found = passes.norms(losses_of, batch, plan)
-        clipped = self.engine.sums.clip(
-            self.scale.unscale(found.norms),
-            plan.clip_norm,
-            batch.mask,
-            found.losses if found.finite_losses else None,
-        )
-        if clipped.bad_losses:
-            raise FloatingPointError(OVERFLOWED_LOSS)
-        factors = clipped.factors
-        batch = replace(batch, overflowed=clipped.overflowed, dropped=clipped.dropped)
+        losses = found.losses if found.finite_losses else None
+        if found.group_totals is not None:  # group-wise: clipped and summed in the norm pass's backward
+            factors = None
+            if self.engine.sums.read_groups(found.norms, batch.mask, losses):
+                raise FloatingPointError(OVERFLOWED_LOSS)
+        else:
+            clipped = self.engine.sums.clip(
+                self.scale.unscale(found.norms), plan.clip_norm, batch.mask, losses
+            )
+            if clipped.bad_losses:
+                raise FloatingPointError(OVERFLOWED_LOSS)
+            factors = clipped.factors
+            batch = replace(batch, overflowed=clipped.overflowed, dropped=clipped.dropped)
         computed = passes.sum(losses_of, found, factors, batch)
         deliver = lambda: passes.delivery(computed, factors, found.losses)  # noqa: E731
         if passes.check is not None:
@@ -213,6 +220,8 @@ class ClippedStep:
         """What this micro-batch needs of the table."""
         if not plan.single_evaluation:
             return Need.EVALUATIONS
+        if self.engine.groups is not None:
+            return Need.GROUPS
         if not self.norms_in_backward:
             return (
                 Need.ONE_PASS if self.owner == "module" or self.framework_has_whole_parameters else Need.WHOLE
@@ -258,6 +267,8 @@ def _sum_pass(
         return FactoredSum()
     if kind == "kept":
         return KeptSum()
+    if kind == "grouped":  # on the bare module's first step, the taps' probes for CheckedGroups
+        return GroupedSum(TapOptions(probe=step.calibration is None and step.owner == "module"))
     module = step.owner == "module"
     runs_on = step.module if module else model
     if (
@@ -288,6 +299,8 @@ def _norm_pass(step: ClippedStep, kind: NormKind, keeps: TapOptions | None, firs
         keeps or TapOptions(),
         taps_only=step.owner == "sharded",
         finite_losses=module,
+        grouped=step.engine.groups is not None,
+        loss_scale=step.scale.scale,
     )
 
 
@@ -316,6 +329,8 @@ def select(step: ClippedStep, plan: StepPlan, batch: Batch, model: nn.Module) ->
         check = CheckedInGradients(step.engine, step.scale, BodySum(step.module, sum_pass, sum_pass.keeps))
     elif need is Need.FIRST_STEP:
         check = CheckedThroughFramework(step.engine, step.module)
+    elif need is Need.GROUPS and step.calibration is None and step.owner == "module":
+        check = CheckedGroups(step.engine, step.module)
     norm_pass = _norm_pass(step, norm_kind, sum_pass.keeps, first=step.calibration is None)
     return Passes(norm_pass, sum_pass, _delivery(step, model), check)
 

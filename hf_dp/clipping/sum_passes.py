@@ -1,10 +1,11 @@
 """What a clipped step computes of Σ_i c_i g_i once the clip factors c_i are known: the maths, not its delivery.
 
 Each sum pass returns a ``Sum``: per-example gradients whose clipped sum is formed directly (``parts``), and a
-scalar whose gradient is the rest (``surrogate``). How they reach the gradients is delivery.py's job.
+scalar whose gradient is the rest (``surrogate``), or sums already formed (``totals``). How they reach the gradients is delivery.py's job.
 
 - ``FactoredSum``: book-keeping's factored per-example gradients (Bu et al. 2023), one GEMM a layer.
 - ``KeptSum``: the explicit per-example gradients the norm pass kept (LoRA: one pass).
+- ``GroupedSum``: group-wise clipping, whose sums the norm pass's backward formed (groups.py).
 - ``WholeSum``: Σ_i c_i L_i of a second forward with the norm pass's dropout masks (the weighted pass).
 - ``BodySum``: the weighted pass without the tail (tail.py): the tail's per-example gradients as parts, and the
   body's surrogate from the tail's input h, the checkpointed layers replayed (replay.py) as one chain, or one
@@ -46,6 +47,7 @@ class Sum:
     surrogate: Surrogate | None
     drop: Dropped
     lazy: bool = False
+    totals: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)  # sums already formed (group-wise)
 
     def take_parts(self) -> list[tuple[nn.Parameter, list[Weighted]]]:
         """The parts, handed over once (this ``Sum`` no longer holds them)."""
@@ -79,6 +81,18 @@ class FactoredSum:
 
     def __call__(self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch) -> Sum:
         return Sum(list(found.terms.values()), None, batch.overflowed, lazy=True)
+
+
+@dataclass(frozen=True)
+class GroupedSum:
+    """Group-wise clipping: the norm pass's backward formed each group's Σ_i c_ig G_i (groups.py)."""
+
+    keeps: TapOptions = field(default_factory=TapOptions)
+
+    def __call__(
+        self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor | None, batch: Batch
+    ) -> Sum:
+        return Sum([], None, Dropped(), totals=found.group_totals)
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,30 @@ class SumWriter:
         )
         self.low_precision[param] = part.accumulate(wide, weights, like)
 
+    def add_total(self, param: nn.Parameter, total: torch.Tensor) -> None:
+        """The clipped sum += an already formed Σ_i c_i G_i (float32 or wider; group-wise clipping)."""
+        if param.dtype in LOW_PRECISION:
+            wide = self.low_precision.get(param)
+            self.low_precision[param] = total if wide is None else wide.add_(total)
+        elif param.grad is None:
+            param.grad = total.to(param.dtype)
+        else:
+            param.grad.add_(total.to(param.dtype))
+
+    def read_groups(
+        self, norms: torch.Tensor, mask: torch.Tensor, losses: torch.Tensor | None = None
+    ) -> bool:
+        """Group-wise clipping, whose sums the backward formed: in ONE host read, the examples with a norm that is
+        not finite in some group (counted in ``nonfinite_examples``; their factor was 0 there) and, with
+        ``losses``, whether a real unit's loss is not finite."""
+        base = norms.shape[0] + 1
+        code = (~torch.isfinite(norms).all(dim=1)).sum()
+        if losses is not None:
+            code = code.add((~torch.isfinite(losses) & mask.bool()).sum(), alpha=base)
+        value = int(code)
+        self.nonfinite_examples += value % base
+        return value // base > 0
+
     def move_from_gradients(self, params: list[nn.Parameter]) -> None:
         """After autograd wrote a micro-batch's clipped sum into a bf16/fp16 ``.grad``: add it to the float32 sum."""
         for param in params:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.geometry import ClipScale
+from hf_dp.clipping.groups import GroupSums
 from hf_dp.clipping.hooks import (
     Layers,
     UnsupportedModuleError,
@@ -100,8 +101,10 @@ class NormCollector:
         scales: dict[int, ClipScale],
         materialise: bool,
         options: TapOptions,
+        group_sums: GroupSums | None = None,
     ) -> None:
         self.layers, self.scales, self.materialise = layers, scales, materialise
+        self.group_sums = group_sums  # group-wise clipping: each group's clipped sum formed in the backward
         self.owned = layers.owned
         params = layers.parameters
         device = params[0].device if params else torch.device("cpu")
@@ -265,6 +268,7 @@ class NormCollector:
         """The first of exactly two uses, dense, and the other one an embedding whose ids the forward showed."""
         return (
             self.uses[pid] == 2
+            and self.group_sums is None  # a group's sum needs the head's per-example gradients whole
             and pid not in self._waiting
             and self._ids.get(pid) is not None
             and pid not in self.scales
@@ -276,19 +280,23 @@ class NormCollector:
     def _add_norm(self, param: nn.Parameter, parts: list[PerExampleGradient]) -> None:
         shape = getattr(param, "ds_shape", param.shape)  # DeepSpeed ZeRO-3 partitions to shape (0,)
         terms = [(1.0, part) for part in parts]
-        self.squared += combined_squared_norm(terms, self.scales.get(id(param)), shape, self.materialise).to(
-            self.squared
-        )
+        squared = combined_squared_norm(terms, self.scales.get(id(param)), shape, self.materialise)
+        if self.group_sums is not None:
+            self.group_sums.add(param, parts, squared)
+        else:
+            self.squared += squared.to(self.squared)
 
     def norms(self) -> torch.Tensor:
-        """‖s ⊙ g_i‖, shape (B,), once the backward is done (call once); a use whose output got no gradient
-        simply contributed nothing."""
+        """‖s ⊙ g_i‖, shape (B,), or per group (B, G), once the backward is done (call once); a use whose output
+        got no gradient simply contributed nothing."""
         for param, parts in self._waiting.values():
             self._add_norm(param, parts)
         self._waiting.clear()
         self._tied_heads.clear()  # its embedding use got no gradient: ‖G_head‖² is already in
         for param, grads in (self.kept or {}).values():
             self._add_norm(param, [Materialised(grads)])
+        if self.group_sums is not None:
+            return self.group_sums.finish()
         return self.squared.clamp(min=0).sqrt()
 
     def kept_gradients(self) -> list[tuple[nn.Parameter, Materialised]]:

@@ -1,0 +1,163 @@
+"""Group-wise clipping (He et al. 2022, "Exploring the limits of differentially private deep learning with
+group-wise clipping"): the clipped parameters split into G groups, example i's gradient on group g clipped on its
+own to C_g, with Σ_g C_g² = C²:
+
+    ‖Σ_g c_ig g_ig‖² = Σ_g c_ig² ‖g_ig‖² ≤ Σ_g C_g² = C²,
+
+so the sensitivity, the noise and the accounting are flat clipping's at C. A group's norms are complete once the
+backward has passed the last use of its parameters, so its clipped sum Σ_i c_ig G_i is formed there from the taps'
+per-example gradients (taps.py) and they are let go: one backward per step, with or without activation
+checkpointing, and no weighted pass.
+
+Groups (``clipping_groups``): ``"layer"``, each transformer block (the name up to its first numeric segment, e.g.
+``model.layers.3``) and every other module on its own (embeddings, final norm, head); ``"parameter"``, each trainable
+tensor; or module-name prefixes, each parameter in the group of the first prefix it falls under.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hf_dp.clipping.per_example import Dropped, PerExampleGradient, clipped_total
+
+GROUPINGS = ("all", "layer", "parameter")
+
+
+@dataclass(frozen=True)
+class ClipGroups:
+    """The groups' ``names``, each one's share C_g / C of the clip norm (Σ_g share² = 1) and each clipped
+    parameter's group (by id)."""
+
+    names: tuple[str, ...]
+    shares: tuple[float, ...]
+    of: dict[int, int]
+
+    def norms(self, clip_norm: float) -> list[float]:
+        """C_g at the step's clip norm C."""
+        return [share * clip_norm for share in self.shares]
+
+    def describe(self, clip_norm: float) -> str:
+        """One line for the report and the model card."""
+        norms = sorted({round(c, 6) for c in self.norms(clip_norm)})
+        each = f"C_g = {norms[0]:.4g}" if len(norms) == 1 else f"C_g from {norms[0]:.4g} to {norms[-1]:.4g}"
+        return f"group-wise: {len(self.names)} groups, {each}, sqrt(Σ_g C_g²) = C = {clip_norm:g}"
+
+
+def _layer_group(name: str) -> str:
+    """A transformer block (the name up to its first numeric segment), or the module holding the parameter."""
+    segments = name.split(".")
+    for k, segment in enumerate(segments[:-1]):
+        if segment.isdigit():
+            return ".".join(segments[: k + 1])
+    return ".".join(segments[:-1]) or name
+
+
+def _prefix_group(name: str, prefixes: Sequence[str]) -> str:
+    for prefix in prefixes:
+        if name == prefix or name.startswith(prefix + "."):
+            return prefix
+    raise ValueError(
+        f"clipping_groups: parameter {name} falls under none of the prefixes {list(prefixes)}: add a prefix for it "
+        "or freeze it"
+    )
+
+
+def clip_groups(
+    named: Sequence[tuple[str, nn.Parameter]],
+    grouping: str | Sequence[str],
+    group_norms: Sequence[float] | None,
+    clip_norm: float,
+) -> ClipGroups | None:
+    """The groups of the clipped parameters ``named`` (None: ``"all"``, flat clipping); ``group_norms``: explicit
+    C_g in the groups' order (first appearance), whose root sum of squares must be C, else C / sqrt(G) each."""
+    if isinstance(grouping, str):
+        grouping = (
+            grouping if grouping in GROUPINGS else [p.strip() for p in grouping.split(",") if p.strip()]
+        )
+    if grouping == "all":
+        return None
+    if grouping == "parameter":
+        group_of = [name for name, _ in named]
+    elif grouping == "layer":
+        group_of = [_layer_group(name) for name, _ in named]
+    else:
+        group_of = [_prefix_group(name, list(grouping)) for name, _ in named]
+    names = tuple(dict.fromkeys(group_of))
+    index = {name: k for k, name in enumerate(names)}
+    if group_norms is None:
+        shares = (1 / math.sqrt(len(names)),) * len(names)
+    else:
+        if len(group_norms) != len(names):
+            raise ValueError(
+                f"clipping_group_norms has {len(group_norms)} values for {len(names)} groups ({', '.join(names)}): "
+                "give one per group, in this order"
+            )
+        total = math.sqrt(sum(c * c for c in group_norms))
+        if not math.isclose(total, clip_norm, rel_tol=1e-6) or min(group_norms) <= 0:
+            raise ValueError(
+                f"clipping_group_norms must be positive with sqrt(Σ C_g²) = per_sample_max_grad_norm = {clip_norm:g} "
+                f"(the noise is sized for it), got {total:.6g}: rescale them"
+            )
+        shares = tuple(c / clip_norm for c in group_norms)
+    return ClipGroups(names, shares, {id(p): index[g] for (_, p), g in zip(named, group_of, strict=True)})
+
+
+class GroupSums:
+    """Σ_i c_ig G_i of each group, formed as soon as every clipped parameter of the group has its per-example
+    gradients (all its uses), from c_ig = clip(‖s ⊙ g_ig‖, C_g) · mask_i (0 where the norm is not finite; those
+    examples' rows are left out, 0 · inf being nan). ``finish`` after the backward forms the groups some of whose
+    parameters got no gradient, and returns the norms (U, G)."""
+
+    def __init__(
+        self,
+        groups: ClipGroups,
+        params: Sequence[nn.Parameter],
+        clip_norm: float,
+        clip: Callable[[torch.Tensor, float], torch.Tensor],
+        mask: torch.Tensor,
+        dtype: torch.dtype,
+        loss_scale: float = 1.0,
+    ) -> None:
+        self.groups, self.norms_g, self.clip, self.mask = groups, groups.norms(clip_norm), clip, mask
+        self.loss_scale = loss_scale
+        self.squared = torch.zeros(mask.shape[0], len(groups.names), dtype=dtype, device=mask.device)
+        self.remaining = [0] * len(groups.names)
+        for param in params:
+            self.remaining[groups.of[id(param)]] += 1
+        self.pending: list[list[tuple[nn.Parameter, list[PerExampleGradient]]]] = [[] for _ in groups.names]
+        self.totals: dict[nn.Parameter, torch.Tensor] = {}
+
+    def add(self, param: nn.Parameter, parts: list[PerExampleGradient], squared: torch.Tensor) -> None:
+        """A parameter's per-example gradients (every use) and ‖s ⊙ G_i‖² (U,)."""
+        group = self.groups.of[id(param)]
+        self.squared[:, group] += squared.to(self.squared)
+        self.pending[group].append((param, parts))
+        self.remaining[group] -= 1
+        if self.remaining[group] == 0:
+            self._form(group)
+
+    def _form(self, group: int) -> None:
+        norms = self.squared[:, group].clamp(min=0).sqrt() / self.loss_scale
+        finite = torch.isfinite(norms)
+        factors = torch.where(finite, self.clip(norms.nan_to_num(), self.norms_g[group]), 0.0) * self.mask.to(
+            norms
+        )
+        dropped = Dropped(factors == 0)
+        factors = factors / self.loss_scale  # the weights of the S-scaled per-example gradients
+        with torch.no_grad():
+            for param, parts in self.pending[group]:
+                total = clipped_total(param, [(1.0, part) for part in parts], factors, dropped)
+                self.totals[param] = total if param not in self.totals else self.totals[param].add_(total)
+        self.pending[group] = []
+
+    def finish(self) -> torch.Tensor:
+        """After the backward: the groups not yet formed, then ‖s ⊙ g_ig‖ (U, G)."""
+        for group, pending in enumerate(self.pending):
+            if pending:
+                self._form(group)
+        return self.squared.clamp(min=0).sqrt() / self.loss_scale
