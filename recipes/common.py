@@ -108,21 +108,22 @@ def convert_smollm2_gguf(gguf_path: Path, target: Path) -> None:
     """De-quantize the GGUF into ``target`` atomically: everything is written into a temporary sibling folder,
     which is renamed to ``target`` once complete, so a crash leaves no half folder at ``target``."""
     if importlib.util.find_spec("gguf") is None:
-        raise RuntimeError(
-            'reading SmolLM2\'s GGUF needs gguf: pip install "gguf==0.19.0" (scripts/setup.sh)'
-        )
+        raise RuntimeError("reading SmolLM2's GGUF needs gguf: pip install gguf==0.19.0 (scripts/setup.sh)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting SmolLM2-135M-Instruct from its GGUF into {target} (once, ~20 s)", flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.partial-*"):  # left by a conversion that was killed
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     partial = target.parent / f".{target.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
     try:
         folder, name = str(gguf_path.parent), gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-        # the weights are de-quantized fp32 tensors now: drop the GGUF "quantization" so the saved folder is a
-        # plain checkpoint (save_pretrained would otherwise record it and from_pretrained ask for the GGUF)
+        # the weights are de-quantized fp32 tensors now: drop the GGUF "quantization", so the saved config has
+        # no quantization_config and the folder loads as a plain checkpoint
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -135,6 +136,16 @@ def convert_smollm2_gguf(gguf_path: Path, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def shared_data_dir() -> Path:
