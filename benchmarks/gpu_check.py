@@ -20,7 +20,8 @@ and the table are rewritten after every case and setting, so a run cut short kee
    untied head) on B = 8 random sequences of T = 1024 tokens, bf16 autocast with fp32 weights, AdamW, for
    {full, lora (r 16, all linear layers)} x activation checkpointing {on, off}; variants ``stock``
    (``transformers.Trainer.training_step`` + ``optimizer.step()``), ``dp`` (``DPTrainer.train_one_step``,
-   σ = 1, C = 1, noised and accounted), ``dp_chained`` (the same with the weighted pass's checkpointed layers
+   σ = 1, C = 1, noised and accounted), ``dp_groupwise`` (the same with clipping_groups="layer": one backward),
+   ``dp_chained`` (the same with the weighted pass's checkpointed layers
    back-propagated as one chain instead of one by one, hf_dp/clipping/layerwise.py) and ``opacus`` (Opacus 1.6 ghost clipping,
    ``make_private(..., grad_sample_mode="ghost")`` + ``DPTensorFastGradientClipping``; skipped with its reason
    if Opacus does not import). All variants of a setting live together: each is built and warmed up (2 steps) in turn, then
@@ -511,15 +512,18 @@ def build_stock(s: Setting, model: nn.Module, rows: list[dict], device: str) -> 
     return cell
 
 
-def build_dp(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
+def build_dp(
+    s: Setting, model: nn.Module, rows: list[dict], device: str, name: str = "dp", **dp_args: Any
+) -> Cell:
+    """DPTrainer's step (σ = 1, C = 1); ``dp_args``: more DPTrainingArguments (a variant's)."""
     folder = tempfile.TemporaryDirectory(prefix="gpu_check_")
     args = _llama.training_args(
         DPTrainingArguments, device, folder.name, per_device_train_batch_size=s.batch, bf16=True,
         optim="adamw_torch", dp_optimizer="adamw", noise_multiplier=NOISE_MULTIPLIER,
-        per_sample_max_grad_norm=MAX_GRAD_NORM, insecure_dp_seed=SEED, **{CKPT_ARG: s.checkpointing},
+        per_sample_max_grad_norm=MAX_GRAD_NORM, insecure_dp_seed=SEED, **{CKPT_ARG: s.checkpointing}, **dp_args,
     )  # fmt: skip
     trainer, (batch,) = _llama.dp_trainer(model, args, rows, s.batch, 1, device)
-    cell = Cell("dp", step=lambda: trainer.train_one_step([batch]), keep=[folder, trainer])
+    cell = Cell(name, step=lambda: trainer.train_one_step([batch]), keep=[folder, trainer])
     _cell_info(cell, trainer.model)
     strategy = trainer.dp.clipping
     cell.info["clipping_strategy"] = type(strategy).__name__ if strategy is not None else None
@@ -589,10 +593,17 @@ def build_dp_chained(s: Setting, model: nn.Module, rows: list[dict], device: str
     return cell
 
 
+def build_dp_groupwise(s: Setting, model: nn.Module, rows: list[dict], device: str) -> Cell:
+    """``dp`` with group-wise clipping, each transformer block, the embeddings and the head a group
+    (hf_dp/clipping/groups.py): one forward and one backward per step."""
+    return build_dp(s, model, rows, device, name="dp_groupwise", clipping_groups="layer")
+
+
 BUILDERS = {
     "stock": build_stock,
     "dp": build_dp,
     "dp_chained": build_dp_chained,
+    "dp_groupwise": build_dp_groupwise,
     "opacus": build_opacus,
 }
 
@@ -662,6 +673,7 @@ def run_setting(
             ("dp_vs_stock", ratio(cells, "dp", "stock")),
             ("dp_chained_vs_stock", ratio(cells, "dp_chained", "stock")),
             ("dp_vs_dp_chained", ratio(cells, "dp", "dp_chained")),
+            ("dp_groupwise_vs_stock", ratio(cells, "dp_groupwise", "stock")),
             ("opacus_vs_stock", ratio(cells, "opacus", "stock")),
             ("dp_vs_opacus", ratio(cells, "dp", "opacus")),
         )
@@ -687,7 +699,7 @@ def timed_setting(
     """Stock, DP and Opacus on one setting, interleaved; an error is recorded and the next setting runs."""
     start = time.perf_counter()
     try:
-        result = run_setting(s, ["stock", "dp", "dp_chained", "opacus"], build, config)
+        result = run_setting(s, ["stock", "dp", "dp_chained", "dp_groupwise", "opacus"], build, config)
     except Exception as exc:
         traceback.print_exc()
         result = {"setting": asdict(s), "error": error_text(exc)}

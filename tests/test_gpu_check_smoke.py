@@ -79,7 +79,7 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     for name, setting in settings.items():
         assert "error" not in setting and "skipped" not in setting, (name, setting)
         variants = setting["variants"]
-        for variant in ("stock", "dp", "dp_chained"):
+        for variant in ("stock", "dp", "dp_chained", "dp_groupwise"):
             cell = variants[variant]
             assert cell["error"] is None, (name, variant, cell["error"])
             assert len(cell["times_s"]) == 2 and all(_finite_positive(t) for t in cell["times_s"])
@@ -106,6 +106,9 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
         # the same seeded model and batch: the untrained loss agrees between the stock Trainer and DP
         assert abs(variants["stock"]["first_loss"] - variants["dp"]["first_loss"]) < 1e-3
         assert _finite_positive(setting["ratios"]["dp_vs_stock"]["time_paired_median"])
+        assert _finite_positive(setting["ratios"]["dp_groupwise_vs_stock"]["time_paired_median"])
+        # group-wise: one forward a step (and the recomputation under checkpointing), no weighted pass
+        assert variants["dp_groupwise"]["layer_runs_per_step"] == (2 if checkpointing else 1), name
         assert "opacus" in variants or "opacus" in setting["skipped_variants"]
         assert isinstance(setting.get("dp_privacy_report"), dict)
 
