@@ -108,21 +108,7 @@ class PrivateRun:
         if checkpointing is not None:
             self.backend = dataclasses.replace(self.backend, checkpointing=checkpointing)
         if self.plan.private:
-            args = self.args
-            self.engine = ClippingEngine(
-                model,
-                args.clipping_fn,
-                args.clipping_mode,
-                grouping=args.clipping_groups,
-                group_norms=args.clipping_group_norms,
-                clip_norm=args.per_sample_max_grad_norm,
-            )
-            if self.engine.groups is not None and self.backend.framework_owns_gradients:
-                self.engine.remove_hooks()
-                raise ValueError(
-                    f"clipping_groups={args.clipping_groups!r} runs on one process or with DDP, not with DeepSpeed or "
-                    "FSDP yet: use clipping_groups='all' there"
-                )
+            self.engine = clipping_engine(model, self.args, self.backend)
             weakref.finalize(self, self.engine.remove_hooks)
         self.clipping = clipped_step(self.engine, model, self.backend)
 
@@ -209,18 +195,7 @@ class PrivateRun:
         """Release every logical batch into ``optimizer`` (the rule stays stock): one pre-hook, ``release``."""
         if self.optimizer is not None:
             return
-        shifted = shifted_evaluations(update_rule[0])
-        if shifted and self.engine is not None and self.engine.groups is not None:
-            raise ValueError(
-                f"{update_rule[0]} evaluates each example at two parameter points (DiSK), whose combination "
-                "group-wise clipping does not clip yet: use clipping_groups='all' or another dp_optimizer"
-            )
-        if shifted and (self.clipping.norms_in_backward or self.backend.framework_owns_gradients):
-            raise ValueError(
-                f"{update_rule[0]} evaluates each example at two parameter points (DiSK), which activation "
-                "checkpointing, DeepSpeed and FSDP do not support yet: turn activation_checkpointing off, train on "
-                "one process or with DDP, or pick another dp_optimizer"
-            )
+        refuse_shifted_evaluations(update_rule[0], self.clipping, self.engine, self.backend)
         if getattr(optimizer, "evaluations_per_step", 1) > 1 and self.backend.device_type == "cpu":
             keep_freed_memory()  # two evaluations' buffers are reused, not re-mapped every step (cpu_heap.py)
         self.optimizer, self.update_rule = optimizer, update_rule
@@ -314,6 +289,44 @@ class PrivateRun:
         if groups is not None:
             report["clipping_groups"] = groups.describe(self.args.per_sample_max_grad_norm)
         return report
+
+
+def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
+    """The model's clipping engine with the run's clipping function, mode and groups; group-wise clipping is refused
+    in one line where the framework owns the gradients."""
+    engine = ClippingEngine(
+        model,
+        args.clipping_fn,
+        args.clipping_mode,
+        grouping=args.clipping_groups,
+        group_norms=args.clipping_group_norms,
+        clip_norm=args.per_sample_max_grad_norm,
+    )
+    if engine.groups is not None and backend.framework_owns_gradients:
+        engine.remove_hooks()
+        raise ValueError(
+            f"clipping_groups={args.clipping_groups!r} runs on one process or with DDP, not with DeepSpeed or FSDP "
+            "yet: use clipping_groups='all' there"
+        )
+    return engine
+
+
+def refuse_shifted_evaluations(rule: str, clipping, engine: ClippingEngine | None, backend: Backend) -> None:
+    """A rule that evaluates each example at two parameter points (DiSK, its ``RuleSpec``) needs book-keeping's
+    norms of the combination: refused in one line before training where the step would not form them."""
+    if not shifted_evaluations(rule):
+        return
+    if engine is not None and engine.groups is not None:
+        raise ValueError(
+            f"{rule} evaluates each example at two parameter points (DiSK), whose combination group-wise clipping "
+            "does not clip yet: use clipping_groups='all' or another dp_optimizer"
+        )
+    if clipping.norms_in_backward or backend.framework_owns_gradients:
+        raise ValueError(
+            f"{rule} evaluates each example at two parameter points (DiSK), which activation checkpointing, "
+            "DeepSpeed and FSDP do not support yet: turn activation_checkpointing off, train on one process or "
+            "with DDP, or pick another dp_optimizer"
+        )
 
 
 def update_rule_of(args, optimizer_cls_and_kwargs, optimizer_passed_in) -> UpdateRule:
