@@ -68,7 +68,7 @@ class DPTrainingArguments(TrainingArguments):
             "help": "Group-wise clipping (He et al. 2022): 'all' (one norm per example), 'layer' (each transformer "
             "block, the embeddings, the head), 'parameter' (each trainable tensor) or comma-separated module-name "
             "prefixes; group g is clipped to C_g = C/sqrt(G) (or clipping_group_norms), so the sensitivity stays C, "
-            "in one backward per step. One process or DDP."
+            "in one backward per step. One process, DDP and DeepSpeed ZeRO-0/1/2."
         },
     )
     clipping_group_norms: list[float] | None = field(

@@ -293,7 +293,7 @@ class PrivateRun:
 
 def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     """The model's clipping engine with the run's clipping function, mode and groups; group-wise clipping is refused
-    in one line where the framework owns the gradients."""
+    in one line where the parameters are partitioned or sharded (ZeRO-3, FSDP2)."""
     engine = ClippingEngine(
         model,
         args.clipping_fn,
@@ -302,11 +302,11 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
         group_norms=args.clipping_group_norms,
         clip_norm=args.per_sample_max_grad_norm,
     )
-    if engine.groups is not None and backend.framework_owns_gradients:
+    if engine.groups is not None and (backend.fsdp or backend.zero_stage == 3):
         engine.remove_hooks()
         raise ValueError(
-            f"clipping_groups={args.clipping_groups!r} runs on one process or with DDP, not with DeepSpeed or FSDP "
-            "yet: use clipping_groups='all' there"
+            f"clipping_groups={args.clipping_groups!r} runs on one process, with DDP and with DeepSpeed ZeRO-0/1/2, "
+            "not with ZeRO-3 or FSDP yet: use clipping_groups='all' there, or ZeRO-2"
         )
     return engine
 

@@ -149,6 +149,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--clipping_mode", choices=["ghost", "per_sample"], default="ghost")
     parser.add_argument("--checkpointing", choices=["off", "reentrant", "non_reentrant"], default="off")
+    parser.add_argument("--clipping_groups", default="all", help="DPTrainingArguments.clipping_groups")
     parser.add_argument(
         "--fsdp_checkpointing", action="store_true", help="FSDP's own fsdp_config['activation_checkpointing']"
     )
@@ -264,6 +265,7 @@ def run(cli: argparse.Namespace) -> None:
         num_bands=cli.num_bands,
         per_sample_max_grad_norm=cli.clip,
         clipping_mode=cli.clipping_mode,
+        clipping_groups=cli.clipping_groups,
         max_steps=cli.steps,
         seed=7,
         # every run draws the same batches, so one and two processes can be compared (unless --secret)

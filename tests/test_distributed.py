@@ -90,6 +90,7 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     # one process: the references (same logical batches: 2 × the per-device batch, same accumulation)
     "reference": ("single", ("--per_device", "8")),
     "reference_unclipped": ("single", ("--per_device", "8", "--clip", "1e6")),
+    "reference_groups": ("single", ("--per_device", "8", "--clipping_groups", "layer")),
     "reference_users": ("single", ("--users", "--per_device", "8")),
     "reference_llama": ("single", ("--per_device", "8", "--model", "llama")),
     "reference_lora": ("single", ("--per_device", "8", "--model", "llama", "--lora")),
@@ -120,6 +121,7 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "ddp_torchrun": ("torchrun", ()),
     "ddp_users": ("torchrun", ("--users",)),
     "ddp_checkpointing": ("torchrun", ("--checkpointing", "non_reentrant")),
+    "ddp_groups": ("torchrun", ("--clipping_groups", "layer", "--checkpointing", "non_reentrant")),
     "ddp_checkpointing_deep_tail": ("torchrun", ("--checkpointing", "non_reentrant", "--tail_share", "1e9")),
     # LoRA whose kept gradients do not fit and whose tail reaches over no layer: the tail starts at the last layer
     "ddp_checkpointing_lora": (
@@ -130,6 +132,8 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
         ),
     ),
     "zero1": ("torchrun", ("--zero", "1")),
+    # group-wise clipping: each group's sum formed in the norm pass's backward, handed to ZeRO-2 as linear terms
+    "zero2_groups": ("torchrun", ("--zero", "2", "--clipping_groups", "layer")),
     "zero2_bf16": ("torchrun", ("--zero", "2", "--bf16")),
     "zero2_disk": ("torchrun", ("--zero", "2", "--optimizer", "disk")),
     "zero3": ("torchrun", ("--zero", "3")),
@@ -414,6 +418,22 @@ def test_two_processes_match_one_process_without_noise(runs, name, distributed_t
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
     # the logged loss is the mean over the whole logical batch, not one process's share
     assert run["losses"] == pytest.approx(info(reference)["losses"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "distributed_type", "stage"),
+    [("ddp_groups", "MULTI_CPU", None), ("zero2_groups", "DEEPSPEED", 2)],
+)
+def test_groupwise_clipping_on_two_processes_matches_one_process(runs, name, distributed_type, stage):
+    """clipping_groups="layer": the sums the norm pass's backward forms (with checkpointing under DDP), reduced by
+    DDP or handed to ZeRO-2 as terms linear in each parameter, take the one-process group-wise steps; and they
+    are not flat clipping's."""
+    reference, out = runs("reference_groups"), runs(name)
+    run = assert_world(out, distributed_type, stage)
+    assert run["norms_in_backward"] is True
+    assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
+    assert relative_difference(reference / "final.pt", runs("reference") / "final.pt") > 1e-3
 
 
 @pytest.mark.slow

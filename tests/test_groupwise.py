@@ -140,3 +140,14 @@ def test_groupwise_training_states_its_groups_and_refuses_what_it_cannot_run(tmp
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="clipping_group_norms needs groups"):
         make_trainer(tmp_path, noise_multiplier=1.0, clipping_group_norms=[1.0])
+
+
+@pytest.mark.parametrize("backend", [Backend(world_size=2, zero_stage=3), Backend(world_size=2, fsdp=True)])
+def test_groupwise_clipping_is_refused_where_the_parameters_are_partitioned(tmp_path, backend) -> None:
+    from hf_dp.run import clipping_engine
+    from tests.trainer_utils import make_args
+
+    args = make_args(tmp_path, noise_multiplier=1.0, clipping_groups="layer")
+    with pytest.raises(ValueError, match="not with ZeRO-3 or FSDP") as info:
+        clipping_engine(models.gpt2(), args, backend)
+    assert "\n" not in str(info.value)

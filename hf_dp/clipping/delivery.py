@@ -3,8 +3,9 @@
 - ``IntoGradients``: the bare module (one process, DDP): the parts added to ``.grad`` (a bf16/fp16 parameter's
   into its float32 sum, sums.py), then the surrogate back-propagated.
 - ``AsLinearTerms``: DeepSpeed, whose backward must write the gradients: the Trainer back-propagates
-  W·(surrogate + Σ_p ⟨p, Σ_i c_i G_i^p⟩), each term linear in a whole parameter (ZeRO-0/1/2; ZeRO-3's sums
-  have no parts); the framework's mean over its W processes leaves the plain Σ_i c_i g_i.
+  W·(surrogate + Σ_p ⟨p, Σ_i c_i G_i^p⟩), each term linear in a whole parameter (ZeRO-0/1/2, the parts' sums or
+  the totals already formed; ZeRO-3's sums have neither); the framework's mean over its W processes leaves the
+  plain Σ_i c_i g_i.
 - ``IntoUnshardedGradients``: FSDP2: the parts' W·Σ_i c_i G_i into the ``.grad`` of the unsharded parameters the
   norm pass saw, before the backward of W·surrogate; FSDP2 reduce-scatters a unit's unsharded gradients when its
   part of the backward ends, and those of units the stopped forward never reached in its end-of-backward callback.
@@ -87,9 +88,10 @@ def _given(total: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _surrogate(computed: Sum, factors: torch.Tensor) -> torch.Tensor:
+def _surrogate(computed: Sum, losses: torch.Tensor) -> torch.Tensor:
+    """The sum's surrogate, or a zero where it has none."""
     return (
-        computed.surrogate() if computed.surrogate is not None else factors.new_zeros((), dtype=torch.float32)
+        computed.surrogate() if computed.surrogate is not None else losses.new_zeros((), dtype=torch.float32)
     )
 
 
@@ -101,7 +103,9 @@ class AsLinearTerms:
     world_size: int
 
     def __call__(self, computed: Sum, factors: torch.Tensor, losses: torch.Tensor) -> MicroStep:
-        surrogate = _surrogate(computed, factors)
+        surrogate = _surrogate(computed, losses)
+        for param, total in computed.totals.items():
+            surrogate = surrogate + _LinearTerm.apply(param, functools.partial(_given, total))
         for param, weighted in computed.take_parts():
             total_of = functools.partial(clipped_total, param, weighted, factors, computed.drop)
             if not computed.lazy:
@@ -119,7 +123,7 @@ class IntoUnshardedGradients:
     world_size: int
 
     def __call__(self, computed: Sum, factors: torch.Tensor, losses: torch.Tensor) -> MicroStep:
-        surrogate = _surrogate(computed, factors)
+        surrogate = _surrogate(computed, losses)
         for param, weighted in computed.take_parts():
             total = (clipped_total(param, weighted, factors, computed.drop) * self.world_size).to(param.dtype)
             param.grad = total if param.grad is None else param.grad.add_(total)
