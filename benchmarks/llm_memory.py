@@ -86,7 +86,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from hf_dp import DPTrainingArguments  # noqa: E402
 
-VARIANTS = ("stock", "dp_off", "dp", "opacus", "dp_chained")
+VARIANTS = ("stock", "dp_off", "dp", "opacus", "dp_chained", "dp_groupwise")
 DEFAULT_VARIANTS = ("stock", "dp_off", "dp", "opacus")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "llm_memory.json"
 MEMORY_MARKER = "LLM_MEMORY_JSON "
@@ -195,17 +195,23 @@ def build_stock(s: Setting, rows: list[dict], device: str) -> Variant:
     return variant
 
 
-def build_dp(s: Setting, rows: list[dict], device: str, private: bool, chained: bool = False) -> Variant:
+def build_dp(
+    s: Setting, rows: list[dict], device: str, private: bool, chained: bool = False, groupwise: bool = False
+) -> Variant:
+    """DPTrainer's step; ``chained``: the layers below the tail chained (replayed) after the first step;
+    ``groupwise``: clipping_groups="layer", each group clipped and summed in the one backward."""
     folder = tempfile.TemporaryDirectory(prefix="llm_memory_")
     privacy: dict[str, Any] = (
         {"noise_multiplier": NOISE_MULTIPLIER, "per_sample_max_grad_norm": MAX_GRAD_NORM}
         if private
         else {"disable_dp": True}
     )
+    if groupwise:
+        privacy["clipping_groups"] = "layer"
     args = _args(DPTrainingArguments, s, device, folder.name, dp_optimizer="adamw", **privacy)
     trainer, batches = _llama.dp_trainer(build_model(s, device), args, rows, s.batch, s.micro_batches, device)
     model = trainer.model_wrapped
-    name = "dp_chained" if chained else "dp" if private else "dp_off"
+    name = "dp_chained" if chained else "dp_groupwise" if groupwise else "dp" if private else "dp_off"
 
     if chained and trainer.dp.clipping is not None:
         trainer.dp.clipping.force(
@@ -244,6 +250,7 @@ BUILDERS: dict[str, Callable[[Setting, list[dict], str], Variant]] = {
     "dp": lambda s, rows, device: build_dp(s, rows, device, private=True),
     "opacus": build_opacus,
     "dp_chained": lambda s, rows, device: build_dp(s, rows, device, private=True, chained=True),
+    "dp_groupwise": lambda s, rows, device: build_dp(s, rows, device, private=True, groupwise=True),
 }
 
 

@@ -8,7 +8,8 @@ them the operators whose output size depends on tensor values (boolean-mask inde
 a device too. On CPU every such read counts, also of a tensor that would stay on the host beside a device. The variants
 are llm_memory.py's ``stock`` (``Trainer.training_step`` + ``optimizer.step()``) and ``dp`` (``DPTrainer``'s
 ``train_one_step``: clipping, noise, accounting) on a tiny Llama, fp32, AdamW. With ``--stacks`` every DP host read
-is attributed to the innermost frame of hf_dp (or of the benchmark) that asked for it.
+is attributed to the innermost frame of hf_dp (or of the benchmark) that asked for it. Each cell also counts
+``dp_groupwise`` (``clipping_groups="layer"``).
 
 The issue's bar: DP / stock operator calls at most ``CALLS_BAR`` and at most ``SYNCS_BAR`` more host syncs, in all
 four cells.
@@ -89,11 +90,15 @@ def count_cell(
     rows = llm_memory.make_rows(setting)
     stock = count_variant("stock", setting, rows, stacks)
     dp = count_variant("dp", setting, rows, stacks)
+    groupwise = count_variant("dp_groupwise", setting, rows, stacks=False)
     return {
         "stock": stock,
         "dp": dp,
         "calls_ratio": dp["calls"] / stock["calls"],
         "extra_syncs": dp["host_syncs"] - stock["host_syncs"],
+        "dp_groupwise": groupwise,
+        "groupwise_calls_ratio": groupwise["calls"] / stock["calls"],
+        "groupwise_extra_syncs": groupwise["host_syncs"] - stock["host_syncs"],
     }
 
 
@@ -117,6 +122,19 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {name} | {c['stock']['calls']} | {c['dp']['calls']} | {c['calls_ratio']:.2f}x | "
             f"{c['stock']['host_syncs']} → {c['dp']['host_syncs']} | "
             f"{c['stock']['value_sized_ops']} → {c['dp']['value_sized_ops']} | {'yes' if met else 'no'} |"
+        )
+    lines += [
+        "",
+        'Group-wise clipping (`clipping_groups="layer"`: each group clipped and summed in the one backward), same cells:',
+        "",
+        "| cell | operator calls stock | DP group-wise | ratio | host syncs stock → DP group-wise |",
+        "|---|---|---|---|---|",
+    ]
+    for name, c in result["cells"].items():
+        g = c["dp_groupwise"]
+        lines.append(
+            f"| {name} | {c['stock']['calls']} | {g['calls']} | {c['groupwise_calls_ratio']:.2f}x | "
+            f"{c['stock']['host_syncs']} → {g['host_syncs']} |"
         )
     for name, c in result["cells"].items():
         if "sync_sources" in c["dp"]:
