@@ -304,3 +304,29 @@ def test_fp16_is_refused_where_its_fixed_loss_scale_cannot_run(model, deepspeed,
 def test_fp16_weights_with_fp16_autocast_are_refused_before_training(tmp_path) -> None:
     with pytest.raises(ValueError, match="load it in float32"):
         make_trainer(tmp_path, model=models.llama().half(), fp16=True, noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fp16_groupwise_clipping_matches_the_float64_brute_force(checkpointing: bool) -> None:
+    """Group-wise clipping (groups.py) under fp16's loss scale: each group's norm is unscaled by S before its clip
+    factor, and the S-scaled per-example gradients are weighted by c_ig / S."""
+    torch.manual_seed(0)
+    model = models.llama().train()
+    batch = models.token_batch()
+    reference_model = copy.deepcopy(model).double()
+    _, norms = oracle.per_example(reference_model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    if checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    engine = ClippingEngine(model, grouping="layer", clip_norm=max_norm)
+    groups, group_norms = engine.groups, engine.groups.norms(max_norm)
+    by_name = {
+        name: (groups.names[groups.of[id(p)]], group_norms[groups.of[id(p)]])
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    reference, _ = oracle.per_example(reference_model, batch, max_norm, groups=by_name)
+    strategy = clipped_step(engine, model, Backend(checkpointing=checkpointing, fp16_loss_scale=FP16.scale))
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy):
+        assert relative_error(ours, reference) < TOLERANCE
+    assert engine.sums.nonfinite_examples == 0
