@@ -46,7 +46,7 @@ def check_pretrained_lora(trainer, record: dict, results: Path, folder: Path) ->
     assert written["settings"]["model"]["use_lora"] is True
     trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n in trained)
-    adapted = {n.split(".")[-3] for n in trained if n.endswith("lora_A.default.weight")}
+    adapted = {n.split(".")[-4] for n in trained if n.endswith("lora_A.default.weight")}
     assert adapted == LORA_TARGETS  # q, k, v, o and the MLP projections of every block, not the LM head
 
 
@@ -54,8 +54,8 @@ def check_pretrained_lora(trainer, record: dict, results: Path, folder: Path) ->
 def test_table2text_starts_from_pretrained_smollm2(smollm2, shared_data, tmp_path, capsys):
     results = tmp_path / "t2t.json"
     trainer, record = table2text.run(
-        [*BAR, "--max_eval_samples", "4", "--max_train_samples", "512", "--per_device_train_batch_size", "8",
-         "--gradient_accumulation_steps", "1", "--num_beams", "2", "--max_new_tokens", "24",
+        [*BAR, "--max_eval_samples", "4", "--max_train_samples", "512", "--per_device_train_batch_size", "4",
+         "--gradient_accumulation_steps", "1", "--num_beams", "2", "--max_new_tokens", "16",
          "--metrics", "bleu,nist,rouge_l", "--output_dir", str(tmp_path), "--results_json", str(results)]
     )  # fmt: skip
     loss = first_loss(capsys.readouterr().out)
