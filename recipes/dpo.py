@@ -1,8 +1,10 @@
 """Differentially private DPO through TRL's own DPOTrainer (``hf_dp.trl.DPDPOTrainer``), on preference pairs
 made offline from E2E.
 
-    python recipes/dpo.py                          # ε = 8, a tiny Llama from scratch (and its frozen copy as reference)
-    python recipes/dpo.py --lora                   # LoRA adapters; the reference is the model with them disabled
+    python recipes/dpo.py                          # ε = 8, SmolLM2-135M-Instruct + LoRA; the reference is the
+                                                   # model with the adapters disabled
+    python recipes/dpo.py --no_lora                # full fine-tuning, a frozen copy as the reference
+    python recipes/dpo.py --from_scratch --no_lora --learning_rate 5e-3    # a tiny Llama from scratch
     python recipes/dpo.py --precompute_ref_log_probs    # the reference's log-probs once, before training (slow
                                                         # on CPU: TRL's chunked LM head, ≈ 3 min for 1000 pairs)
     python recipes/sft.py --save_model --output_dir out/sft && python recipes/dpo.py --model_name_or_path out/sft
@@ -15,9 +17,11 @@ restaurant). One pair is one dataset row and one privacy unit: its chosen and re
 together (``privacy_unit = "pair"``). The first ``--max_eval_samples`` MRs of ``devset.csv`` give the held-out
 DPO loss and reward accuracy (TRL's own evaluation).
 
-Model: as recipes/sft.py (a tiny Llama from scratch with the GPT-2 tokenizer and a plain chat template, or
-``--model_name_or_path``, e.g. the SFT recipe's saved model). Without ``--lora`` or
-``--precompute_ref_log_probs`` the reference is a frozen copy of the initial model. Every ``DPDPOConfig``
+Model: as recipes/sft.py: by default SmolLM2-135M-Instruct with its chat template and LoRA adapters (r 16 on
+q, k, v, o and the MLP projections), ``--no_lora`` for full fine-tuning, ``--model_name_or_path`` for any other
+causal LM (e.g. the SFT recipe's saved model), ``--from_scratch`` for a tiny Llama with the GPT-2 tokenizer and
+a plain chat template. With ``--no_lora`` and without ``--precompute_ref_log_probs`` the reference is a frozen
+copy of the initial model. Every ``DPDPOConfig``
 argument (TRL's ``DPOConfig`` and hf_dp's ``DPTrainingArguments``) is accepted; the recipe changes some
 defaults (``RECIPE_DEFAULTS``, sized to finish in about a minute on 2 CPU cores) and sets ε = 8 unless
 ``--target_epsilon``, ``--noise_multiplier`` or ``--disable_dp`` is given. Loss and ε are printed as training
@@ -44,7 +48,15 @@ from datasets import Dataset  # noqa: E402
 from transformers import HfArgumentParser, set_seed  # noqa: E402
 
 from hf_dp.trl import DPDPOConfig, DPDPOTrainer  # noqa: E402
-from recipes.common import COMMON_DEFAULTS, REPO, parse_recipe_args, privacy_record, report_run  # noqa: E402
+from recipes.common import (  # noqa: E402
+    COMMON_DEFAULTS,
+    REPO,
+    add_no_lora_flag,
+    causal_lm_path,
+    parse_recipe_args,
+    privacy_record,
+    report_run,
+)
 from recipes.sft import (  # noqa: E402
     ModelArguments,
     build_model,
@@ -57,8 +69,8 @@ from recipes.sft import (  # noqa: E402
 )
 
 # TRL's defaults stay, except: no bf16 autocast and no activation checkpointing on 2 CPU cores (pass --bf16 /
-# --activation_checkpointing on a GPU), a learning rate for a model trained from scratch (TRL's 1e-6 suits a
-# pretrained chat model), and TRL's own column handling. A pipeline check at reduced scale, not a tuned run.
+# --activation_checkpointing on a GPU), a learning rate for LoRA adapters under DP noise (TRL's 1e-6 suits full
+# fine-tuning without noise), and TRL's own column handling. A pipeline check at reduced scale, not a tuned run.
 RECIPE_DEFAULTS: dict[str, Any] = {
     **COMMON_DEFAULTS,
     "remove_unused_columns": True,
@@ -67,7 +79,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "gradient_accumulation_steps": 2,
     "per_device_eval_batch_size": 16,
     "max_steps": 6,
-    "learning_rate": 5e-3,
+    "learning_rate": 1e-3,
     "lr_scheduler_type": "constant",
     "per_sample_max_grad_norm": 1.0,
     "logging_steps": 2,
@@ -110,8 +122,9 @@ def preference_pairs(rows: list[dict[str, str]], limit: int | None = None) -> li
 
 def run(argv: list[str] | None = None) -> tuple[DPDPOTrainer, dict[str, Any]]:
     """Parse ``argv`` (default: the command line), train, evaluate; return the trainer and the record."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, DPDPOConfig))
+    parser = add_no_lora_flag(HfArgumentParser((ModelArguments, DataArguments, DPDPOConfig)))
     model_args, data_args, args = parse_recipe_args(parser, RECIPE_DEFAULTS, DEFAULT_EPSILON, argv)
+    model_args.model_name_or_path = causal_lm_path(model_args)  # None: from scratch
     folder = e2e_dir(data_args)
     train_pairs = preference_pairs(read_e2e_rows(folder / "trainset.csv"), data_args.max_train_samples)
     dev_pairs = preference_pairs(read_e2e_rows(folder / "devset.csv"), data_args.max_eval_samples)
@@ -136,7 +149,7 @@ def run(argv: list[str] | None = None) -> tuple[DPDPOTrainer, dict[str, Any]]:
         f"E2E DPO: N={trainer.num_train_examples} preference pairs  expected batch={trainer.expected_batch_size} pairs  "
         f"q={trainer.sample_rate:.5f}  steps={trainer.planned_steps}  sigma={trainer.noise_multiplier:.4f}  "
         f"C={args.per_sample_max_grad_norm:g}  delta={trainer.target_delta:.3g}  trainable params={trainable:,}  "
-        f"reference: {reference}",
+        f"reference: {reference}  model: {model_args.model_name_or_path or 'Llama from scratch'}",
         flush=True,
     )
     started = time.time()
@@ -147,6 +160,8 @@ def run(argv: list[str] | None = None) -> tuple[DPDPOTrainer, dict[str, Any]]:
     accuracy, eval_loss = metrics["eval_rewards/accuracies"], metrics["eval_loss"]
     record = {
         "task": "E2E DPO (chosen: the MR's reference, rejected: another MR's)",
+        "model_name_or_path": model_args.model_name_or_path,
+        "pretrained": model_args.model_name_or_path is not None,
         "eval_reward_accuracy": accuracy,
         "eval_loss": eval_loss,
         "eval_reward_margin": metrics.get("eval_rewards/margins"),

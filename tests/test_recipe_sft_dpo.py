@@ -14,7 +14,7 @@ from recipes import dpo, sft
 
 TINY_LLAMA = '{"num_hidden_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32}'
 TOY = [
-    "--model_config", TINY_LLAMA,
+    "--from_scratch", "--model_config", TINY_LLAMA,
     "--max_train_samples", "48",
     "--max_eval_samples", "4",
     "--max_length", "96",
@@ -66,7 +66,7 @@ def test_e2e_conversations_and_preference_pairs(shared_data):
         refs = {row["ref"] for row in rows if row["mr"] == mrs[k]}
         assert mrs[k] in pair["prompt"][0]["content"]
         assert pair["chosen"][0]["content"] in refs and pair["rejected"][0]["content"] not in refs
-    tokenizer = sft.load_chat_tokenizer(sft.ModelArguments())
+    tokenizer = sft.load_chat_tokenizer(sft.ModelArguments(from_scratch=True))
     text = tokenizer.apply_chat_template(chat, tokenize=False)
     assert text == f"User: {chat[0]['content']}\nAssistant: {rows[0]['ref']}<|endoftext|>"
     masks = tokenizer.apply_chat_template(chat, return_dict=True, return_assistant_tokens_mask=True)
@@ -75,7 +75,7 @@ def test_e2e_conversations_and_preference_pairs(shared_data):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--lora", "--packing"]], ids=["full", "lora_packed"])
+@pytest.mark.parametrize("extra", [["--no_lora"], ["--lora", "--packing"]], ids=["full", "lora_packed"])
 def test_sft_recipe_end_to_end(extra, shared_data, tmp_path, capsys):
     results = tmp_path / "sft.json"
     trainer, record = sft.run(
@@ -94,7 +94,7 @@ def test_sft_recipe_end_to_end(extra, shared_data, tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--lora"]], ids=["full_with_reference_copy", "lora"])
+@pytest.mark.parametrize("extra", [["--no_lora"], ["--lora"]], ids=["full_with_reference_copy", "lora"])
 def test_dpo_recipe_end_to_end(extra, shared_data, tmp_path, capsys):
     results = tmp_path / "dpo.json"
     trainer, record = dpo.run(
@@ -116,5 +116,6 @@ def test_dpo_recipe_end_to_end(extra, shared_data, tmp_path, capsys):
     assert written["noise_multiplier"] == 1.0 and 0 <= written["eval_reward_accuracy"] <= 1
     assert float(final.group(1)) == pytest.approx(written["eval_reward_accuracy"], abs=1e-4)
     assert written["privacy_unit"] == "pair" and trainer.privacy_report()["unit"] == "pair"
-    assert written["reference"] == ("adapters disabled" if extra else "frozen copy")
-    assert (trainer.ref_model is None) == bool(extra)
+    lora = "--lora" in extra
+    assert written["reference"] == ("adapters disabled" if lora else "frozen copy")
+    assert (trainer.ref_model is None) == lora

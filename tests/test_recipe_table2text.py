@@ -14,7 +14,7 @@ from recipes import table2text as t2t
 
 TINY_GPT2 = '{"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 96}'
 TOY = [
-    "--model_config", TINY_GPT2,
+    "--from_scratch", "--model_config", TINY_GPT2,
     "--max_train_samples", "32",
     "--max_eval_samples", "2",
     "--max_seq_length", "64",
@@ -60,7 +60,7 @@ def test_references_are_grouped_per_table(shared_data):
 
 
 def test_loss_covers_only_the_text_and_its_end_token(shared_data):
-    tokenizer = t2t.load_tokenizer(t2t.ModelArguments())
+    tokenizer = t2t.load_tokenizer(t2t.ModelArguments(from_scratch=True))
     assert len(tokenizer) == 50257 and tokenizer.eos_token == "<|endoftext|>"
     table, text = "name : Blue Spice | Type : coffee shop", "Blue Spice is a coffee shop."
     row = t2t.encode_pair(table, text, tokenizer, max_length=128)
@@ -114,7 +114,7 @@ def _check_run(record: dict, out: str, results_path, metrics: tuple[str, ...], e
 def test_e2e_end_to_end_prints_and_writes_metrics_and_epsilon(shared_data, tmp_path, capsys):
     results = tmp_path / "e2e.json"
     trainer, record = t2t.run(
-        [*TOY, "--dataset", "e2e", "--target_epsilon", "3", "--output_dir", str(tmp_path),
+        [*TOY, "--no_lora", "--dataset", "e2e", "--target_epsilon", "3", "--output_dir", str(tmp_path),
          "--results_json", str(results)]
     )  # fmt: skip
     _check_run(record, capsys.readouterr().out, results, t2t.METRICS, epsilon_bound=3.0)
