@@ -295,7 +295,9 @@ class LoraArguments:
         if self.bnb_4bit_quant_type not in ("nf4", "fp4"):
             raise ValueError(f"--bnb_4bit_quant_type {self.bnb_4bit_quant_type!r}: use nf4 or fp4")
         if not pretrained:
-            raise ValueError("--load_in_4bit quantises a pretrained base: pass --model_name_or_path")
+            raise ValueError(
+                "--load_in_4bit quantises a pretrained base: drop --from_scratch, or pass --model_name_or_path"
+            )
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("--load_in_4bit needs bitsandbytes: pip install 'hf-dp[qlora]'")
         import torch

@@ -89,8 +89,8 @@ def test_glue_trains_lora_and_a_float32_head_on_a_4bit_minilm(shared_data, tmp_p
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--load_in_4bit"], "cannot be trained: add --use_lora"),
-        (["--lora", "--load_in_4bit"], "quantises a pretrained base: pass --model_name_or_path"),
+        (["--no_lora", "--load_in_4bit"], "cannot be trained: add --use_lora"),
+        (["--from_scratch", "--load_in_4bit"], "quantises a pretrained base: drop --from_scratch"),
         (["--lora", "--load_in_4bit", "--bnb_4bit_quant_type", "int4"], "use nf4 or fp4"),
     ],
 )
