@@ -151,3 +151,43 @@ def test_groupwise_clipping_is_refused_where_the_parameters_are_partitioned(tmp_
     with pytest.raises(ValueError, match="not with ZeRO-3 or FSDP") as info:
         clipping_engine(models.gpt2(), args, backend)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_groupwise_clipping_of_units_of_rows_equals_brute_force(checkpointing: bool) -> None:
+    """A privacy unit of several rows (a user's examples): each group of the unit's summed gradient clipped once."""
+    from hf_dp.clipping.units import PrivacyUnits
+
+    torch.manual_seed(0)
+    model = models.llama().double().train()
+    batch = models.token_batch(6)
+    unit_of_row = torch.tensor([0, 1, 0, 2, 1, 0])
+    members = [oracle.rows(batch, [r for r in range(6) if unit_of_row[r] == u]) for u in range(3)]
+    _, norms = oracle.per_unit(model, members, 1e9)
+    clip = 0.5 * norms.min().item()
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    engine = ClippingEngine(model, grouping="layer", clip_norm=clip)
+    named = dict(model.named_parameters())
+    group_norms = engine.groups.norms(clip)
+    by_name = {
+        n: (engine.groups.names[engine.groups.of[id(named[n])]], group_norms[engine.groups.of[id(named[n])]])
+        for n in _names(model)
+    }
+    reference, _ = oracle.per_unit(model, members, clip, groups=by_name)
+    per_row, _ = _reference(model, batch, engine, clip)  # each row its own unit: not what units ask
+    units = PrivacyUnits.of_rows(unit_of_row)
+    step = clipped_step(engine, model, Backend(checkpointing=checkpointing))
+    for _ in range(2):  # the first step (checked) and a later one
+        model.zero_grad(set_to_none=True)
+        step.run(
+            lambda m: units.mean_over_rows(per_example_loss(m, batch)),
+            torch.ones(3),
+            StepPlan(clip),
+            model,
+            units,
+        )
+        ours = {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
+        step.check_untouched()
+        assert_close(ours, reference, rtol=1e-9, floor=1e-9)
+    assert max((ours[n] - per_row[n]).norm() / per_row[n].norm().clamp(min=1e-12) for n in ours) > 1e-3
