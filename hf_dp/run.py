@@ -29,7 +29,7 @@ from transformers import TrainerCallback
 from hf_dp.accounting import PrivacyAccountant
 from hf_dp.backend import Backend
 from hf_dp.budget import PrivacyBudgetCallback
-from hf_dp.checkpoint import RunPrivacyState, public_ledger
+from hf_dp.checkpoint import LEDGER_KEY, RunPrivacyState, public_ledger
 from hf_dp.checkpoint_files import newest_complete, resume_argument, resume_point
 from hf_dp.clipping.checks import check_examples_alone, check_records_apart
 from hf_dp.clipping.engine import ClippingEngine
@@ -272,9 +272,10 @@ class PrivateRun:
             logs["nonfinite_examples"] = self.engine.sums.nonfinite_examples
         return logs
 
-    def public_ledger(self) -> dict[str, Any]:
-        """What ``trainer_state.json`` carries: the accountant's history and δ (no secret)."""
-        return public_ledger(self.accountant.state_dict())
+    def record_public_ledger(self, trainer_state) -> None:
+        """Before a checkpoint: what ``trainer_state.json`` carries of the ledger, the accountant's history and δ
+        (no secret)."""
+        trainer_state.stateful_callbacks[LEDGER_KEY] = public_ledger(self.accountant.state_dict())
 
     def epsilon(self) -> float:
         """ε spent so far at the plan's δ (inf for a run without noise)."""

@@ -15,7 +15,6 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from hf_dp import checkpoint
 from hf_dp.arguments import DPTrainingArguments, check_trainer_call
 from hf_dp.checkpoint_files import stage_without_privacy_state
 from hf_dp.clipping.units import PrivacyUnits
@@ -224,7 +223,7 @@ class DPTrainerMixin:
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """The Trainer's checkpoint (with the public ledger), the private state, then the completion marker."""
-        self.state.stateful_callbacks[checkpoint.LEDGER_KEY] = self.dp.public_ledger()
+        self.dp.record_public_ledger(self.state)
         folder = f"{self._get_output_dir(trial=trial)}/{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         with self.dp.state.saving(folder, self.args, self.state):
             super()._save_checkpoint(model, trial)
