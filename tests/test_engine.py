@@ -321,69 +321,6 @@ def test_norms_agree_with_opacus_per_sample_gradients() -> None:
     torch.testing.assert_close(norms, torch.sqrt(opacus_norms.pow(2) - pad_row_sq), rtol=1e-4, atol=1e-6)
 
 
-def test_batch_shared_parameter_input_is_refused_naming_it() -> None:
-    model = models.t5(freeze_relative_bias=False).double().eval()
-    batch = models.seq2seq_batch()
-    engine = ClippingEngine(model)
-    with pytest.raises(UnsupportedModuleError, match="relative_attention_bias.*freeze it"), engine.record(4):
-        per_example_loss(model, batch)
-
-
-def test_an_embedding_that_makes_its_own_positions_is_refused_naming_it() -> None:
-    """BART's learned positional embedding subclasses nn.Embedding but looks up positions it computes from its input's
-    shape (the encoder hands it floats): the embedding rule would read the wrong rows."""
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    sizes = {
-        "encoder_layers": 1,
-        "decoder_layers": 1,
-        "encoder_attention_heads": 2,
-        "decoder_attention_heads": 2,
-    }
-    sizes |= {"encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_position_embeddings": 32}
-    config = BartConfig(vocab_size=models.VOCAB, d_model=16, pad_token_id=models.PAD, **sizes)
-    model = BartForConditionalGeneration(config).double().eval()
-    engine = ClippingEngine(model)
-    with engine.record(4):
-        losses = per_example_loss(model, models.seq2seq_batch())
-    with pytest.raises(
-        UnsupportedModuleError, match="BartLearnedPositionalEmbedding looks up rows its input does not"
-    ):
-        clipped_backward(engine, losses, 1.0)
-
-
-def test_a_float_input_of_batch_one_is_refused_not_spread_over_the_examples() -> None:
-    """Position ids of batch 1 are spread over the B examples (their embedding's output is broadcast); DeBERTa's
-    relative embeddings, a float (1, 2k, d) that its attention repeats per example itself, are not: the projection
-    that reads them is refused in one line instead of the model's forward failing on the spread shape."""
-    model = models.deberta_classifier().double().eval()
-    engine = ClippingEngine(model)
-    batch = models.classification_batch(3)
-    with (
-        pytest.raises(
-            UnsupportedModuleError, match=r"pos_key_proj .* input of shape \(1, 16, 16\) has no batch"
-        ),
-        engine.record(batch["input_ids"].shape[0]),
-    ):
-        per_example_loss(model, batch)
-
-
-def test_an_moe_layer_that_flattens_the_batch_is_refused_naming_it() -> None:
-    """Mixtral's router and experts take the tokens of all examples as rows of one dimension (frozen, they train
-    with LoRA on the attention: ``mixtral_lora_attention`` above)."""
-    model = models.mixtral()
-    engine = ClippingEngine(model)
-    batch = models.token_batch()
-    rows = batch["input_ids"].shape[0]
-    with (
-        pytest.raises(
-            UnsupportedModuleError, match=rf"mlp.gate.* no batch dimension of {rows}: .*MoE router"
-        ),
-        engine.record(rows),
-    ):
-        per_example_loss(model, batch)
-
-
 def test_lora_only_adapters_are_clipped() -> None:
     model = models.gpt2_lora()
     engine = ClippingEngine(model)

@@ -11,27 +11,37 @@ backward instead, as soon as its output gradient exists, and its input and outpu
 
 from __future__ import annotations
 
+import functools
+import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from hf_dp.clipping.checks import check_engine_sum
+from hf_dp.clipping.checks import check_engine_sum, engine_sum_weights
 from hf_dp.clipping.geometry import ClipScale
 from hf_dp.clipping.hooks import (
     Layers,
     UnsupportedModuleError,
+    batch_rows,
     check_batch_dimension,
+    check_shared_use,
     in_reentrant_checkpoint,
     is_checkpointing,
     tap,
     tensor_outputs,
 )
 from hf_dp.clipping.per_example import Materialised, PerExampleGradient, combined_squared_norm
+from hf_dp.clipping.rows import ExampleRows, RowTracking
 from hf_dp.clipping.rules import functorch_per_example_grads
+from hf_dp.clipping.shared import SharedUse, anchored
 from hf_dp.clipping.sums import Terms
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
+
+logger = logging.getLogger(__name__)
+_LOGGED_FALLBACKS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules whose fallback was logged
 
 # Book-keeping materialises a layer's B per-example gradients inside the backward when they take fewer floats
 # than this share of the output gradient it would otherwise keep until the backward ends.
@@ -43,9 +53,11 @@ Parts = dict[int, tuple[nn.Parameter, list[PerExampleGradient]]]
 @dataclass
 class _RecordedForward:
     module: nn.Module
+    x: torch.Tensor | None  # what its rule reads (rules.rule_input)
     args: tuple
     kwargs: dict
     outputs: list[torch.Tensor]
+    rows: ExampleRows | None  # flattened tokens: each row's example (rows.py); None: the batch's own rows
 
 
 @dataclass
@@ -61,8 +73,15 @@ class Recording:
     """One micro-batch's book-keeping forward (a ``Receiver``, hooks.py): each recorded call's input and outputs,
     and the per-example gradients of the layers formed inside the backward."""
 
-    def __init__(self, layers: Layers, materialise: bool, rows: int, units: PrivacyUnits | None) -> None:
-        self.layers, self.materialise = layers, materialise
+    def __init__(
+        self,
+        layers: Layers,
+        materialise: bool,
+        rows: int,
+        units: PrivacyUnits | None,
+        tracking: RowTracking,
+    ) -> None:
+        self.layers, self.materialise, self.tracking = layers, materialise, tracking
         self.rows = rows
         self.units = None if units is None or units.is_trivial else units  # None: each row is its own unit
         self.on = True
@@ -70,6 +89,7 @@ class Recording:
         self._calls: list[_RecordedForward] = []
         self._anchor: torch.Tensor | None = None
         self._materialised: list[tuple[nn.Module, dict[str, PerExampleGradient]]] = []
+        self._shared: list[SharedUse] = []  # layers applied to an input shared by all examples
 
     def admits(self, module: nn.Module) -> bool:
         """Book-keeping would keep the inputs a checkpoint drops (non-reentrant) or never sees them (reentrant, run
@@ -80,15 +100,37 @@ class Recording:
 
     def receive(self, module: nn.Module, x: torch.Tensor | None, args: tuple, kwargs: dict, output) -> object:
         outputs = tensor_outputs(output)
+        if self.tracking.takes_shared(x, self.rows):
+            return self._shared_use(module, x, output)
         if not any(o.requires_grad for o in outputs):
             return None
-        check_batch_dimension(self.layers, module, x, self.rows)
+        rows = batch_rows(self.layers, module, x, self.rows, self.tracking)
         if self._materialises_in_backward(module, x, output):
             if self._anchor is None:
                 self._anchor = torch.zeros((), device=output.device, requires_grad=True)
-            return tap(output, self._anchor, self._materialise, module, x)
-        self._calls.append(_RecordedForward(module, tuple(args), dict(kwargs), outputs))
-        return None
+            tapped = tap(output, self._anchor, functools.partial(self._materialise, rows=rows), module, x)
+            return self.tracking.carried(output, tapped)
+        if self.layers.rules[module] is None and isinstance(output, tuple) and len(outputs) > 1:
+            # each output's own gradient, not through the others it feeds (an MoE router's scores are a function of
+            # its logits): the gradient towards a fresh alias of each
+            output = tuple(
+                self.tracking.carried(o, o.view_as(o)) if isinstance(o, torch.Tensor) else o for o in output
+            )
+            outputs = tensor_outputs(output)
+        self._calls.append(_RecordedForward(module, x, tuple(args), dict(kwargs), outputs, rows))
+        return output if self.layers.rules[module] is None and isinstance(output, tuple) else None
+
+    def _shared_use(self, module: nn.Module, x: torch.Tensor, output) -> torch.Tensor:
+        """A layer applied to an input without a batch dimension (shared.py): its output, made differentiable, is
+        followed to where it meets the batch."""
+        check_shared_use(self.layers, module, output, self.units)
+        if self._anchor is None:
+            self._anchor = torch.zeros((), device=output.device, requires_grad=True)
+        shared = anchored(output, self._anchor)
+        use = SharedUse(module, x, shared, self.rows)
+        self.tracking.share(shared, use)
+        self._shared.append(use)
+        return shared
 
     def _materialises_in_backward(self, module: nn.Module, x: torch.Tensor | None, output) -> bool:
         """B explicit per-example gradients of the module take fewer floats than its output gradient (a
@@ -103,27 +145,30 @@ class Recording:
         floats = self.rows * sum(p.numel() for p in params)
         return floats < MATERIALISE_BELOW_OUTPUT_SHARE * output.numel()
 
-    def _materialise(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+    def _materialise(
+        self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor, rows: ExampleRows | None
+    ) -> None:
         """In the backward: the module's explicit per-example gradients (B, *param.shape) from (x, ∂L/∂y), for its
         trained parameters only (not a frozen weight beside a trained bias: BiTFiT)."""
         with torch.no_grad():
-            found = self._apply_rule(module, x, grad_output)
+            found = self._apply_rule(module, x, grad_output, rows)
             explicit = {
                 name: found[name].explicit(getattr(module, name).shape) for name in self.layers.owned[module]
             }
         self._materialised.append((module, explicit))
 
     def _apply_rule(
-        self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor
+        self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor, rows: ExampleRows | None
     ) -> dict[str, PerExampleGradient]:
-        """The module's layer rule on (x, ∂L/∂y), per privacy unit."""
-        x, grad_output = regroup_for_rule(self.units, x, grad_output, self.layers.where(module))
+        """The module's layer rule on (x, ∂L/∂y), per example (flattened rows laid out by example) and per privacy
+        unit."""
+        x, grad_output = regroup_for_rule(self.units, x, grad_output, self.layers.where(module), rows)
         return self.layers.rules[module](module, x, grad_output)
 
     def gradients(self, per_example_loss: torch.Tensor, verify: bool = False) -> EvaluationGradients:
         """The per-example gradients of the recorded forward, in factored form: one ``autograd.grad`` of Σ_i L_i
         with respect to the recorded outputs; no ``.grad`` is touched. ``verify``: also autograd's gradient of
-        Σ_i L_i, against which the unclipped sum is checked (checks.py)."""
+        Σ_i w_i L_i, against which the engine's Σ_i w_i G_i is checked (checks.check_engine_sum)."""
         calls, self._calls = self._calls, []
         count = self.rows if self.units is None else self.units.count
         if per_example_loss.dim() != 1 or per_example_loss.shape[0] != count:
@@ -134,21 +179,43 @@ class Recording:
         outputs = [o for call in calls for o in call.outputs if o.requires_grad]
         anchor = [] if self._anchor is None else [self._anchor]
         params = self.layers.parameters if verify else []
-        grads = torch.autograd.grad(per_example_loss.sum(), outputs + anchor + params, allow_unused=True)
-        output_grads = iter(grads[: len(outputs)])
-        reference = dict(zip((id(p) for p in params), grads[len(outputs) + len(anchor) :], strict=True))
+        grads = (
+            torch.autograd.grad(
+                per_example_loss.sum(), outputs + anchor, retain_graph=bool(params), allow_unused=True
+            )
+            if outputs + anchor
+            else ()
+        )
         materialised, self._materialised, self._anchor = self._materialised, [], None
+        shared = [(use, use.for_rule()) for use in self._shared]  # before a verifying backward adds to them
+        self._shared = []
+        weights = engine_sum_weights(count, per_example_loss.device) if params else None
+        reference = self._weighted_gradient(per_example_loss, weights, params) if params else {}
         with torch.no_grad():
-            parts = self._per_example_parts(calls, output_grads)
+            parts = self._per_example_parts(calls, iter(grads[: len(outputs)]))
+            for use, laid_out in shared:
+                if laid_out is not None:
+                    materialised.append((use.module, self._apply_rule(use.module, *laid_out, None)))
+                elif any(reference.get(id(p)) is not None for p in self.layers.of(use.module)):
+                    # a gradient reached it, but not along a path where its output met the batch
+                    check_batch_dimension(self.layers, use.module, use.x, self.rows)
             for module, found in materialised:
                 for name in self.layers.owned[module]:
                     param = getattr(module, name)
                     parts.setdefault(id(param), (param, []))[1].append(found[name])
-            if verify:
-                ones = per_example_loss.new_ones(per_example_loss.shape[0], dtype=torch.float32)
+            if weights is not None:
                 dtypes = [o.dtype for o in outputs if o.is_floating_point()]
-                check_engine_sum(parts, reference, self.layers.parameter_names(), ones, dtypes)
+                check_engine_sum(parts, reference, self.layers.parameter_names(), weights.float(), dtypes)
         return EvaluationGradients(parts, per_example_loss.shape[0])
+
+    def _weighted_gradient(
+        self, per_example_loss: torch.Tensor, weights: torch.Tensor, params: list[nn.Parameter]
+    ) -> dict[int, torch.Tensor | None]:
+        """Autograd's Σ_i w_i ∇L_i per parameter id (the taps fire again; what they form is let go)."""
+        weighted = (per_example_loss * weights.to(per_example_loss)).sum()
+        found = torch.autograd.grad(weighted, params, allow_unused=True)
+        self._materialised = []
+        return dict(zip((id(p) for p in params), found, strict=True))
 
     def _per_example_parts(
         self, calls: list[_RecordedForward], output_grads: Iterator[torch.Tensor | None]
@@ -161,7 +228,7 @@ class Recording:
             names, rule = self.layers.owned[call.module], self.layers.rules[call.module]
             if rule is not None:
                 grad_out = grads[0] if grads[0] is not None else torch.zeros_like(call.outputs[0])
-                found = self._apply_rule(call.module, call.args[0], grad_out)
+                found = self._apply_rule(call.module, call.x, grad_out, call.rows)
             else:
                 found = self._fallback(call, grads, names)
             for name in names:
@@ -172,17 +239,26 @@ class Recording:
     def _fallback(
         self, call: _RecordedForward, grads: list, names: list[str]
     ) -> dict[str, PerExampleGradient]:
-        if self.units is not None and not self.units.per_row:
+        if self.units is not None and (not self.units.per_row or call.rows is not None):
             raise UnsupportedModuleError(
                 f"{self.layers.where(call.module)} has no per-example rule, and the torch.func fallback cannot split "
                 "a packed row into its records: register a rule for it with hf_dp.clipping.rules.register_rule, or "
                 "freeze it"
             )
+        if call.module not in _LOGGED_FALLBACKS:
+            _LOGGED_FALLBACKS.add(call.module)
+            count = self.rows if call.rows is None else call.rows.count
+            floats = count * sum(getattr(call.module, name).numel() for name in names)
+            logger.info(
+                f"hf_dp: {self.layers.where(call.module)} has no per-example rule: its per-example gradients "
+                f"({', '.join(names)}) come from the torch.func fallback, vmapped over {count} "
+                f"{'rows' if call.rows is not None else 'examples'} ({floats:,} floats a micro-batch)"
+            )
         was_on, self.on = self.on, False
         try:
             with torch.enable_grad():
                 found = functorch_per_example_grads(
-                    call.module, call.args, call.kwargs, grads, names, self.rows
+                    call.module, call.args, call.kwargs, grads, names, self.rows, call.rows
                 )
         finally:
             self.on = was_on

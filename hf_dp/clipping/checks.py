@@ -306,19 +306,20 @@ def check_engine_sum(
     parts: dict[int, tuple[nn.Parameter, list[PerExampleGradient]]],
     reference: dict[int, torch.Tensor | None],
     names: dict[int, str],
-    ones: torch.Tensor,
+    weights: torch.Tensor,
     dtypes: Sequence[torch.dtype],
 ) -> None:
-    """Book-keeping's unclipped Σ_i G_i (``ones``: a weight 1 per unit) must equal autograd's gradient of Σ_i L_i
-    for every parameter, which catches a parameter used outside the forward of the module that owns it;
-    ``dtypes``: the recorded outputs'."""
+    """Book-keeping's Σ_i w_i G_i (``weights``: one per unit, ``engine_sum_weights``) must equal autograd's gradient
+    of Σ_i w_i L_i for every parameter, which catches a parameter used outside the forward of the module that owns
+    it, a rule that does not match its module's forward, and rows credited to the wrong example (unequal weights
+    see a swap that a plain sum would not); ``dtypes``: the recorded outputs'."""
     tolerance = TOLERANCES.engine_sum.at(False, dtypes)
     largest = max((g.norm().item() for g in reference.values() if g is not None), default=0.0)
     for pid, (param, param_parts) in parts.items():
         ours = None
         for part in param_parts:
             ours = part.accumulate(
-                ours, ones, param.detach().to(torch.promote_types(param.dtype, torch.float32))
+                ours, weights, param.detach().to(torch.promote_types(param.dtype, torch.float32))
             )
         ref = reference.get(pid)
         ref = torch.zeros_like(param) if ref is None else ref
@@ -326,7 +327,7 @@ def check_engine_sum(
         if error > tolerance * max(ref.norm().item(), 1e-3 * largest, 1e-12):
             raise UnsupportedModuleError(
                 f"parameter {names.get(pid, '?')} gets gradient from outside the forward of the module that owns "
-                f"it, or that module's rule does not match its forward (engine {ours.norm().item():.4g} vs "
+                f"it, or that module's rule does not match its forward or credits rows to the wrong examples (engine {ours.norm().item():.4g} vs "
                 f"autograd {ref.norm().item():.4g}), so its per-example norm would be wrong: freeze it, call it "
                 "through its module or register a rule for the module (docs/clipping.md)"
             )
@@ -338,6 +339,12 @@ def check_engine_sum(
             f"parameter {missing[0]} has a gradient but its module's forward was never recorded: freeze it or "
             "call it through its module"
         )
+
+
+def engine_sum_weights(count: int, device: torch.device) -> torch.Tensor:
+    """w_i ∈ [0.5, 1.5) per unit for ``check_engine_sum``, the same at every run (seed 0)."""
+    generator = torch.Generator().manual_seed(0)
+    return (0.5 + torch.rand(count, generator=generator)).to(device)
 
 
 class GradientWrittenOutsideClipping(RuntimeError):

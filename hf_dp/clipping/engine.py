@@ -22,6 +22,7 @@ from hf_dp.clipping.geometry import ClippingFn, ClippingMode, ClipScales, scales
 from hf_dp.clipping.groups import ClipGroups, GroupSums, clip_groups
 from hf_dp.clipping.hooks import ForwardHooks, Layers, UnsupportedModuleError, assign_parameters
 from hf_dp.clipping.quantized import check_quantized_base
+from hf_dp.clipping.rows import RowTracking
 from hf_dp.clipping.sums import SumWriter, Terms
 from hf_dp.clipping.taps import NormCollector, TapOptions
 from hf_dp.clipping.units import PrivacyUnits
@@ -68,6 +69,7 @@ class ClippingEngine:
         self.low_precision_base = check_quantized_base(model)  # a quantised layer computes in bf16/fp16
         self.materialise = mode == "per_sample"
         self.layers = Layers(model, assign_parameters(model, allow_functorch_fallback))
+        self.row_tracking = RowTracking()  # flattened tokens: each row's example, carried through the forward
         self.sums = SumWriter(clipping_fn)
         self.clipped_numel = sum(p.numel() for p in self.parameters)
         self.model_numel = sum(p.numel() for p in model.parameters())
@@ -104,10 +106,12 @@ class ClippingEngine:
     def record(self, batch_size: int, units: PrivacyUnits | None = None) -> Iterator[Recording]:
         """Record the forward passes of one micro-batch of ``batch_size`` rows; ``units`` groups its rows or tokens
         into privacy units (None: one unit per row), and the per-example losses and norms are then per unit."""
-        recording = self._recording = Recording(self.layers, self.materialise, batch_size, units)
+        recording = Recording(self.layers, self.materialise, batch_size, units, self.row_tracking)
+        self._recording = recording
         self._hooks.receiver = recording
         try:
-            yield recording
+            with self.row_tracking.forward(batch_size):
+                yield recording
         finally:
             self._hooks.receiver = None
             self.saw_checkpointing |= recording.saw_checkpointing
@@ -166,12 +170,12 @@ class ClippingEngine:
             )
         scales = scales_by_id(clip_scale, self.parameters)
         collector = NormCollector(
-            self.layers, batch_size, units, scales, self.materialise, options, group_sums
+            self.layers, batch_size, units, scales, self.materialise, options, self.row_tracking, group_sums
         )
         collector.low_precision = self.low_precision_base
         self._hooks.receiver = collector
         try:
-            with frozen(self.parameters if freeze else []):
+            with frozen(self.parameters if freeze else []), self.row_tracking.forward(collector.rows):
                 yield collector
         finally:
             self._hooks.receiver = None

@@ -17,7 +17,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from hf_dp.clipping.rules import Rule, UnsupportedModuleError, rule_for
+from hf_dp.clipping.rows import ExampleRows, RowTracking
+from hf_dp.clipping.rules import Rule, UnsupportedModuleError, makes_own_rows, rule_for, rule_input
+from hf_dp.clipping.units import PrivacyUnits
 
 
 def _is_batch_norm(module: nn.Module) -> bool:
@@ -147,8 +149,20 @@ class ForwardHooks:
         receiver = self.receiver
         if receiver is None or not receiver.admits(module) or not torch.is_grad_enabled():
             return None
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        return receiver.receive(module, first, args, kwargs, output)
+        x = rule_input(module, args, kwargs)
+        if (
+            makes_own_rows(module)
+            and x is not None
+            and x.dim() > 0
+            and x.shape[0] == 1
+            and receiver.rows > 1
+            and isinstance(output, torch.Tensor)
+            and output.shape[:1] == (1,)
+        ):  # positions of batch 1 made inside the forward (BART's decoder): broadcast here, as the model would
+            x, output = x.expand(receiver.rows, *x.shape[1:]), output.expand(receiver.rows, *output.shape[1:])
+            replaced = receiver.receive(module, x, args, kwargs, output)
+            return output if replaced is None else replaced
+        return receiver.receive(module, x, args, kwargs, output)
 
 
 def tensor_outputs(output) -> list[torch.Tensor]:
@@ -157,14 +171,39 @@ def tensor_outputs(output) -> list[torch.Tensor]:
     ]
 
 
+def batch_rows(
+    layers: Layers, module: nn.Module, x: torch.Tensor | None, rows: int, tracking: RowTracking
+) -> ExampleRows | None:
+    """Which example each row of a trainable module's input belongs to: None when its rows are the micro-batch's
+    own, the tracked map (rows.py) when they are the tokens of all examples flattened; otherwise refused."""
+    mapped = tracking.rows_of(x)
+    if mapped is None:
+        check_batch_dimension(layers, module, x, rows)
+    return mapped
+
+
+def check_shared_use(layers: Layers, module: nn.Module, output: object, units: PrivacyUnits | None) -> None:
+    """A layer on an input shared by all examples (shared.py) returns one tensor, and its examples are rows."""
+    if not isinstance(output, torch.Tensor):
+        raise UnsupportedModuleError(
+            f"{layers.where(module)} takes an input shared by all examples and returns several tensors: register "
+            "a rule for it with hf_dp.clipping.rules.register_rule, or freeze it"
+        )
+    if units is not None and not units.is_trivial:
+        raise UnsupportedModuleError(
+            f"{layers.where(module)} takes an input shared by all examples, whose gradient per privacy unit of "
+            "several rows or records is not formed: freeze it, or use one unit per row"
+        )
+
+
 def check_batch_dimension(layers: Layers, module: nn.Module, x: torch.Tensor | None, rows: int) -> None:
     """A trainable module's input must have the micro-batch's rows (per-example gradients need them)."""
     if x is not None and x.dim() > 0 and x.shape[0] != rows:
         raise UnsupportedModuleError(
             f"{layers.where(module)} has trainable parameters but its input of shape {tuple(x.shape)} has no batch "
-            f"dimension of {rows}: it is shared by all examples (like T5's relative_attention_bias) or takes the "
-            "rows of all examples flattened into one dimension (like an MoE router or expert, or OPT's layers), so "
-            "its per-example gradients cannot be told apart: freeze it"
+            f"dimension of {rows}: it is shared by all examples (like T5's relative_attention_bias) or takes rows "
+            "of the examples that no tracked operation put there (like an MoE expert's routed tokens), so its "
+            "per-example gradients cannot be told apart: freeze it"
         )
 
 

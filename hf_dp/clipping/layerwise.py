@@ -108,6 +108,7 @@ class LayerPoints:
         tensors (non-reentrant checkpointing) or through the recomputation's (reentrant checkpointing, whose first
         forward runs without a graph); a Hugging Face layer runs its own hooks outside the checkpoint."""
         since_point: dict[nn.Module, bool] = {}  # per layer: a clipped use since its last point
+        rows: dict[nn.Module, torch.Size] = {}  # per layer: its input's rows
         # the points that follow a clipped use: norms (their input), layers (their output)
         wanted: set[nn.Module] = set()
 
@@ -124,6 +125,8 @@ class LayerPoints:
             self.order.append(layer)
             since_point[layer] = False
             hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if hidden is not None:
+                rows[layer] = hidden.shape[:1]
             if len(self.order) == 1 and self._used_before and hidden is not None and hidden.requires_grad:
                 self.first_input = TailBoundary(layer, 1)
                 self.first_input.watch(hidden)
@@ -139,6 +142,9 @@ class LayerPoints:
         def point(module: nn.Module, args: tuple) -> None:
             layer = self._layer_of[module]
             if counting():
+                hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                if hidden is not None and hidden.shape[:1] != rows.get(layer, hidden.shape[:1]):
+                    self.complete = False  # a norm of flattened rows (OPT): spread(c) has no rows to weight
                 if since_point.get(layer):
                     wanted.add(module)
                 since_point[layer] = False
@@ -231,8 +237,8 @@ class LayerByLayer:
             ):
                 return False
             run = self._recomputed(layer, entry, leaf_input=True)
-            if run.leaf is None:
-                return False
+            if run.leaf is None or run.points[-1][1].shape != chain.shape:
+                return False  # not a chain (an encoder's output is not the decoder's first input)
             norms = [p for p in self._norm_parameters(layer) if p.requires_grad]
             params = [p for segment in run.segments for p in segment] + norms
             found = torch.autograd.grad(

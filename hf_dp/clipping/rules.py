@@ -19,6 +19,7 @@ from torch.nn.utils.stateless import _reparametrize_module  # what functional_ca
 from transformers.pytorch_utils import Conv1D
 
 from hf_dp.clipping.per_example import LOW_PRECISION, Materialised, OuterProductSum, PerExampleGradient, wide
+from hf_dp.clipping.rows import ExampleRows
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
 
@@ -74,6 +75,46 @@ def embedding_rule(
     if module.padding_idx is not None:
         g = g.masked_fill((ids == module.padding_idx)[:, :, None], 0.0)
     return {"weight": OuterProductSum(left=ids, right=g, rows=module.num_embeddings)}
+
+
+def makes_own_rows(module: nn.Module) -> bool:
+    """An embedding whose forward computes the rows it looks up (OPT's and BART's learned positions, from a mask or
+    a length): its input does not name them."""
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).forward is not nn.Embedding.forward
+        and not is_scaled_embedding(module)
+    )
+
+
+# Embeddings whose forward was found to be a plain lookup of the rows it computes.
+_PLAIN_LOOKUP: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def looked_up_rows(module: nn.Embedding, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The rows the module's own forward looks up, read back by running it with a weight whose row v is (v, 2v)
+    (float64: exact); refused once if the output is not such a row (the forward transforms what it looked up)."""
+    rows = torch.arange(module.num_embeddings, dtype=torch.float64, device=module.weight.device)
+    probe = torch.stack([rows, 2 * rows], dim=1)
+    with torch.no_grad(), _reparametrize_module(module, {"weight": probe}):
+        out = module.forward(*args, **kwargs)
+    found = out[..., 0]
+    if module not in _PLAIN_LOOKUP:
+        if not (torch.equal(out[..., 1], 2 * found) and torch.equal(found, found.round())):
+            raise UnsupportedModuleError(
+                f"{type(module).__name__} computes the rows it looks up and transforms them: register a rule for "
+                "it with hf_dp.clipping.rules.register_rule, or freeze it"
+            )
+        _PLAIN_LOOKUP[module] = True
+    return found.long()
+
+
+def rule_input(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """What a module's rule reads as its input x: its first tensor argument, or for an embedding that computes
+    its own rows, those rows."""
+    if makes_own_rows(module) and rule_for(module) is embedding_rule:
+        return looked_up_rows(module, args, kwargs)
+    return args[0] if args and isinstance(args[0], torch.Tensor) else None
 
 
 def is_scaled_embedding(module: nn.Module) -> bool:
@@ -220,11 +261,17 @@ def functorch_per_example_grads(
     grad_outputs: list[torch.Tensor | None],
     param_names: list[str],
     batch_size: int,
+    rows: ExampleRows | None = None,
 ) -> dict[str, PerExampleGradient]:
     """Fallback for modules without a rule: G_i = ∂⟨f(x_i; θ), ∂y_i⟩/∂θ, by vmap over examples (torch.func).
 
-    Exact for any module whose output for example i depends only on example i's inputs.
+    Exact for any module whose output for example i depends only on example i's inputs. ``rows``: the module takes
+    flattened tokens (rows.py), so it is vmapped over rows (exact when each output row depends on its input row
+    only, an MoE router's) and G_i = Σ_(rows r of i) G_r.
     """
+    if rows is not None:
+        per_row = functorch_per_example_grads(module, args, kwargs, grad_outputs, param_names, rows.count)
+        return {name: Materialised(rows.sum_per_example(part.grads)) for name, part in per_row.items()}
     params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if n in param_names}
     is_batched = [isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch_size for a in args]
     batched_kwargs = {

@@ -28,7 +28,8 @@ from hf_dp.clipping.groups import GroupSums
 from hf_dp.clipping.hooks import (
     Layers,
     UnsupportedModuleError,
-    check_batch_dimension,
+    batch_rows,
+    check_shared_use,
     in_reentrant_checkpoint,
     is_checkpointing,
     tap,
@@ -42,6 +43,8 @@ from hf_dp.clipping.per_example import (
     combined_squared_norm,
     gram,
 )
+from hf_dp.clipping.rows import ExampleRows, RowTracking
+from hf_dp.clipping.shared import SharedUse, anchored
 from hf_dp.clipping.tail import Tail, TailFinder, keep_form
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 
@@ -101,9 +104,13 @@ class NormCollector:
         scales: dict[int, ClipScale],
         materialise: bool,
         options: TapOptions,
+        tracking: RowTracking,
         group_sums: GroupSums | None = None,
     ) -> None:
         self.layers, self.scales, self.materialise = layers, scales, materialise
+        self.tracking = tracking
+        self._flattened: dict[nn.Module, ExampleRows] = {}  # the row maps of the first forward (rows.py)
+        self._shared: list[tuple[SharedUse, int]] = []  # layers on an input shared by all examples, their call
         self.group_sums = group_sums  # group-wise clipping: each group's clipped sum formed in the backward
         self.owned = layers.owned
         params = layers.parameters
@@ -164,14 +171,51 @@ class NormCollector:
     def receive(
         self, module: nn.Module, x: torch.Tensor | None, args: tuple, kwargs: dict, output
     ) -> torch.Tensor:
-        check_batch_dimension(self.layers, module, x, self.rows)
+        if module not in self._flattened and self.tracking.takes_shared(x, self.rows):
+            return self._shared_use(module, x, output)
+        rows = self._rows_at(module, x)
         if x is None or not isinstance(output, torch.Tensor):
             raise UnsupportedModuleError(
                 f"{self.layers.where(module)} must take a tensor first and return one tensor for its norm to be "
                 "computed inside the backward (activation checkpointing): register a rule for a module that does, "
                 "or turn checkpointing off"
             )
-        return self.tap(module, x, output)
+        return self.tracking.carried(output, self.tap(module, x, output, rows))
+
+    def _shared_use(self, module: nn.Module, x: torch.Tensor, output) -> torch.Tensor:
+        """A layer applied to an input without a batch dimension (shared.py): its per-example gradients are formed
+        once the backward has brought each example's gradient back to it (``norms``)."""
+        check_shared_use(self.layers, module, output, self.units)
+        shared = anchored(output, self.anchor)
+        if not self.counting:  # a checkpoint's recomputation: the first forward's use holds the gradients
+            if not any(use.module is module for use, _ in self._shared):
+                raise UnsupportedModuleError(
+                    f"{self.layers.where(module)} takes an input shared by all examples inside a reentrant "
+                    "checkpoint, whose untracked first forward cannot follow it to the batch: use non-reentrant "
+                    "checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False}), or freeze it"
+                )
+            return shared
+        use = SharedUse(module, x, shared, self.rows)
+        self.tracking.share(shared, use)
+        self._shared.append((use, self.count(module, x)))
+        return shared
+
+    def _rows_at(self, module: nn.Module, x: torch.Tensor | None) -> ExampleRows | None:
+        """The example of each row of a flattened input (rows.py): tracked in the first forward, and the same in a
+        checkpoint's recomputation (the backward runs untracked), where the module's single use recomputes it."""
+        if not self.counting and module in self._flattened:
+            found = self._flattened[module]
+            if x is not None and x.dim() > 0 and x.shape[0] == found.count:
+                return found
+        rows = batch_rows(self.layers, module, x, self.rows, self.tracking)
+        if rows is not None and self.counting:
+            if module in self._flattened:
+                raise UnsupportedModuleError(
+                    f"{self.layers.where(module)} takes flattened rows in more than one call, which a checkpoint's "
+                    "recomputation cannot tell apart: turn checkpointing off, or freeze it"
+                )
+            self._flattened[module] = rows
+        return rows
 
     def count(
         self, module: nn.Module, x: torch.Tensor | None, checkpointed: bool = False, reentrant: bool = False
@@ -183,17 +227,20 @@ class NormCollector:
             self.uses[pid] = self.uses.get(pid, 0) + 1
         return 0 if self.tail_finder is None else self.tail_finder.use(module, x, checkpointed, reentrant)
 
-    def tap(self, module: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    def tap(
+        self, module: nn.Module, x: torch.Tensor, output: torch.Tensor, rows: ExampleRows | None = None
+    ) -> torch.Tensor:
         self.low_precision |= output.dtype in LOW_PRECISION
-        receive = self.add
+        receive = functools.partial(self.add, rows=rows)
         if self.counting:
             call = self.count(module, x, is_checkpointing())
             if isinstance(module, nn.Embedding):
                 pid = id(module.weight)
-                ids = x if self.units is None else self.units.regroup(x)
+                ids = x if rows is None else rows.as_examples(x)[0]
+                ids = ids if self.units is None else self.units.regroup(ids)
                 self._ids[pid] = None if pid in self._ids else ids.reshape(ids.shape[0], -1)
-            if self.tail_finder is not None:
-                receive = functools.partial(self.add, call=call)  # its number tells whether it is in the tail
+            if self.tail_finder is not None:  # its number tells whether it is in the tail
+                receive = functools.partial(self.add, call=call, rows=rows)
         return tap(output, self.anchor, receive, module, x)
 
     @contextlib.contextmanager
@@ -222,8 +269,15 @@ class NormCollector:
         """How many checkpointed layers the tail reaches down over."""
         return 0 if self.tail_finder is None else self.tail_finder.reached
 
-    def add(self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor, call: int = 0) -> None:
-        x, grad_output = regroup_for_rule(self.units, x, grad_output, self.layers.where(module))
+    def add(
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        grad_output: torch.Tensor,
+        call: int = 0,
+        rows: ExampleRows | None = None,
+    ) -> None:
+        x, grad_output = regroup_for_rule(self.units, x, grad_output, self.layers.where(module), rows)
         found = self.layers.rules[module](module, x, grad_output)
         in_tail = self.tail_finder is not None and self.tail_finder.holds(module, call)
         for name in self.owned[module]:
@@ -289,6 +343,11 @@ class NormCollector:
     def norms(self) -> torch.Tensor:
         """‖s ⊙ g_i‖, shape (B,), or per group (B, G), once the backward is done (call once); a use whose output
         got no gradient simply contributed nothing."""
+        for use, call in self._shared:
+            laid_out = use.for_rule()
+            if laid_out is not None:
+                self.add(use.module, *laid_out, call=call)
+        self._shared.clear()
         for param, parts in self._waiting.values():
             self._add_norm(param, parts)
         self._waiting.clear()

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_dp.clipping.rows import ExampleRows
+
 
 class UnitLayoutError(ValueError):
     """A layer's input cannot be split into the micro-batch's privacy units."""
@@ -138,9 +140,21 @@ def _gather(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def regroup_for_rule(
-    units: PrivacyUnits | None, x: torch.Tensor, grad_out: torch.Tensor, where: str
+    units: PrivacyUnits | None,
+    x: torch.Tensor,
+    grad_out: torch.Tensor,
+    where: str,
+    rows: ExampleRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's input and output gradient with each unit's tokens gathered into one example (None: unchanged)."""
+    """A layer's input and output gradient with flattened rows laid out by example (``rows``, rows.py) and each
+    unit's tokens gathered into one example (None: unchanged)."""
+    if rows is not None:
+        if units is not None and rows.per_example is None:
+            raise UnitLayoutError(
+                f"{where} takes rows picked from the examples (routed tokens), whose positions in a packed record "
+                "are unknown, so its per-unit gradients cannot be formed; freeze it"
+            )
+        x, grad_out = rows.as_examples(x, grad_out)
     if units is None:
         return x, grad_out
     try:

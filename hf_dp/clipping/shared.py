@@ -1,0 +1,89 @@
+"""Layers applied to an input shared by all examples: T5's and MPNet's relative attention bias, whose bucket ids
+(q, k) carry no batch dimension.
+
+Such a layer's output y is the same for every example, and autograd's gradient at y is already the sum over
+the batch. Example i's share is what flows back along its own path from the point where a tensor s made from y
+meets the batch (``position_bias + mask``, ``scores + position_bias``, ``bias.expand(B, …)``): the row tracker
+(rows.py) finds that operation and hands it s broadcast to the batch explicitly, s_B = s.expand(B, …), which
+leaves its result unchanged. The gradient at s_B is then per example, ḡ_i = ∂L_i/∂s; pulled back to y in one
+batched vector-Jacobian product, ∂L_i/∂y = (∂s/∂y)ᵀ ḡ_i, it is what the layer's rule needs with its input
+repeated for every example: G_i(θ) = (∂y/∂θ)ᵀ ∂L_i/∂y.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(eq=False)
+class SharedUse:
+    """One call of a layer on an input without a batch dimension, and Σ over the points where what it made meets
+    the batch of each example's gradient at its output y: ``cotangent`` (B, *y.shape)."""
+
+    module: nn.Module
+    x: torch.Tensor
+    output: torch.Tensor
+    rows: int
+    cotangent: torch.Tensor | None = field(default=None, repr=False)
+
+    def receive(self, made: torch.Tensor, per_example: torch.Tensor) -> None:
+        """ḡ_i at a tensor ``made`` from y, (B, *made.shape): pulled back to y and added."""
+        if made is self.output:
+            at_output = per_example
+        else:
+            (at_output,) = torch.autograd.grad(
+                made, self.output, per_example, retain_graph=True, is_grads_batched=True, allow_unused=True
+            )
+            if at_output is None:
+                return
+        self.cotangent = at_output if self.cotangent is None else self.cotangent + at_output
+
+    def for_rule(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x repeated for every example, ∂L_i/∂y): the layer's rule gives its per-example gradients from them;
+        None when no example's loss reached it."""
+        if self.cotangent is None:
+            return None
+        return self.x.expand(self.rows, *self.x.shape), self.cotangent
+
+
+class _Anchored(torch.autograd.Function):
+    """y ↦ y that requires grad through ``anchor`` (the norm pass freezes the parameters); no gradient to it."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return output.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def anchored(output: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """The shared output, differentiable whether or not the layer's parameters are frozen."""
+    return _Anchored.apply(output, anchor)
+
+
+class _Broadcast(torch.autograd.Function):
+    """s_B ↦ s_B whose backward hands each example's gradient ḡ_i = ∂L_i/∂s to every use s was made from."""
+
+    @staticmethod
+    def forward(ctx, expanded: torch.Tensor, made: torch.Tensor, uses: list[SharedUse]) -> torch.Tensor:
+        ctx.made, ctx.uses = made, uses
+        return expanded.view_as(expanded)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        per_example = grad.reshape(grad.shape[0], *ctx.made.shape)
+        for use in ctx.uses:
+            use.receive(ctx.made, per_example)
+        return grad, None, None
+
+
+def broadcast(made: torch.Tensor, rows: int, rank: int, uses: list[SharedUse]) -> torch.Tensor:
+    """``made`` (no batch dimension, or a leading 1) as the (B, …) tensor of ``rank`` dimensions the operation
+    would broadcast it to, its per-example gradients handed to ``uses``."""
+    aligned = made.reshape((1,) * max(rank - made.dim(), 0) + tuple(made.shape))
+    return _Broadcast.apply(aligned.expand(rows, *aligned.shape[1:]), made, uses)

@@ -1,0 +1,211 @@
+"""Every family in docs/clipping.md's table, as a user brings it (a tiny config, every parameter trainable, float64;
+MoE in float32, whose grouped GEMM takes no float64): two book-keeping DP steps (the checked first one and a later
+one) at a clip norm between the examples' norms, so that some are clipped and some are not, each equal to the
+brute-force clipped sum (one backward per example, tests/oracle.py); and the path each takes (a rule per layer,
+tracked rows, a shared input followed to the batch, the torch.func fallback). tests/test_model_families.py runs the
+decoders with activation checkpointing, tests/test_flattened_rows.py the rows, positions and shared inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from torch import nn
+
+from hf_dp.backend import Backend
+from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
+from hf_dp.clipping.pipeline import clipped_step
+from tests import models, oracle
+from tests.test_checkpointing import checkpointed_steps
+from tests.test_engine import assert_close
+from tests.test_flattened_rows import bart, mpnet, opt, qwen2_moe
+from tests.test_model_families import FAMILIES as CHECKPOINTED_DECODERS
+from tests.test_model_families import float64_throughout
+
+V, PAD = models.VOCAB, models.PAD
+NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+GPT_NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def _decoder(config_class: str, model_class: str, fields: dict) -> nn.Module:
+    return getattr(T, model_class)(getattr(T, config_class)(**models.DECODER_SIZES, **fields))
+
+
+def _classes(batch=None):
+    return batch or (lambda: models.classification_batch(3))
+
+
+# family: (builder, batch, dtype, path); path: "rules" (a rule for every layer), "rows" (flattened tokens tracked),
+# "shared" (an input shared by all examples followed to the batch), "fallback" (torch.func for layers without a rule)
+FAMILIES = {
+    **{
+        name: (lambda c=c, m=m, f=f: _decoder(c, m, f), models.token_batch, torch.float64, "rules")
+        for name, (c, m, f, _) in CHECKPOINTED_DECODERS.items()
+    },
+    "gpt2": (models.gpt2, models.token_batch, torch.float64, "rules"),
+    "falcon": (
+        lambda: T.FalconForCausalLM(
+            T.FalconConfig(
+                vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, **NO_DROPOUT
+            )
+        ),
+        models.token_batch,
+        torch.float64,
+        "rules",
+    ),
+    "bloom": (
+        lambda: T.BloomForCausalLM(
+            T.BloomConfig(vocab_size=V, hidden_size=16, n_layer=2, n_head=2, **NO_DROPOUT)
+        ),
+        models.token_batch,
+        torch.float64,
+        "rules",
+    ),
+    "gptj": (
+        lambda: T.GPTJForCausalLM(
+            T.GPTJConfig(
+                vocab_size=V, n_embd=16, n_layer=2, n_head=2, rotary_dim=4, n_positions=32, **GPT_NO_DROPOUT
+            )
+        ),
+        models.token_batch,
+        torch.float64,
+        "rules",
+    ),
+    "stablelm": (
+        lambda: _decoder("StableLmConfig", "StableLmForCausalLM", {}),
+        models.token_batch,
+        torch.float64,
+        "rules",
+    ),
+    "starcoder2": (
+        lambda: _decoder("Starcoder2Config", "Starcoder2ForCausalLM", {"residual_dropout": 0.0}),
+        models.token_batch,
+        torch.float64,
+        "rules",
+    ),
+    "opt": (opt, models.token_batch, torch.float64, "rows"),
+    "mixtral": (models.mixtral, models.token_batch, torch.float32, "fallback"),
+    "qwen2_moe": (qwen2_moe, models.token_batch, torch.float32, "fallback"),
+    "bert": (models.bert_classifier, _classes(), torch.float64, "rules"),
+    "roberta": (
+        lambda: models.roberta_classifier(3),
+        _classes(lambda: models.classification_batch(3, pad=1)),
+        torch.float64,
+        "rules",
+    ),
+    "xlm_roberta": (
+        lambda: T.XLMRobertaForSequenceClassification(
+            T.XLMRobertaConfig(
+                **models._ENCODER,
+                num_labels=3,
+                pad_token_id=1,
+                bos_token_id=0,
+                eos_token_id=2,
+                max_position_embeddings=40,
+            )
+        ),
+        _classes(lambda: models.classification_batch(3, pad=1)),
+        torch.float64,
+        "rules",
+    ),
+    "electra": (
+        lambda: T.ElectraForSequenceClassification(
+            T.ElectraConfig(
+                **models._ENCODER,
+                embedding_size=16,
+                num_labels=3,
+                pad_token_id=PAD,
+                max_position_embeddings=32,
+            )
+        ),
+        _classes(),
+        torch.float64,
+        "rules",
+    ),
+    "distilbert": (
+        lambda: T.DistilBertForSequenceClassification(
+            T.DistilBertConfig(
+                vocab_size=V,
+                dim=16,
+                n_layers=2,
+                n_heads=2,
+                hidden_dim=32,
+                num_labels=3,
+                pad_token_id=PAD,
+                max_position_embeddings=32,
+                dropout=0.0,
+                attention_dropout=0.0,
+                seq_classif_dropout=0.0,
+            )
+        ),
+        _classes(),
+        torch.float64,
+        "rules",
+    ),
+    "modernbert": (models.modernbert_classifier, _classes(), torch.float64, "rules"),
+    "mpnet": (mpnet, _classes(lambda: models.classification_batch(3, pad=1)), torch.float64, "shared"),
+    "t5": (lambda: models.t5(freeze_relative_bias=False), models.seq2seq_batch, torch.float64, "shared"),
+    "bart": (bart, models.seq2seq_batch, torch.float64, "rules"),
+    "pegasus": (
+        lambda: T.PegasusForConditionalGeneration(
+            T.PegasusConfig(
+                vocab_size=V,
+                d_model=16,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=32,
+                decoder_ffn_dim=32,
+                max_position_embeddings=32,
+                pad_token_id=PAD,
+                dropout=0.0,
+                decoder_start_token_id=PAD,
+            )
+        ),
+        models.seq2seq_batch,
+        torch.float64,
+        "rules",
+    ),
+}
+
+
+def test_the_table_holds_at_least_the_issue_s_families() -> None:
+    assert len(FAMILIES) >= 25
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_dp_step_of_each_family_equals_brute_force(family: str, monkeypatch) -> None:
+    build, batch_of, dtype, path = FAMILIES[family]
+    torch.manual_seed(0)
+    model = build()
+    float64_throughout(model, monkeypatch)
+    model = model.to(dtype).train()
+    batch = batch_of()
+    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    max_norm = norms.median().item()  # some examples clipped, some not
+    reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
+    step = clipped_step(ClippingEngine(model), model, Backend())
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
+        assert_close(ours, reference, rtol=1e-9 if dtype == torch.float64 else 1e-4, floor=1e-6)
+    fallback = any(rule is None for rule in step.engine.layers.rules.values())
+    assert fallback is (path == "fallback"), family
+    assert step.engine.row_tracking.on is (path in ("rows", "shared", "fallback")), family
+
+
+@pytest.mark.parametrize("family", ["deberta_v2", "mamba"])
+def test_the_families_not_yet_supported_are_refused_in_one_line(family: str) -> None:
+    """DeBERTa-v2 reads its relative embeddings' weight outside its module and repeats its projected positions per
+    head; Mamba's mixer uses its conv1d and dt_proj weights, A_log and D outside any layer with a rule."""
+    if family == "deberta_v2":
+        model, batch = models.deberta_classifier(), models.classification_batch(3)
+    else:
+        config = T.MambaConfig(
+            vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=2, pad_token_id=PAD
+        )
+        model, batch = T.MambaForCausalLM(config), models.token_batch()
+    model = model.double().train()
+    step = clipped_step(ClippingEngine(model), model, Backend())
+    with pytest.raises(UnsupportedModuleError, match=r"freeze it") as refused:
+        checkpointed_steps(model, batch, 1.0, strategy=step, steps=1)
+    assert "\n" not in str(refused.value)

@@ -1,0 +1,194 @@
+"""Layers that see the tokens of all examples as rows of one dimension (OPT's feed-forward block, MoE routers, routed
+and shared experts), embeddings that compute the rows they look up (OPT's and BART's learned positions) and layers
+applied to an input shared by all examples (T5's and MPNet's relative attention bias): one DP step, clipping
+active, equals the brute-force clipped sum (one backward per example, tests/oracle.py), with book-keeping and,
+where every trainable layer has a rule and the family supports it, with activation checkpointing. Rows put there
+by an operation the tracker does not follow are refused, and rows credited to the wrong example are caught by the
+first step's weighted check (clipping/rows.py, clipping/shared.py, checks.check_engine_sum)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from hf_dp.backend import Backend
+from hf_dp.clipping import rows as rows_module
+from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
+from hf_dp.clipping.pipeline import clipped_step
+from tests import models, oracle
+from tests.test_checkpointing import ONE_PROCESS, ZERO2, checkpointed_steps
+from tests.test_engine import assert_close
+from tests.test_model_families import float64_throughout
+
+
+def opt() -> nn.Module:
+    config = transformers.OPTConfig(
+        num_hidden_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_dim=32,
+        vocab_size=models.VOCAB,
+        pad_token_id=models.PAD,
+        max_position_embeddings=32,
+        word_embed_proj_dim=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return transformers.OPTForCausalLM(config)
+
+
+def bart() -> nn.Module:
+    sizes = {
+        "encoder_layers": 1,
+        "decoder_layers": 1,
+        "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2,
+    }
+    sizes |= {"encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_position_embeddings": 32, "dropout": 0.0}
+    config = transformers.BartConfig(vocab_size=models.VOCAB, d_model=16, pad_token_id=models.PAD, **sizes)
+    return transformers.BartForConditionalGeneration(config)
+
+
+def mpnet() -> nn.Module:
+    config = transformers.MPNetConfig(
+        **models._ENCODER, num_labels=3, pad_token_id=1, max_position_embeddings=40
+    )
+    return transformers.MPNetForSequenceClassification(config)
+
+
+def qwen2_moe() -> nn.Module:
+    config = transformers.Qwen2MoeConfig(
+        **models.DECODER_SIZES,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+    )
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+# name: (builder, batch, dtype, rtol); MoE in float32: its grouped GEMM takes no float64
+FAMILIES = {
+    "opt": (opt, models.token_batch, torch.float64, 1e-9),
+    "bart": (bart, models.seq2seq_batch, torch.float64, 1e-9),
+    "t5": (lambda: models.t5(freeze_relative_bias=False), models.seq2seq_batch, torch.float64, 1e-9),
+    "mpnet": (mpnet, lambda: models.classification_batch(3, pad=1), torch.float64, 1e-9),
+    "mixtral": (models.mixtral, models.token_batch, torch.float32, 1e-4),
+    "qwen2_moe": (qwen2_moe, models.token_batch, torch.float32, 1e-4),
+}
+# every trainable layer has a rule (the MoE experts and routers take the torch.func fallback) and the family supports
+# checkpointing (MPNet does not)
+CHECKPOINTED = ("opt", "bart", "t5")
+
+
+def _model_and_reference(family: str, monkeypatch):
+    build, batch_of, dtype, rtol = FAMILIES[family]
+    torch.manual_seed(0)
+    model = build()
+    float64_throughout(model, monkeypatch)  # T5's norms compute their variance in float32
+    model = model.to(dtype).train()
+    batch = batch_of()
+    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()  # every example clipped
+    reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
+    return model, batch, max_norm, reference, rtol
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_book_keeping_step_equals_brute_force(family: str, monkeypatch) -> None:
+    model, batch, max_norm, reference, rtol = _model_and_reference(family, monkeypatch)
+    step = clipped_step(ClippingEngine(model), model, Backend())
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
+        assert_close(ours, reference, rtol=rtol, floor=1e-6)
+    assert step.engine.row_tracking.on is (family != "bart")  # BART's rows are all the batch's own
+
+
+@pytest.mark.parametrize("backend", ["one process", "zero2"])
+@pytest.mark.parametrize("family", CHECKPOINTED)
+def test_a_checkpointed_step_equals_brute_force(family: str, backend: str, monkeypatch) -> None:
+    model, batch, max_norm, reference, rtol = _model_and_reference(family, monkeypatch)
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS if backend == "one process" else ZERO2)
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=3):
+        assert_close(ours, reference, rtol=rtol, floor=1e-6)
+
+
+def test_an_moe_fallback_under_checkpointing_is_refused_in_one_line() -> None:
+    model = models.mixtral().train()
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS)
+    with pytest.raises(UnsupportedModuleError, match=r"mlp.gate has no per-example rule, which activation"):
+        checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, steps=1)
+
+
+def test_tracking_stops_after_a_first_step_without_flattened_rows() -> None:
+    """The tracker costs a Python call per operation: a model whose layers all take the batch's rows stops it."""
+    model = models.llama().double().train()
+    step = clipped_step(ClippingEngine(model), model, Backend())
+    checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, steps=1)
+    assert step.engine.row_tracking.on is False
+
+
+class _TimeMajor(nn.Module):
+    """A block that flattens its tokens time-major ((T, B) order) before a linear layer: the tracker does not follow
+    ``transpose``, so the linear layer's rows have no known example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(models.VOCAB, 8)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, models.VOCAB)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = self.embed(input_ids)
+        rows = self.proj(h.transpose(0, 1).reshape(-1, h.shape[-1]))
+        h = rows.reshape(h.shape[1], h.shape[0], -1).transpose(0, 1)
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.head(h))
+
+
+def _token_losses(module: nn.Module, batch: dict) -> torch.Tensor:
+    logits = module(**batch).logits
+    losses = nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"], reduction="none")
+    return losses.mean(dim=1)
+
+
+def test_rows_of_unknown_origin_are_refused_naming_the_layer() -> None:
+    model = _TimeMajor().double()
+    step = clipped_step(ClippingEngine(model), model, Backend())
+    with pytest.raises(
+        UnsupportedModuleError,
+        match=r"^proj \(Linear\) has trainable parameters but its input of shape \(50, 8\)",
+    ):
+        checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, loss_fn=_token_losses, steps=1)
+
+
+def test_rows_credited_to_the_wrong_example_are_caught_by_the_first_step(monkeypatch) -> None:
+    """Mutation: the reshape's map reversed (row r credited to example B - 1 - r // T). The unclipped sum is the
+    same (a plain sum cannot tell), the weighted check of the first step refuses."""
+    reshaped = rows_module.RowTracker._reshaped
+
+    def reversed_map(self, source, out):
+        found = reshaped(self, source, out)
+        if found is None or found.per_example is None:
+            return found
+        return rows_module.ExampleRows(self.rows - 1 - found.example, self.rows, None)
+
+    monkeypatch.setattr(rows_module.RowTracker, "_reshaped", reversed_map)
+    model = opt().double().train()
+    step = clipped_step(ClippingEngine(model), model, Backend())
+    with pytest.raises(UnsupportedModuleError, match="credits rows to the wrong examples"):
+        checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, steps=1)
+
+
+def test_a_shared_input_in_a_reentrant_checkpoint_is_refused_in_one_line() -> None:
+    """A reentrant checkpoint runs its first forward without a graph, so the shared bias cannot be followed to the
+    batch: refused, naming the non-reentrant alternative."""
+    model = models.t5(freeze_relative_bias=False).double().train()
+    model.gradient_checkpointing_enable({"use_reentrant": True})
+    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS)
+    with pytest.raises(
+        UnsupportedModuleError, match=r"relative_attention_bias .* reentrant checkpoint.*use_reentrant"
+    ):
+        checkpointed_steps(model, models.seq2seq_batch(), 1.0, strategy=step, steps=1)
