@@ -192,3 +192,28 @@ def test_a_shared_input_in_a_reentrant_checkpoint_is_refused_in_one_line() -> No
         UnsupportedModuleError, match=r"relative_attention_bias .* reentrant checkpoint.*use_reentrant"
     ):
         checkpointed_steps(model, models.seq2seq_batch(), 1.0, strategy=step, steps=1)
+
+
+def test_deberta_checkpointed_equals_brute_force_with_its_relative_embeddings_frozen(monkeypatch) -> None:
+    """DeBERTa-v2's positions repeated per example (``repeat(B, 1, 1)``) and projected by layers on a shared input,
+    under non-reentrant checkpointing: exact once its relative embeddings' weight (read outside its module) is
+    frozen; trainable, that read is refused in one line under checkpointing (and exact without:
+    tests/test_families.py)."""
+    torch.manual_seed(0)
+    model = models.deberta_classifier().double().train()
+    model.deberta.encoder.rel_embeddings.weight.requires_grad_(False)
+    batch = models.classification_batch(3)
+    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS)
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=3):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+
+    model.deberta.encoder.rel_embeddings.weight.requires_grad_(True)
+    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS)
+    with pytest.raises(
+        UnsupportedModuleError, match=r"rel_embeddings \(Embedding\)'s weight is read outside"
+    ):
+        checkpointed_steps(model, batch, max_norm, strategy=step, steps=1)

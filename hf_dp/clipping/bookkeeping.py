@@ -58,6 +58,7 @@ class _RecordedForward:
     kwargs: dict
     outputs: list[torch.Tensor]
     rows: ExampleRows | None  # flattened tokens: each row's example (rows.py); None: the batch's own rows
+    joined: tuple[str, ...] = ()  # submodules' parameters its forward reads, covered by its fallback
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Recording:
         self._anchor: torch.Tensor | None = None
         self._materialised: list[tuple[nn.Module, dict[str, PerExampleGradient]]] = []
         self._shared: list[SharedUse] = []  # layers applied to an input shared by all examples
+        self._joined: dict[nn.Module, set[str]] = {}  # per fallback module, the submodules' parameters it reads
 
     def admits(self, module: nn.Module) -> bool:
         """Book-keeping would keep the inputs a checkpoint drops (non-reentrant) or never sees them (reentrant, run
@@ -117,7 +119,8 @@ class Recording:
                 self.tracking.carried(o, o.view_as(o)) if isinstance(o, torch.Tensor) else o for o in output
             )
             outputs = tensor_outputs(output)
-        self._calls.append(_RecordedForward(module, x, tuple(args), dict(kwargs), outputs, rows))
+        joined = tuple(self._joined.pop(module, ()))
+        self._calls.append(_RecordedForward(module, x, tuple(args), dict(kwargs), outputs, rows, joined))
         return output if self.layers.rules[module] is None and isinstance(output, tuple) else None
 
     def _shared_use(self, module: nn.Module, x: torch.Tensor, output) -> torch.Tensor:
@@ -128,9 +131,22 @@ class Recording:
             self._anchor = torch.zeros((), device=output.device, requires_grad=True)
         shared = anchored(output, self._anchor)
         use = SharedUse(module, x, shared, self.rows)
-        self.tracking.share(shared, use)
+        self.tracking.share(shared, use, x)
         self._shared.append(use)
         return shared
+
+    def loose_use(self, module: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
+        check_shared_use(self.layers, module, param, self.units)
+        if self._anchor is None:
+            self._anchor = torch.zeros((), device=param.device, requires_grad=True)
+        alias = anchored(param, self._anchor)
+        use = SharedUse(module, None, alias, self.rows, parameter=name)
+        self.tracking.share(alias, use)
+        self._shared.append(use)
+        return alias
+
+    def joins(self, module: nn.Module, name: str) -> None:
+        self._joined.setdefault(module, set()).add(name)
 
     def _materialises_in_backward(self, module: nn.Module, x: torch.Tensor | None, output) -> bool:
         """B explicit per-example gradients of the module take fewer floats than its output gradient (a
@@ -187,16 +203,19 @@ class Recording:
             else ()
         )
         materialised, self._materialised, self._anchor = self._materialised, [], None
-        shared = [(use, use.for_rule()) for use in self._shared]  # before a verifying backward adds to them
+        # before a verifying backward adds to them
+        shared = [(use, use.per_example(functools.partial(self._apply_rule, rows=None))) for use in self._shared]
         self._shared = []
         weights = engine_sum_weights(count, per_example_loss.device) if params else None
         reference = self._weighted_gradient(per_example_loss, weights, params) if params else {}
         with torch.no_grad():
             parts = self._per_example_parts(calls, iter(grads[: len(outputs)]))
-            for use, laid_out in shared:
-                if laid_out is not None:
-                    materialised.append((use.module, self._apply_rule(use.module, *laid_out, None)))
-                elif any(reference.get(id(p)) is not None for p in self.layers.of(use.module)):
+            for use, found in shared:
+                if found is not None:
+                    for name, part in found.items():
+                        param = getattr(use.module, name)
+                        parts.setdefault(id(param), (param, []))[1].append(part)
+                elif use.x is not None and any(reference.get(id(p)) is not None for p in self.layers.of(use.module)):
                     # a gradient reached it, but not along a path where its output met the batch
                     check_batch_dimension(self.layers, use.module, use.x, self.rows)
             for module, found in materialised:
@@ -230,9 +249,10 @@ class Recording:
                 grad_out = grads[0] if grads[0] is not None else torch.zeros_like(call.outputs[0])
                 found = self._apply_rule(call.module, call.x, grad_out, call.rows)
             else:
+                names = [*names, *call.joined]
                 found = self._fallback(call, grads, names)
             for name in names:
-                param = getattr(call.module, name)
+                param = call.module.get_parameter(name)
                 parts.setdefault(id(param), (param, []))[1].append(found[name])
         return parts
 
@@ -248,7 +268,7 @@ class Recording:
         if call.module not in _LOGGED_FALLBACKS:
             _LOGGED_FALLBACKS.add(call.module)
             count = self.rows if call.rows is None else call.rows.count
-            floats = count * sum(getattr(call.module, name).numel() for name in names)
+            floats = count * sum(call.module.get_parameter(name).numel() for name in names)
             logger.info(
                 f"hf_dp: {self.layers.where(call.module)} has no per-example rule: its per-example gradients "
                 f"({', '.join(names)}) come from the torch.func fallback, vmapped over {count} "

@@ -12,7 +12,7 @@ takes is the pipeline's choice (pipeline.py).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -20,9 +20,10 @@ from torch import nn
 from hf_dp.clipping.bookkeeping import EvaluationGradients, Recording, combined_terms, norms_of
 from hf_dp.clipping.geometry import ClippingFn, ClippingMode, ClipScales, scales_by_id
 from hf_dp.clipping.groups import ClipGroups, GroupSums, clip_groups
-from hf_dp.clipping.hooks import ForwardHooks, Layers, UnsupportedModuleError, assign_parameters
+from hf_dp.clipping.hooks import ForwardHooks, Layers, Receiver, UnsupportedModuleError, assign_parameters
 from hf_dp.clipping.quantized import check_quantized_base
 from hf_dp.clipping.rows import RowTracking
+from hf_dp.clipping.rules import rule_for
 from hf_dp.clipping.sums import SumWriter, Terms
 from hf_dp.clipping.taps import NormCollector, TapOptions
 from hf_dp.clipping.units import PrivacyUnits
@@ -100,6 +101,34 @@ class ClippingEngine:
     def __exit__(self, *exc_info) -> None:
         self.remove_hooks()
 
+    def _loose(self, receiver: Receiver) -> Callable[[nn.Parameter], torch.Tensor | None]:
+        """For the row tracker: a clipped parameter read while none of the modules owning it is in its forward
+        joins the fallback of the innermost running module when that takes the torch.func fallback and contains it
+        (``receiver.joins``), else goes to ``receiver.loose_use`` (shared.py); its owners as the modules hold them
+        now (FSDP2 swaps)."""
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module, names in self.layers.owned.items():
+            for name in names:
+                owners.setdefault(id(getattr(module, name)), []).append((module, name))
+        running = self._hooks.running
+        running.clear()
+
+        def loose(param: nn.Parameter) -> torch.Tensor | None:
+            found = owners.get(id(param))
+            if found is None or self._hooks.in_hook or any(module in running for module, _ in found):
+                return None
+            inner = running[-1] if running else None
+            if inner is not None and self.layers.rules.get(inner, rule_for) is None:
+                nested = next((n for n, p in inner.named_parameters() if p is param), None)
+                if nested is not None:  # inside a module that takes the torch.func fallback: it covers the read
+                    receiver.joins(inner, nested)
+                    self.row_tracking.keep()  # every step must see the read
+                    return None
+            module, name = found[0]
+            return receiver.loose_use(module, name, param)
+
+        return loose
+
     # ---- the norms ------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -110,7 +139,7 @@ class ClippingEngine:
         self._recording = recording
         self._hooks.receiver = recording
         try:
-            with self.row_tracking.forward(batch_size):
+            with self.row_tracking.forward(batch_size, self._loose(recording)):
                 yield recording
         finally:
             self._hooks.receiver = None
@@ -175,7 +204,10 @@ class ClippingEngine:
         collector.low_precision = self.low_precision_base
         self._hooks.receiver = collector
         try:
-            with frozen(self.parameters if freeze else []), self.row_tracking.forward(collector.rows):
+            with (
+                frozen(self.parameters if freeze else []),
+                self.row_tracking.forward(collector.rows, self._loose(collector)),
+            ):
                 yield collector
         finally:
             self._hooks.receiver = None

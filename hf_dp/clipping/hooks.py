@@ -112,12 +112,24 @@ class Receiver(Protocol):
         """A recorded forward with grad enabled, ``x`` its first tensor input; a replacement output or None."""
         ...
 
+    def loose_use(self, module: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
+        """A clipped parameter read outside its module's forward (DeBERTa's relative embeddings): what the operation
+        reads instead, its per-example gradients followed like a shared input's (shared.py)."""
+        ...
+
+    def joins(self, module: nn.Module, name: str) -> None:
+        """A clipped parameter of a submodule (``name``, nested) read inside the forward of ``module``, which takes
+        the torch.func fallback (Mamba's mixer reads its conv1d's and dt_proj's weights): that fallback covers it."""
+        ...
+
 
 class ForwardHooks:
     """The hooks on every parameter-owning module; ``receiver`` (None: nothing is recorded) gets each forward."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.receiver: Receiver | None = None
+        self.running: list[nn.Module] = []  # modules inside their forward, innermost last (rows.py: loose reads)
+        self.in_hook = False
         self._handles = []
         for module in modules:
             self._handles.append(
@@ -136,6 +148,8 @@ class ForwardHooks:
         float input of batch 1 (DeBERTa's relative embeddings, ModernBERT's unpadded tokens) is no broadcast the
         model would leave unchanged, and is refused (``check_batch_dimension``)."""
         receiver = self.receiver
+        if receiver is not None:
+            self.running.append(module)
         if receiver is None or not receiver.on or not torch.is_grad_enabled():
             return None
         if not args or not isinstance(args[0], torch.Tensor):
@@ -146,6 +160,15 @@ class ForwardHooks:
         return None
 
     def _record(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        if module in self.running:
+            del self.running[len(self.running) - 1 - self.running[::-1].index(module)]
+        self.in_hook = True  # what the receiver computes reads parameters, none of them loose
+        try:
+            return self._received(module, args, kwargs, output)
+        finally:
+            self.in_hook = False
+
+    def _received(self, module: nn.Module, args: tuple, kwargs: dict, output):
         receiver = self.receiver
         if receiver is None or not receiver.admits(module) or not torch.is_grad_enabled():
             return None

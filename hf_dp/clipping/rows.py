@@ -13,17 +13,19 @@ operation drops it, so a layer fed rows of unknown origin is refused, never misl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hf_dp.clipping.shared import SharedUse, broadcast
 
 Tensor = torch.Tensor
+Loose = Callable[[nn.Parameter], Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,30 @@ _OVER_A_DIMENSION = {  # row-wise when the dimension they reduce or normalise ov
 _SPLITS = {torch.split, torch.chunk, Tensor.split, Tensor.chunk}
 
 
+_METADATA = {
+    Tensor.dim,
+    Tensor.size,
+    Tensor.numel,
+    Tensor.nelement,
+    Tensor.stride,
+    Tensor.element_size,
+    Tensor.is_floating_point,
+    Tensor.is_complex,
+    Tensor.is_contiguous,
+    Tensor.get_device,
+    Tensor.data_ptr,
+    Tensor.__len__,
+    torch.is_floating_point,
+    torch.is_complex,
+    torch.numel,
+}
+
+
+def _reads_values(func) -> bool:
+    """Whether an operation reads a tensor's values (a gradient can flow), not its shape, dtype or layout."""
+    return func not in _METADATA and getattr(func, "__name__", "") != "__get__"
+
+
 def _dim_of(func, args: tuple, kwargs: dict) -> object:
     dim = kwargs.get("dim", args[1] if len(args) > 1 and func not in _SPLITS else None)
     if func in _SPLITS:
@@ -163,17 +189,24 @@ class RowTracker(TorchFunctionMode):
     """The row → example maps of the tensors one recorded forward makes (``rows_of``); ``seen`` turns true when a
     layer asked for one (the engine then keeps tracking on later steps)."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, loose: Loose | None = None) -> None:
         super().__init__()
         self.rows = rows
+        self.loose = loose  # a clipped parameter read outside its module's forward → what to read instead
         self.seen = False
         self._maps: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._shared: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor → the shared uses it was made from
+        self._aliases: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a loose parameter → what was read instead
 
-    def share(self, output: Tensor, use: SharedUse) -> None:
-        """``output`` of a layer applied to an input without a batch dimension (shared.py)."""
+    def share(self, output: Tensor, use: SharedUse, made_from: Tensor | None = None) -> None:
+        """``output`` of a layer applied to an input without a batch dimension (shared.py); made from the uses of
+        that input too, when it was itself made from a shared output (DeBERTa's projections of its relative
+        embeddings)."""
         self.seen = True
-        self._shared[output] = [use]
+        if made_from is not None and made_from in self._aliases:  # a module given a loose parameter itself
+            made_from = self._aliases[made_from]
+        upstream = [] if made_from is None else self._shared.get(made_from, [])
+        self._shared[output] = [use, *upstream]
 
     def rows_of(self, x: Tensor) -> ExampleRows | None:
         """The map of a tensor whose rows are not the batch's own, else None."""
@@ -195,11 +228,23 @@ class RowTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.loose is not None and torch.is_grad_enabled() and _reads_values(func):
+            args = tuple(self._read(a) for a in args)
+            kwargs = {k: self._read(v) for k, v in kwargs.items()}
         if self._shared:
             return self._with_shared(func, args, kwargs)
         out = func(*args, **kwargs)
         self._track(func, args, kwargs, out)
         return out
+
+    def _read(self, value):
+        if isinstance(value, nn.Parameter):
+            alias = self.loose(value)
+            if alias is None:
+                return value
+            self._aliases[value] = alias
+            return alias
+        return value
 
     def _with_shared(self, func, args: tuple, kwargs: dict):
         """An operation on tensors made from a shared output: where one meets the batch (its result has the batch's
@@ -211,6 +256,10 @@ class RowTracker(TorchFunctionMode):
             out = func(*args, **kwargs)
             self._track(func, args, kwargs, out)
             return out
+        if func is Tensor.repeat and args[0] in self._shared:
+            repeated = self._repeated(args)
+            if repeated is not None:
+                return repeated
         rank = self._meets_batch(func, args, leaves)
         if rank is None:
             out = func(*args, **kwargs)
@@ -223,6 +272,17 @@ class RowTracker(TorchFunctionMode):
             return value if found is None else broadcast(value, self.rows, rank, found)
 
         return func(*[batched(a) for a in args], **{k: batched(v) for k, v in kwargs.items()})
+
+    def _repeated(self, args: tuple) -> Tensor | None:
+        """``made.repeat(B, …)`` (DeBERTa's positions, one copy per example): copy b is example b's, so the copies
+        are made by broadcasting (same values, each copy's gradient that example's)."""
+        made = args[0]
+        sizes = tuple(args[1]) if len(args) == 2 and isinstance(args[1], tuple | list | torch.Size) else args[1:]
+        if len(sizes) != made.dim() or made.dim() == 0 or sizes[0] != self.rows:
+            return None
+        copies = broadcast(made, self.rows, made.dim() + 1, self._shared[made])
+        repeated = copies.reshape(self.rows * made.shape[0], *made.shape[1:])
+        return repeated if all(k == 1 for k in sizes[1:]) else repeated.repeat(1, *sizes[1:])
 
     def _meets_batch(self, func, args: tuple, leaves: list[Tensor]) -> int | None:
         """The rank of the (B, …) tensor a shared input is broadcast to, if this operation meets the batch."""
@@ -351,17 +411,22 @@ class RowTracking:
         self.tracker: RowTracker | None = None
 
     @contextlib.contextmanager
-    def forward(self, rows: int) -> Iterator[None]:
+    def forward(self, rows: int, loose: Loose | None = None) -> Iterator[None]:
         if not self.on:
             yield
             return
-        self.tracker = RowTracker(rows)
+        self.tracker = RowTracker(rows, loose)
         try:
             with self.tracker:
                 yield
         finally:
             self.on = self.tracker.seen
             self.tracker = None
+
+    def keep(self) -> None:
+        """Track later forwards too: this one needed the tracker."""
+        if self.tracker is not None:
+            self.tracker.seen = True
 
     def rows_of(self, x: Tensor | None) -> ExampleRows | None:
         return None if x is None or self.tracker is None else self.tracker.rows_of(x)
@@ -375,8 +440,8 @@ class RowTracking:
             and self.tracker.rows_of(x) is None
         )
 
-    def share(self, output: Tensor, use: SharedUse) -> None:
-        self.tracker.share(output, use)
+    def share(self, output: Tensor, use: SharedUse, made_from: Tensor | None = None) -> None:
+        self.tracker.share(output, use, made_from)
 
     def carried(self, output: Tensor, replacement: Tensor) -> Tensor:
         """A hook's replacement of a module's output (a tap) keeps the output's map."""

@@ -272,7 +272,7 @@ def functorch_per_example_grads(
     if rows is not None:
         per_row = functorch_per_example_grads(module, args, kwargs, grad_outputs, param_names, rows.count)
         return {name: Materialised(rows.sum_per_example(part.grads)) for name, part in per_row.items()}
-    params = {n: p.detach() for n, p in module.named_parameters(recurse=False) if n in param_names}
+    params = {n: p.detach() for n, p in module.named_parameters() if n in param_names}  # nested: joined reads
     is_batched = [isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch_size for a in args]
     batched_kwargs = {
         k: v

@@ -7,15 +7,19 @@ meets the batch (``position_bias + mask``, ``scores + position_bias``, ``bias.ex
 (rows.py) finds that operation and hands it s broadcast to the batch explicitly, s_B = s.expand(B, …), which
 leaves its result unchanged. The gradient at s_B is then per example, ḡ_i = ∂L_i/∂s; pulled back to y in one
 batched vector-Jacobian product, ∂L_i/∂y = (∂s/∂y)ᵀ ḡ_i, it is what the layer's rule needs with its input
-repeated for every example: G_i(θ) = (∂y/∂θ)ᵀ ∂L_i/∂y.
+repeated for every example: G_i(θ) = (∂y/∂θ)ᵀ ∂L_i/∂y. A clipped parameter read outside its module's forward
+(DeBERTa reads its relative embeddings' weight) is such an output itself: G_i = ∂L_i/∂W.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from hf_dp.clipping.per_example import Materialised, PerExampleGradient, wide
 
 
 @dataclass(eq=False)
@@ -24,9 +28,10 @@ class SharedUse:
     the batch of each example's gradient at its output y: ``cotangent`` (B, *y.shape)."""
 
     module: nn.Module
-    x: torch.Tensor
+    x: torch.Tensor | None
     output: torch.Tensor
     rows: int
+    parameter: str | None = None  # the module's parameter itself, read outside its forward: G_i = ∂L_i/∂y
     cotangent: torch.Tensor | None = field(default=None, repr=False)
 
     def receive(self, made: torch.Tensor, per_example: torch.Tensor) -> None:
@@ -41,12 +46,14 @@ class SharedUse:
                 return
         self.cotangent = at_output if self.cotangent is None else self.cotangent + at_output
 
-    def for_rule(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x repeated for every example, ∂L_i/∂y): the layer's rule gives its per-example gradients from them;
-        None when no example's loss reached it."""
+    def per_example(self, rule: Callable) -> dict[str, PerExampleGradient] | None:
+        """The layer's per-example gradients: its rule on (x repeated for every example, ∂L_i/∂y), or ∂L_i/∂y
+        itself for a parameter read directly; None when no example's loss reached it."""
         if self.cotangent is None:
             return None
-        return self.x.expand(self.rows, *self.x.shape), self.cotangent
+        if self.parameter is not None:
+            return {self.parameter: Materialised(wide(self.cotangent))}
+        return rule(self.module, self.x.expand(self.rows, *self.x.shape), self.cotangent)
 
 
 class _Anchored(torch.autograd.Function):

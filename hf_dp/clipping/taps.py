@@ -196,9 +196,29 @@ class NormCollector:
                 )
             return shared
         use = SharedUse(module, x, shared, self.rows)
-        self.tracking.share(shared, use)
+        self.tracking.share(shared, use, x)
         self._shared.append((use, self.count(module, x)))
         return shared
+
+    def loose_use(self, module: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
+        check_shared_use(self.layers, module, param, self.units)
+        if is_checkpointing():
+            raise UnsupportedModuleError(
+                f"{self.layers.where(module)}'s {name} is read outside its forward inside a checkpointed layer "
+                "(DeBERTa's relative embeddings), which its recomputation does not follow: turn activation "
+                "checkpointing off, or freeze it"
+            )
+        alias = anchored(param, self.anchor)
+        use = SharedUse(module, None, alias, self.rows, parameter=name)
+        self.tracking.share(alias, use)
+        self._shared.append((use, self.count(module, None) if self.counting else 0))
+        return alias
+
+    def joins(self, module: nn.Module, name: str) -> None:
+        raise UnsupportedModuleError(
+            f"{self.layers.where(module)} reads {name} in its forward and has no per-example rule, which computing "
+            "norms inside the backward needs: register one with hf_dp.clipping.rules.register_rule, or freeze it"
+        )
 
     def _rows_at(self, module: nn.Module, x: torch.Tensor | None) -> ExampleRows | None:
         """The example of each row of a flattened input (rows.py): tracked in the first forward, and the same in a
@@ -277,10 +297,20 @@ class NormCollector:
         call: int = 0,
         rows: ExampleRows | None = None,
     ) -> None:
+        self._add_found(module, self._rule(module, x, grad_output, rows), call)
+
+    def _rule(
+        self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor, rows: ExampleRows | None
+    ) -> dict[str, PerExampleGradient]:
         x, grad_output = regroup_for_rule(self.units, x, grad_output, self.layers.where(module), rows)
-        found = self.layers.rules[module](module, x, grad_output)
+        return self.layers.rules[module](module, x, grad_output)
+
+    def _add_found(self, module: nn.Module, found: dict[str, PerExampleGradient], call: int) -> None:
+        """The module's per-example gradients of one use, into the norms (or kept, or in the tail)."""
         in_tail = self.tail_finder is not None and self.tail_finder.holds(module, call)
         for name in self.owned[module]:
+            if name not in found:  # a parameter read directly (shared.py): that one alone
+                continue
             param = getattr(module, name)
             pid, part = id(param), found[name]
             if in_tail:  # kept for the weighted pass, in the form its norm is also computed from
@@ -344,9 +374,9 @@ class NormCollector:
         """‖s ⊙ g_i‖, shape (B,), or per group (B, G), once the backward is done (call once); a use whose output
         got no gradient simply contributed nothing."""
         for use, call in self._shared:
-            laid_out = use.for_rule()
-            if laid_out is not None:
-                self.add(use.module, *laid_out, call=call)
+            found = use.per_example(functools.partial(self._rule, rows=None))
+            if found is not None:
+                self._add_found(use.module, found, call)
         self._shared.clear()
         for param, parts in self._waiting.values():
             self._add_norm(param, parts)
