@@ -8,13 +8,15 @@ them the operators whose output size depends on tensor values (boolean-mask inde
 a device too. On CPU every such read counts, also of a tensor that would stay on the host beside a device. The variants
 are llm_memory.py's ``stock`` (``Trainer.training_step`` + ``optimizer.step()``) and ``dp`` (``DPTrainer``'s
 ``train_one_step``: clipping, noise, accounting) on a tiny Llama, fp32, AdamW. With ``--stacks`` every DP host read
-is attributed to the innermost frame of hf_dp (or of the benchmark) that asked for it. Each cell also counts
-``dp_groupwise`` (``clipping_groups="layer"``).
+is attributed to the innermost frame of hf_dp (or of the benchmark) that asked for it; with ``--ops`` every
+operator call is counted by operator name, stock and DP, and the DP's by the innermost hf_dp line that issued it
+(where the extra calls sit). Each cell also counts ``dp_groupwise`` (``clipping_groups="layer"``).
 
 The issue's bar: DP / stock operator calls at most ``CALLS_BAR`` and at most ``SYNCS_BAR`` more host syncs, in all
 four cells.
 
     .venv/bin/python benchmarks/step_counts.py --stacks --out benchmarks/results/step_counts.json
+    .venv/bin/python benchmarks/step_counts.py --ops --cells full-nockpt --out /tmp/step_counts.json
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ TINY_SEQ, TINY_BATCH = 64, 4
 CALLS_BAR = 1.30  # DP / stock non-view operator calls
 SYNCS_BAR = 3  # DP host syncs - stock host syncs
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "step_counts.json"
+TOP_OPS = 25  # the operators and source lines ``--ops`` lists per cell
+# In the Markdown file, this line and what follows it are notes written by hand, kept when the file is rewritten.
+NOTES = "<!-- notes: kept when step_counts.py rewrites this file -->"
 
 
 def cell_name(tuning: str, checkpointing: bool) -> str:
@@ -55,13 +60,16 @@ def _source(stack: list[str]) -> str:
 _HF_DP_FILES = {path.name for path in (Path(_REPO_ROOT) / "hf_dp").rglob("*.py")}
 
 
-def count_variant(name: str, setting: llm_memory.Setting, rows: list[dict], stacks: bool) -> dict[str, Any]:
-    """One variant: built, its first step taken (DP's checks), then one step counted."""
+def count_variant(
+    name: str, setting: llm_memory.Setting, rows: list[dict], stacks: bool, ops: bool = False
+) -> dict[str, Any]:
+    """One variant: built, its first step taken (DP's checks), then one step counted; ``ops``: its calls by
+    operator name and by source line."""
     variant = llm_memory.build_variant(name, setting, rows, "cpu")
     if variant.error:
         raise RuntimeError(f"{name} on {setting.name}: {variant.error}")
     variant.step()
-    traffic = Traffic(set(), stacks=stacks)
+    traffic = Traffic(set(), stacks=stacks, ops=ops)
     with traffic:
         variant.step()
     result: dict[str, Any] = {
@@ -74,6 +82,9 @@ def count_variant(name: str, setting: llm_memory.Setting, rows: list[dict], stac
         result["value_sized_sources"] = dict(
             Counter(_source(s) for s in traffic.value_sized_stacks).most_common()
         )
+    if ops:
+        result["ops"] = dict(Counter(op for op, _ in traffic.call_stacks).most_common())
+        result["op_sources"] = dict(Counter(_source(s) for _, s in traffic.call_stacks).most_common())
     return result
 
 
@@ -84,12 +95,13 @@ def count_cell(
     seq: int = TINY_SEQ,
     batch: int = TINY_BATCH,
     stacks: bool = False,
+    ops: bool = False,
 ) -> dict[str, Any]:
     """Stock and DP counts of one cell, their ratio of calls and the host syncs DP adds."""
     setting = llm_memory.Setting(tuning, "fp32", checkpointing, seq, batch, shape)
     rows = llm_memory.make_rows(setting)
-    stock = count_variant("stock", setting, rows, stacks)
-    dp = count_variant("dp", setting, rows, stacks)
+    stock = count_variant("stock", setting, rows, stacks, ops)
+    dp = count_variant("dp", setting, rows, stacks, ops)
     groupwise = count_variant("dp_groupwise", setting, rows, stacks=False)
     return {
         "stock": stock,
@@ -141,7 +153,33 @@ def markdown(result: dict[str, Any]) -> str:
             lines += ["", f"DP host syncs of {name}, by source:", ""]
             lines += [f"- {n} × {where}" for where, n in c["dp"]["sync_sources"].items()]
             lines += [f"- {n} × {where} (value-sized)" for where, n in c["dp"]["value_sized_sources"].items()]
+    for name, c in result["cells"].items():
+        if "ops" in c["dp"]:
+            lines += _op_lines(name, c)
     return "\n".join(lines) + "\n"
+
+
+def _op_lines(name: str, c: dict[str, Any]) -> list[str]:
+    """A cell's operator calls by name, DP − stock (the largest differences), and DP's by source line."""
+    stock, dp = c["stock"]["ops"], c["dp"]["ops"]
+    extra = sorted(set(stock) | set(dp), key=lambda op: -abs(dp.get(op, 0) - stock.get(op, 0)))[:TOP_OPS]
+    lines = [
+        "",
+        f"Operator calls of {name} by operator (DP − stock = {c['dp']['calls'] - c['stock']['calls']}):",
+        "",
+    ]
+    lines += ["| operator | stock | DP | DP − stock |", "|---|---|---|---|"]
+    lines += [
+        f"| {op} | {stock.get(op, 0)} | {dp.get(op, 0)} | {dp.get(op, 0) - stock.get(op, 0):+d} |"
+        for op in extra
+    ]
+    lines += [
+        "",
+        f"DP operator calls of {name} by the innermost hf_dp line that issued them (top {TOP_OPS}):",
+        "",
+    ]
+    lines += [f"- {n} × {where}" for where, n in list(c["dp"]["op_sources"].items())[:TOP_OPS]]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -152,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch", type=int, default=TINY_BATCH)
     p.add_argument("--cells", nargs="*", default=[cell_name(*c) for c in CELLS])
     p.add_argument("--stacks", action="store_true", help="attribute every DP host sync to its source")
+    p.add_argument("--ops", action="store_true", help="count every operator call by name and by source line")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*(use_cache|bos_token_id|gradient_checkpointing).*")
@@ -159,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **{k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")}
     )
     cells = {
-        cell_name(*c): count_cell(*c, shape, args.seq, args.batch, args.stacks)
+        cell_name(*c): count_cell(*c, shape, args.seq, args.batch, args.stacks, args.ops)
         for c in CELLS
         if cell_name(*c) in args.cells
     }
@@ -171,7 +210,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(result))
+    md = args.out.with_suffix(".md")
+    notes = md.read_text().partition(NOTES) if md.exists() else ("", "", "")
+    md.write_text(markdown(result) + (f"\n{NOTES}{notes[2]}" if notes[1] else ""))
     print(markdown(result))
     return result
 

@@ -85,9 +85,10 @@ class Traffic(TorchDispatchMode):
     factory's output only), calls, host reads of a tensor value, and operators whose output size depends on tensor
     values (``value_sized``: boolean-mask indexing, ``nonzero``; each a device synchronisation too); by operator
     name. With ``stacks`` each host read also records the Python stack that asked for it (``host_read_stacks``,
-    innermost frame last), and each value-sized operator its stack (``value_sized_stacks``)."""
+    innermost frame last), and each value-sized operator its stack (``value_sized_stacks``). With ``ops`` each
+    counted call records its operator's name and stack (``call_stacks``)."""
 
-    def __init__(self, products: set, stacks: bool = False) -> None:
+    def __init__(self, products: set, stacks: bool = False, ops: bool = False) -> None:
         super().__init__()
         self.products = products
         self.bytes: dict[str, int] = {}
@@ -97,6 +98,8 @@ class Traffic(TorchDispatchMode):
         self.host_read_stacks: list[list[str]] = []
         self.value_sized = 0
         self.value_sized_stacks: list[list[str]] = []
+        self.ops = ops
+        self.call_stacks: list[tuple[str, list[str]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -117,6 +120,8 @@ class Traffic(TorchDispatchMode):
         moved = _bytes(tree_leaves(out)) + (0 if name in _FACTORIES else _bytes(tree_leaves((args, kwargs))))
         self.bytes[name] = self.bytes.get(name, 0) + moved
         self.calls += 1
+        if self.ops:
+            self.call_stacks.append((name, _python_stack()))
         return out
 
 

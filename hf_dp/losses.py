@@ -106,14 +106,16 @@ class _TokenCrossEntropy(torch.autograd.Function):
         targets = labels.reshape(-1, 1).to(flat.device)
         labelled = targets[:, 0] != IGNORE_INDEX
         targets = targets.clamp(min=0)  # an ignored row's target is never read: its loss and gradient are 0
-        wide = torch.promote_types(logits.dtype, torch.float32)
+        # torch.promote_types(logits.dtype, torch.float32) without a call through torch's dispatcher
+        wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
         lse = torch.empty(flat.shape[0], dtype=wide, device=flat.device)
         losses = torch.empty_like(lse)
         for rows in _chunks(flat.shape[0], flat.shape[1]):
             z = flat[rows].to(wide)
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            losses[rows] = (1 - label_smoothing) * (lse[rows] - z.gather(1, targets[rows])[:, 0])
+            torch.logsumexp(z, dim=-1, out=lse[rows])  # written in place: no copy
+            torch.sub(lse[rows], z.gather(1, targets[rows])[:, 0], out=losses[rows])
             if label_smoothing:
+                losses[rows] *= 1 - label_smoothing
                 losses[rows] += label_smoothing * (lse[rows] - z.mean(dim=-1))
         ctx.save_for_backward(logits, targets, labelled, lse)
         ctx.label_smoothing = label_smoothing
@@ -125,7 +127,8 @@ class _TokenCrossEntropy(torch.autograd.Function):
         logits, targets, labelled, lse = ctx.saved_tensors
         flat = logits.detach().reshape(-1, logits.shape[-1])
         smoothing, vocab = ctx.label_smoothing, flat.shape[1]
-        weights = grad_losses.reshape(-1).to(lse.dtype).where(labelled, 0.0)[:, None]
+        # where() reads a broadcast gradient (a sum's backward) as it is; reshaping it first would copy it
+        weights = torch.where(labelled.view(grad_losses.shape), grad_losses.to(lse.dtype), 0.0).view(-1, 1)
         grad = torch.empty(flat.shape, dtype=logits.dtype, device=flat.device)
         in_place = grad.dtype == lse.dtype  # else each chunk is finished in float32, then cast
         for rows in _chunks(flat.shape[0], vocab):

@@ -302,13 +302,15 @@ def combined_terms(evaluations: Sequence[tuple[EvaluationGradients, float]]) -> 
 def norms_of(
     terms: Terms, count: int, scales: dict[int, ClipScale], materialise: bool, device: torch.device
 ) -> torch.Tensor:
-    """‖s ⊙ u_i‖ with ‖s ⊙ u_i‖² = Σ_params ‖s ⊙ Σ_(uses, evaluations) w G_i‖², every cross term included."""
+    """‖s ⊙ u_i‖ with ‖s ⊙ u_i‖² = Σ_params ‖s ⊙ Σ_(uses, evaluations) w G_i‖², every cross term included, each
+    parameter's added into one (U,) buffer."""
     dtype = torch.float64 if any(p.dtype == torch.float64 for p, _ in terms.values()) else torch.float32
-    total = torch.zeros(count, dtype=dtype, device=device)
+    total = None  # the first parameter's squared norms start the buffer (no zeros)
     for pid, (param, weighted) in terms.items():
         if weighted:
             # under DeepSpeed ZeRO-3 a parameter is partitioned to shape (0,); ds_shape is its real shape
             shape = getattr(param, "ds_shape", param.shape)
-            squared = combined_squared_norm(weighted, scales.get(pid), shape, materialise)
-            total += squared.to(total)
+            total = combined_squared_norm(weighted, scales.get(pid), shape, materialise, into=total).to(dtype)
+    if total is None:
+        total = torch.zeros(count, dtype=dtype, device=device)
     return total.clamp(min=0).sqrt()

@@ -26,7 +26,7 @@ from torch import nn
 
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.loss_scale import LossScale
-from hf_dp.clipping.per_example import clipped_total
+from hf_dp.clipping.per_example import Folded, clipped_total
 from hf_dp.clipping.sum_passes import Sum
 
 
@@ -56,11 +56,12 @@ class IntoGradients:
         for param, total in computed.totals.items():
             self.engine.sums.add_total(param, total)
         weights = self.scale.weights(factors) if factors is not None else None
+        folded = Folded()  # an input shared by consecutive uses (q, k, v) is scaled by c once
         with torch.no_grad():
             for param, weighted in computed.take_parts():
                 for weight, part in weighted:
                     self.engine.sums.add(
-                        param, computed.drop.apply(part), weights if weight == 1 else weight * weights
+                        param, computed.drop.apply(part), weights if weight == 1 else weight * weights, folded
                     )
         if computed.surrogate is not None:
             with self.scale.unscaled_gradients(self.engine.parameters):

@@ -194,6 +194,7 @@ class LayerByLayer:
     kept: Sequence[Kept]
     factors: torch.Tensor
     units: PrivacyUnits | None
+    some_zero: bool = True  # whether some c_i may be 0 (tail.UnitWeights)
 
     def layer_term(self, index: int) -> torch.Tensor | None:
         """A zero whose gradient gives the ``index``-th layer's parameters their layer-by-layer part
@@ -220,7 +221,7 @@ class LayerByLayer:
         gradient, boundary.gradient = boundary.gradient, None
         if not hidden.requires_grad:
             return None
-        return paired(hidden, weighted_by_units(gradient, self.factors, self.units))
+        return paired(hidden, weighted_by_units(gradient, self.factors, self.units, self.some_zero))
 
     def matches_chain(self, below: int, top: torch.Tensor, low_precision: bool) -> bool:
         """Whether the layer-by-layer pass equals the chained one, checked without writing ``.grad`` (a framework's
@@ -318,7 +319,7 @@ class LayerByLayer:
         k: its point, spread(c) ⊙ the point's kept gradient, and its parameters, from the top, each kept gradient
         let go. A backward from a point towards its segment also runs through the earlier points its earlier uses
         feed."""
-        weighted = UnitWeights(factors, self.units)
+        weighted = UnitWeights(factors, self.units, self.some_zero)
         for (module, tensor), params in reversed(list(zip(run.points, run.segments, strict=True))):
             gradient = self.points.gradients.pop((run.layer, module), None)
             if params and gradient is not None and tensor.requires_grad:

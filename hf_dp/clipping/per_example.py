@@ -20,6 +20,7 @@ otherwise needs the explicit per-example gradients.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -77,6 +78,24 @@ def gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a_wide, (a_wide if b is a else wide(b)).transpose(1, 2))
 
 
+def dots(a: torch.Tensor, b: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """⟨a_i, b_i⟩ per example i (a, b shaped (B, ...)), as one batched GEMM in float32 or wider (outside autocast,
+    which makes a Gram of the backward bf16); ``into`` (B,): added to it in place (into_i += ⟨a_i, b_i⟩, the norms
+    of all layers summed in one buffer, no temporary per layer)."""
+    a, b = wide(a.reshape(a.shape[0], 1, -1)), wide(b.reshape(b.shape[0], -1, 1))
+    if a.dtype != b.dtype:  # float32 beside float64
+        a, b = a.double(), b.double()
+    autocast = torch.is_autocast_enabled(a.device.type)
+    with torch.autocast(a.device.type, enabled=False) if autocast else contextlib.nullcontext():
+        if into is None:
+            return torch.bmm(a, b).view(-1)
+        if into.dtype == a.dtype and into.is_contiguous():
+            into.view(-1, 1, 1).baddbmm_(a, b)
+        else:
+            into += torch.bmm(a, b).view(-1).to(into)
+    return into
+
+
 def bf16_pieces(x: torch.Tensor) -> list[torch.Tensor]:
     """A float32 x as three bf16 tensors whose sum is x exactly (8 + 8 + 8 significand bits, while |x| ≥ 2^-110
     keeps the third piece normal; the bf16x3 split of Henry, Tang & Heinecke 2019): a float32 operand on bf16
@@ -127,7 +146,7 @@ class OuterProductSum:
         """(B, T, T') with entries ⟨left_t, other.left_t'⟩."""
         if self.is_index and other.is_index:
             return (self.left[:, :, None] == other.left[:, None, :]).to(
-                torch.promote_types(self.right.dtype, torch.float32)
+                torch.float64 if self.right.dtype == torch.float64 else torch.float32  # no dispatcher call
             )
         if self.is_index:
             return other.left_gram(self).transpose(1, 2)
@@ -136,10 +155,9 @@ class OuterProductSum:
             return wide(torch.gather(self.left, 2, index))
         return gram(self.left, other.left)
 
-    def inner(self, other: OuterProductSum) -> torch.Tensor:
-        """⟨G_i, G'_i⟩ per example, by the Gram identity."""
-        right_gram = gram(self.right, other.right)
-        return (self.left_gram(other) * right_gram).sum(dim=(1, 2))
+    def inner(self, other: OuterProductSum, into: torch.Tensor | None = None) -> torch.Tensor:
+        """⟨G_i, G'_i⟩ per example, by the Gram identity (``into``: added to it, ``dots``)."""
+        return dots(self.left_gram(other), gram(self.right, other.right), into)
 
     def gram_is_cheaper(self, other: OuterProductSum | None = None) -> bool:
         """The (cross-)Gram costs T·T'(rows + cols) per example, materialising both sides (T + T')·rows·cols, and
@@ -154,11 +172,16 @@ class OuterProductSum:
         other_steps = other.left.shape[1]
         return steps * other_steps * (rows + cols) <= (steps + other_steps) * rows * cols
 
-    def squared_norm(self, materialise: bool) -> torch.Tensor:
+    def squared_norm(self, materialise: bool, into: torch.Tensor | None = None) -> torch.Tensor:
+        """‖G_i‖² per example, by the Gram or from the explicit G_i (``into``: added to it, ``dots``)."""
         if materialise or not self.gram_is_cheaper():
-            chunks = [g.pow(2).sum(dim=(1, 2)) for g in self.materialise_chunks()]
+            bounds = _chunks(self.batch_size, self.rows * self.right.shape[2])
+            parts = [into if into is None else into[a:b] for a, b in bounds]
+            chunks = [dots(g, g, part) for g, part in zip(self.materialise_chunks(), parts, strict=True)]
+            if into is not None:
+                return into
             return chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # one chunk: no copy
-        return self.inner(self)
+        return self.inner(self, into)
 
     def materialise(self, start: int, stop: int) -> torch.Tensor:
         """The explicit per-example gradients (stop − start, rows, cols) of examples start..stop, float32 or wider."""
@@ -204,12 +227,17 @@ class OuterProductSum:
         return (along * right).sum(dim=(1, 2))
 
     def accumulate(
-        self, grad: torch.Tensor | None, weights: torch.Tensor, like: torch.Tensor
+        self,
+        grad: torch.Tensor | None,
+        weights: torch.Tensor,
+        like: torch.Tensor,
+        folded: Folded | None = None,
     ) -> torch.Tensor:
         """grad + Σ_i w_i G_i (grad None: a fresh tensor shaped like ``like``), as one GEMM written in place
-        (one index_add for embeddings), with w folded into the smaller side, at float32's accuracy or wider: the
-        weights are clip factors, which bf16 would round up as often as down. bf16 factors on CUDA take three
-        tensor-core GEMMs (``bf16_pieces``), the rest one GEMM of the factors widened."""
+        (one index_add for embeddings), with w folded into the smaller side, or into the right side ``folded``
+        already holds scaled (uses sharing their input), at float32's accuracy or wider: the weights are clip
+        factors, which bf16 would round up as often as down. bf16 factors on CUDA take three tensor-core GEMMs
+        (``bf16_pieces``), the rest one GEMM of the factors widened."""
         if (
             not self.is_index
             and self.left.dtype == torch.bfloat16
@@ -219,7 +247,7 @@ class OuterProductSum:
             return fresh if grad is None else grad.add_(fresh)
         left, right = wide(self.left), wide(self.right)
         cols = right.shape[2]
-        weights = weights.to(right.dtype)
+        clip_weights, weights = weights, weights.to(right.dtype)
         in_place = grad is not None and grad.dtype == right.dtype
         if self.is_index:
             if grad is None:
@@ -228,10 +256,11 @@ class OuterProductSum:
             target = grad.view(self.rows, cols) if in_place else right.new_zeros(self.rows, cols)
             target.index_add_(0, left.reshape(-1), (right * weights[:, None, None]).reshape(-1, cols))
             return grad if in_place else grad.add_(target.view(like.shape).to(grad.dtype))
-        if left.shape[2] <= right.shape[2]:
-            left = left * weights[:, None, None]
+        folded = folded if folded is not None else Folded()
+        if folded.holds(self.right, clip_weights) or right.shape[2] <= left.shape[2]:
+            right = folded.scaled(self.right, right, clip_weights)
         else:
-            right = right * weights[:, None, None]
+            left = left * weights[:, None, None]
         left, right = left.reshape(-1, left.shape[2]), right.reshape(-1, cols)
         if in_place:
             grad.view(self.rows, cols).addmm_(left.T, right)
@@ -240,15 +269,39 @@ class OuterProductSum:
         return fresh if grad is None else grad.add_(fresh)
 
 
+class Folded:
+    """The last factor side that clip weights w scaled, w_i x_{i,t}, kept for the next use of the same input x with
+    the same w (q, k and v share theirs, as gate and up do): one delivery's memo, one tensor at a time."""
+
+    def __init__(self) -> None:
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (x, w, w ⊙ x widened)
+
+    def holds(self, side: torch.Tensor, weights: torch.Tensor) -> bool:
+        """Whether ``side`` (the same view of the same memory as the last) was scaled by these ``weights``."""
+        last = self._last
+        return last is not None and last[1] is weights and _view(last[0]) == _view(side)
+
+    def scaled(self, side: torch.Tensor, widened: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """w_i · side_{i,t} (``widened``: side in float32 or wider), formed once for consecutive uses of ``side``."""
+        if not self.holds(side, weights):
+            self._last = (side, weights, widened * weights.to(widened.dtype)[:, None, None])
+        return self._last[2]
+
+
+def _view(x: torch.Tensor) -> tuple:
+    """What makes two tensors the same view of the same memory."""
+    return x.data_ptr(), x.dtype, x.shape, x.stride()
+
+
 @dataclass
 class Materialised:
     """Explicit per-example gradients (B, *param.shape); used for vectors and the torch.func fallback."""
 
     grads: torch.Tensor
 
-    def squared_norm(self, materialise: bool = True) -> torch.Tensor:
-        """‖G_i‖² (already explicit: ``materialise`` is accepted for the common interface)."""
-        return self.grads.flatten(1).pow(2).sum(dim=1)
+    def squared_norm(self, materialise: bool = True, into: torch.Tensor | None = None) -> torch.Tensor:
+        """‖G_i‖² (already explicit: ``materialise`` is accepted for the common interface; ``into``: added to it)."""
+        return dots(self.grads, self.grads, into)
 
     def materialise(self, start: int, stop: int) -> torch.Tensor:
         return self.grads[start:stop]
@@ -268,9 +321,13 @@ class Materialised:
         return Materialised(self.grads * dense_scale(scale).to(self.grads))
 
     def accumulate(
-        self, grad: torch.Tensor | None, weights: torch.Tensor, like: torch.Tensor
+        self,
+        grad: torch.Tensor | None,
+        weights: torch.Tensor,
+        like: torch.Tensor,
+        folded: Folded | None = None,
     ) -> torch.Tensor:
-        """grad + Σ_i w_i G_i (grad None: a fresh tensor shaped like ``like``)."""
+        """grad + Σ_i w_i G_i (grad None: a fresh tensor shaped like ``like``; ``folded`` unused: one GEMM)."""
         fresh = (
             torch.tensordot(weights.to(self.grads.dtype), self.grads, dims=1).view(like.shape).to(like.dtype)
         )
@@ -329,21 +386,37 @@ def _batch_size(part: PerExampleGradient) -> int:
 
 
 def combined_squared_norm(
-    terms: Sequence[Weighted], scale: ClipScale | None, shape: torch.Size, materialise: bool
+    terms: Sequence[Weighted],
+    scale: ClipScale | None,
+    shape: torch.Size,
+    materialise: bool,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """‖s ⊙ Σ_k w_k G^k_i‖² per example, exactly. One term: its own cheapest form. Several: Σ_{k,l} w_k w_l
     ⟨G^k_i, G^l_i⟩ by cross-Grams when every pair's Gram is cheaper, else from the explicit weighted sum;
-    a scale s is folded into the factors first, and a dense s on dense factors needs the explicit sum."""
+    a scale s is folded into the factors first, and a dense s on dense factors needs the explicit sum.
+    ``into`` (B,): the squared norm added to it in place (one buffer for all parameters) and returned."""
     if scale is not None:
         scale = unsharded(scale)
         scaled = [(weight, part.scaled(scale)) for weight, part in terms]
         if any(part is None for _, part in scaled):
-            return _explicit_squared_norm(terms, shape, dense_scale(scale))
+            return _added(_explicit_squared_norm(terms, shape, dense_scale(scale)), into)
         terms = scaled
     if len(terms) == 1:
         weight, part = terms[0]
-        squared = part.squared_norm(materialise)
-        return squared if weight == 1 else weight * weight * squared  # × 1 would be one more launch
+        if weight == 1:  # × 1 would be one more launch
+            return part.squared_norm(materialise, into)
+        return _added(weight * weight * part.squared_norm(materialise), into)
+    return _added(_cross_squared_norm(terms, shape, materialise), into)
+
+
+def _added(squared: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    """``squared``, added to ``into`` when given."""
+    return squared if into is None else into.add_(squared.to(into))
+
+
+def _cross_squared_norm(terms: Sequence[Weighted], shape: torch.Size, materialise: bool) -> torch.Tensor:
+    """‖Σ_k w_k G^k_i‖² of several terms: by cross-Grams when every pair's is cheaper, else explicitly."""
     parts = [part for _, part in terms]
     by_grams = not materialise and all(
         isinstance(a, OuterProductSum) and isinstance(b, OuterProductSum) and a.gram_is_cheaper(b)

@@ -139,6 +139,11 @@ class WholeSum:
         return Sum([], surrogate, batch.dropped)
 
 
+def _some_zero(batch: Batch) -> bool:
+    """Whether a clip factor c_i of the micro-batch may be 0 (not yet decided: it may)."""
+    return batch.dropped is None or batch.dropped.examples is not None
+
+
 def layerwise_usable(found: FoundNorms) -> bool:
     """The norm pass kept what the layer-by-layer pass needs, for every checkpointed layer (layerwise.py)."""
     return found.points is not None and found.replay is not None and found.points.usable(found.replay.kept)
@@ -188,14 +193,14 @@ class BodySum:
                 hidden = forward_to(tail.boundary, lambda: losses_of(self.module))
             if not hidden.requires_grad:
                 return hidden.new_zeros(())
-            return paired(hidden, tail.hidden_gradient(factors, batch.units))
+            return paired(hidden, tail.hidden_gradient(factors, batch.units, _some_zero(batch)))
 
         return surrogate
 
     def _layer_terms(
         self, tail: Tail, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch
     ) -> Surrogate:
-        layers = LayerByLayer(found.points, found.replay.kept, factors, batch.units)
+        layers = LayerByLayer(found.points, found.replay.kept, factors, batch.units, _some_zero(batch))
 
         def surrogate() -> torch.Tensor:
             replay_rng(found.rng)

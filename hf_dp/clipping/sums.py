@@ -7,13 +7,14 @@ kept in float32 beside it (``wide``), so that the noise is added in float32 and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from hf_dp.clipping.geometry import ClippingFn, clip_factors
-from hf_dp.clipping.per_example import LOW_PRECISION, Dropped, PerExampleGradient, Weighted
+from hf_dp.clipping.per_example import LOW_PRECISION, Dropped, Folded, PerExampleGradient, Weighted
 
 # per parameter id: the parameter and its weighted per-example parts (uses, evaluations)
 Terms = dict[int, tuple[nn.Parameter, list[Weighted]]]
@@ -38,6 +39,11 @@ class ClippedSums:
         return torch.zeros_like(param, dtype=dtype)
 
 
+def _not_finite(x: torch.Tensor) -> torch.Tensor:
+    """~isfinite(x) as ~(|x| < inf) (nan compares false): three operators where ``torch.isfinite`` and ~ take five."""
+    return ~(x.abs() < math.inf)
+
+
 @dataclass(frozen=True)
 class Clipped:
     """A micro-batch's clip factors c_i · mask_i and what its sums leave out, decided together (``SumWriter.clip``):
@@ -60,12 +66,13 @@ class SumWriter:
         self.nonfinite_examples = 0  # examples clipped to zero because their gradient overflowed
         self.low_precision: dict[nn.Parameter, torch.Tensor] = {}  # the float32 sums of bf16/fp16 parameters
 
-    def _factors(self, norms: torch.Tensor, finite: torch.Tensor, clip_norm: float) -> torch.Tensor:
+    def _factors(self, norms: torch.Tensor, overflowed: torch.Tensor, clip_norm: float) -> torch.Tensor:
         """c_i at ``clip_norm`` (geometry.clip_factors); 0 for an example whose gradient is not finite (an overflow
-        in low precision): it then contributes nothing, within the sensitivity C."""
+        in low precision, ``overflowed``; its c_i, nan or 0, is overwritten): it then contributes nothing, within
+        the sensitivity C."""
         if not clip_norm > 0:
             raise ValueError(f"clip_norm must be > 0, got {clip_norm}")
-        return torch.where(finite, clip_factors(norms.nan_to_num(), clip_norm, self.clipping_fn), 0.0)
+        return clip_factors(norms, clip_norm, self.clipping_fn).masked_fill_(overflowed, 0.0)
 
     def clip(
         self,
@@ -78,13 +85,13 @@ class SumWriter:
         whatever the number of parameters: the examples whose norm is not finite (counted in
         ``nonfinite_examples``), those whose factor is 0, and with ``losses`` whether a real unit's loss is not
         finite. The read is one integer, n_nonfinite + (B + 1)·n_zero + (B + 1)²·n_bad_losses."""
-        finite = torch.isfinite(norms)
-        factors = self._factors(norms, finite, clip_norm) * mask.to(norms.dtype)
-        overflowed, dropped = ~finite, factors == 0
+        overflowed = _not_finite(norms)
+        factors = self._factors(norms, overflowed, clip_norm) * mask.to(norms.dtype)
+        dropped = factors == 0
         base = norms.shape[0] + 1
         code = torch.add(overflowed.sum(), dropped.sum(), alpha=base)
         if losses is not None:
-            code = code.add_((~torch.isfinite(losses) & mask.bool()).sum(), alpha=base * base)
+            code = code.add_((_not_finite(losses) & mask.bool()).sum(), alpha=base * base)
         value = int(code)
         nonfinite, zero, bad_losses = value % base, value // base % base, value // (base * base)
         self.nonfinite_examples += nonfinite
@@ -95,16 +102,22 @@ class SumWriter:
             bad_losses > 0,
         )
 
-    def add(self, param: nn.Parameter, part: PerExampleGradient, weights: torch.Tensor) -> None:
-        """The clipped sum += Σ_i w_i G_i."""
+    def add(
+        self,
+        param: nn.Parameter,
+        part: PerExampleGradient,
+        weights: torch.Tensor,
+        folded: Folded | None = None,
+    ) -> None:
+        """The clipped sum += Σ_i w_i G_i (``folded``: the delivery's memo of a scaled input, per_example.py)."""
         if param.dtype not in LOW_PRECISION:
-            param.grad = part.accumulate(param.grad, weights, param)
+            param.grad = part.accumulate(param.grad, weights, param, folded)
             return
         wide = self.low_precision.get(param)
         like = (
             wide if wide is not None else torch.empty(param.shape, dtype=torch.float32, device=param.device)
         )
-        self.low_precision[param] = part.accumulate(wide, weights, like)
+        self.low_precision[param] = part.accumulate(wide, weights, like, folded)
 
     def add_total(self, param: nn.Parameter, total: torch.Tensor) -> None:
         """The clipped sum += an already formed Σ_i c_i G_i (float32 or wider; group-wise clipping)."""

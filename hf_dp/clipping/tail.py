@@ -73,9 +73,11 @@ class Tail:
     boundary: TailBoundary
     parts: list[tuple[nn.Parameter, PerExampleGradient]] = field(default_factory=list)
 
-    def hidden_gradient(self, factors: torch.Tensor, units: PrivacyUnits | None) -> torch.Tensor:
+    def hidden_gradient(
+        self, factors: torch.Tensor, units: PrivacyUnits | None, some_zero: bool = True
+    ) -> torch.Tensor:
         """spread(c) ⊙ ∂(Σ_i L_i)/∂h (``weighted_by_units``)."""
-        return weighted_by_units(self.boundary.gradient, factors, units)
+        return weighted_by_units(self.boundary.gradient, factors, units, some_zero)
 
     def take_parts(self) -> list[tuple[nn.Parameter, PerExampleGradient]]:
         """The tail's per-example gradients, handed over once: the list the norm pass filled is emptied, so nothing
@@ -286,27 +288,30 @@ def keep_form(part: PerExampleGradient, shape: torch.Size) -> PerExampleGradient
 
 
 def weighted_by_units(
-    gradient: torch.Tensor, factors: torch.Tensor, units: PrivacyUnits | None
+    gradient: torch.Tensor, factors: torch.Tensor, units: PrivacyUnits | None, some_zero: bool = True
 ) -> torch.Tensor:
     """spread(c) ⊙ ∂(Σ_i L_i)/∂h, exactly 0 on the rows and tokens of units with c_i = 0 (their gradient may not be
-    finite)."""
-    return UnitWeights(factors, units)(gradient)
+    finite); ``some_zero`` False: no c_i is 0 (the clip's host read found none)."""
+    return UnitWeights(factors, units, some_zero)(gradient)
 
 
 class UnitWeights:
-    """``weighted_by_units`` for several gradients of one micro-batch, spread(c) and its zeros formed once per shape."""
+    """``weighted_by_units`` for several gradients of one micro-batch, spread(c) and its zeros formed once per shape.
+    Where no c_i is 0 (``some_zero`` False) and each row is one unit, spread(c) has no zero and spread(c) ⊙ ∂h is the
+    product alone (the same values, one operator instead of three)."""
 
-    def __init__(self, factors: torch.Tensor, units: PrivacyUnits | None) -> None:
+    def __init__(self, factors: torch.Tensor, units: PrivacyUnits | None, some_zero: bool = True) -> None:
         self.factors, self.units = factors, units
-        self._formed: dict[tuple[torch.Size, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.masked = some_zero or not (units is None or units.is_trivial)
+        self._formed: dict[tuple[torch.Size, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def __call__(self, gradient: torch.Tensor) -> torch.Tensor:
         key = (gradient.shape, gradient.dtype)
         if key not in self._formed:
             weights = spread(self.factors, self.units, gradient.shape).to(gradient.dtype)
-            self._formed[key] = (weights, weights != 0)
+            self._formed[key] = (weights, weights != 0 if self.masked else None)
         weights, nonzero = self._formed[key]
-        return torch.where(nonzero, gradient * weights, 0.0)
+        return gradient * weights if nonzero is None else torch.where(nonzero, gradient * weights, 0.0)
 
 
 def paired(hidden: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:

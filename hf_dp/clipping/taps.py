@@ -341,7 +341,7 @@ class NormCollector:
                 continue
             if self._is_tied_head(pid, part):
                 self._tied_heads[pid] = _AgainstIds(part, self._ids[pid])
-                self.squared += part.squared_norm(False).to(self.squared)
+                part.squared_norm(False, into=self.squared)
                 continue
             _, parts = self._waiting.setdefault(pid, (param, []))
             parts.append(part)
@@ -364,11 +364,11 @@ class NormCollector:
     def _add_norm(self, param: nn.Parameter, parts: list[PerExampleGradient]) -> None:
         shape = getattr(param, "ds_shape", param.shape)  # DeepSpeed ZeRO-3 partitions to shape (0,)
         terms = [(1.0, part) for part in parts]
-        squared = combined_squared_norm(terms, self.scales.get(id(param)), shape, self.materialise)
+        scale = self.scales.get(id(param))
         if self.group_sums is not None:
-            self.group_sums.add(param, parts, squared)
+            self.group_sums.add(param, parts, combined_squared_norm(terms, scale, shape, self.materialise))
         else:
-            self.squared += squared.to(self.squared)
+            combined_squared_norm(terms, scale, shape, self.materialise, into=self.squared)
 
     def norms(self) -> torch.Tensor:
         """‖s ⊙ g_i‖, shape (B,), or per group (B, G), once the backward is done (call once); a use whose output
