@@ -40,12 +40,14 @@ LONGEST_FIRST = (
     "test_distributed.py",  # 342
     "test_audit.py",  # 339
     "test_crash_safety.py",  # 174
+    "test_families.py",  # ~90 (45 families and LoRA variants, two steps each against brute force)
     "test_recipe_smollm2_defaults.py",  # 80 (converts SmolLM2 once; SFT and table2text from it)
     "test_benchmark_optimizers_smoke.py",  # 45
     "test_stp_study_smoke.py",  # 45
     "test_recipe_qlora.py",  # 44
     "test_smollm2.py",  # 40 (one-thread run: converts SmolLM2's GGUF once, ~20 s)
     "test_groupwise.py",  # 40
+    "test_flattened_rows.py",  # ~40
     "test_recipe_glue.py",  # 38
     "test_example_run_clm.py",  # 34
     "test_recipe_table2text.py",  # 31

@@ -13,12 +13,12 @@ import transformers as T
 from torch import nn
 
 from hf_dp.backend import Backend
-from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
+from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.pipeline import clipped_step
 from tests import models, oracle
 from tests.test_checkpointing import checkpointed_steps
 from tests.test_engine import assert_close
-from tests.test_flattened_rows import bart, mpnet, opt, qwen2_moe
+from tests.test_flattened_rows import bart, mamba, mpnet, opt, qwen2_moe
 from tests.test_model_families import FAMILIES as CHECKPOINTED_DECODERS
 from tests.test_model_families import float64_throughout
 
@@ -102,7 +102,7 @@ FAMILIES = {
         "rules",
     ),
     "opt": (opt, models.token_batch, torch.float64, "rows"),
-    "mamba": (lambda: mamba(), models.token_batch, torch.float64, "fallback"),
+    "mamba": (mamba, models.token_batch, torch.float64, "fallback"),
     "mixtral": (models.mixtral, models.token_batch, torch.float32, "fallback"),
     "qwen2_moe": (qwen2_moe, models.token_batch, torch.float32, "fallback"),
     "bert": (models.bert_classifier, _classes(), torch.float64, "rules"),
@@ -214,19 +214,39 @@ def test_a_dp_step_of_each_family_equals_brute_force(family: str, monkeypatch) -
     assert step.engine.row_tracking.on is (path in ("rows", "shared", "fallback")), family
 
 
-def mamba() -> nn.Module:
-    config = T.MambaConfig(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=2, pad_token_id=PAD)
-    return T.MambaForCausalLM(config)
+# family: peft's target modules ("all-linear": every linear layer but the head)
+LORA = {
+    "opt": "all-linear",
+    "falcon": "all-linear",
+    "t5": "all-linear",
+    "bart": "all-linear",
+    "mpnet": "all-linear",
+    "deberta_v2": "all-linear",
+    "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],  # peft's router adapter reads its weights directly
+    "mamba": ["in_proj", "x_proj"],  # peft refuses Mamba's out_proj and conv1d
+}
 
 
-def test_mamba_under_checkpointing_is_refused_in_one_line() -> None:
-    """Mamba's mixer (A_log, D, and the conv1d and dt_proj weights it reads itself) takes the torch.func fallback,
-    which computing the norms inside the backward cannot run: refused, naming the mixer."""
-    model = mamba().double().train()
-    model.gradient_checkpointing_enable({"use_reentrant": False})
-    step = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
-    with pytest.raises(
-        UnsupportedModuleError, match=r"mixer has no per-example rule, which activation"
-    ) as refused:
-        checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, steps=1)
-    assert "\n" not in str(refused.value)
+@pytest.mark.parametrize("family", list(LORA))
+def test_a_lora_dp_step_of_each_family_equals_brute_force(family: str, monkeypatch) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    build, batch_of, dtype, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model = build()
+    float64_throughout(model, monkeypatch)
+    model = get_peft_model(
+        model, LoraConfig(r=2, lora_alpha=4, target_modules=LORA[family], lora_dropout=0.0)
+    )
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            nn.init.normal_(param, std=0.1)  # lora_B starts at 0: its per-example gradients would be trivial
+    model = model.to(dtype).train()
+    batch = batch_of()
+    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    max_norm = norms.median().item()
+    reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
+    assert reference and all("lora_" in name or "classifier" in name or "score" in name for name in reference)
+    step = clipped_step(ClippingEngine(model), model, Backend())
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
+        assert_close(ours, reference, rtol=1e-9 if dtype == torch.float64 else 1e-4, floor=1e-6)

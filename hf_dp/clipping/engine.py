@@ -188,15 +188,6 @@ class ClippingEngine:
         when the backward differentiates towards ``collector.anchor`` only (FSDP2, which decides from
         ``requires_grad`` in a forward which gradients it will reduce: frozen there, they never would be).
         ``group_sums``: group-wise clipping, each group's clipped sum formed in the backward (groups.py)."""
-        missing = [
-            self.layers.module_names.get(m, "?") for m, rule in self.layers.rules.items() if rule is None
-        ]
-        if missing:
-            raise UnsupportedModuleError(
-                f"{missing[0]} has no per-example rule, which activation checkpointing needs (the torch.func "
-                "fallback re-runs the module outside the checkpoint): register one with "
-                "hf_dp.clipping.rules.register_rule, freeze it, or turn checkpointing off"
-            )
         scales = scales_by_id(clip_scale, self.parameters)
         collector = NormCollector(
             self.layers, batch_size, units, scales, self.materialise, options, self.row_tracking, group_sums

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hf_dp.clipping.fallback import tap_call
 from hf_dp.clipping.geometry import ClipScale
 from hf_dp.clipping.groups import GroupSums
 from hf_dp.clipping.hooks import (
@@ -44,6 +45,7 @@ from hf_dp.clipping.per_example import (
     gram,
 )
 from hf_dp.clipping.rows import ExampleRows, RowTracking
+from hf_dp.clipping.rules import functorch_per_example_grads
 from hf_dp.clipping.shared import SharedUse, anchored
 from hf_dp.clipping.tail import Tail, TailFinder, keep_form
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
@@ -110,6 +112,9 @@ class NormCollector:
         self.layers, self.scales, self.materialise = layers, scales, materialise
         self.tracking = tracking
         self._flattened: dict[nn.Module, ExampleRows] = {}  # the row maps of the first forward (rows.py)
+        self._joined: dict[nn.Module, set[str]] = {}  # per fallback module, the submodules' parameters it reads
+        self._fallback_calls: set[nn.Module] = set()  # modules without a rule tapped in the first forward
+        self.suspended = False  # a fallback is re-running a module in the backward
         self._shared: list[tuple[SharedUse, int]] = []  # layers on an input shared by all examples, their call
         self.group_sums = group_sums  # group-wise clipping: each group's clipped sum formed in the backward
         self.owned = layers.owned
@@ -164,6 +169,8 @@ class NormCollector:
 
     def admits(self, module: nn.Module) -> bool:
         """Reentrant checkpointing runs the first forward under no_grad: counted here, tapped when recomputed."""
+        if self.suspended:
+            return False
         if self.counting and not torch.is_grad_enabled() and in_reentrant_checkpoint():
             self.count(module, None, checkpointed=True, reentrant=True)
         return True
@@ -174,6 +181,8 @@ class NormCollector:
         if module not in self._flattened and self.tracking.takes_shared(x, self.rows):
             return self._shared_use(module, x, output)
         rows = self._rows_at(module, x)
+        if self.layers.rules[module] is None:
+            return self._fallback(module, x, args, kwargs, output, rows)
         if x is None or not isinstance(output, torch.Tensor):
             raise UnsupportedModuleError(
                 f"{self.layers.where(module)} must take a tensor first and return one tensor for its norm to be "
@@ -215,10 +224,46 @@ class NormCollector:
         return alias
 
     def joins(self, module: nn.Module, name: str) -> None:
-        raise UnsupportedModuleError(
-            f"{self.layers.where(module)} reads {name} in its forward and has no per-example rule, which computing "
-            "norms inside the backward needs: register one with hf_dp.clipping.rules.register_rule, or freeze it"
-        )
+        self._joined.setdefault(module, set()).add(name)
+
+    def _fallback(
+        self, module: nn.Module, x: torch.Tensor | None, args: tuple, kwargs: dict, output, rows: ExampleRows | None
+    ) -> object:
+        """A module without a rule: its call tapped whole (fallback.py), its per-example gradients by torch.func
+        when its outputs' gradients arrive; the submodules' parameters its forward reads (``joins``) with them."""
+        if self.units is not None:
+            raise UnsupportedModuleError(
+                f"{self.layers.where(module)} has no per-example rule, and the torch.func fallback cannot form "
+                "gradients per privacy unit of several rows or records: register a rule for it, or freeze it"
+            )
+        if not self.counting:  # a checkpoint's recomputation: the first forward's tap receives the gradients
+            if module not in self._fallback_calls:
+                raise UnsupportedModuleError(
+                    f"{self.layers.where(module)} has no per-example rule and runs inside a reentrant checkpoint, "
+                    "whose untracked first forward the torch.func fallback cannot follow: use non-reentrant "
+                    "checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False}), or freeze it"
+                )
+            return tap_call(self.anchor, args, kwargs, output, lambda *_: None)
+        names = [*self.owned[module], *sorted(self._joined.pop(module, ()))]
+        if len(names) > len(self.owned[module]) and self.layer_points is not None:
+            self.layer_points.complete = False  # reads no module call marks: the layer-by-layer pass would miss them
+        for name in names[len(self.owned[module]) :]:  # each joined read is one more use of that parameter
+            pid = id(module.get_parameter(name))
+            self.uses[pid] = self.uses.get(pid, 0) + 1
+        call = self.count(module, x, is_checkpointing())
+        self._fallback_calls.add(module)
+        count = self.rows if rows is None else rows.count
+
+        def receive(call_args: tuple, call_kwargs: dict, grads: list[torch.Tensor | None]) -> None:
+            self.suspended = True  # the fallback re-runs the module (and its submodules): nothing to record
+            try:
+                with torch.enable_grad():
+                    found = functorch_per_example_grads(module, call_args, call_kwargs, grads, names, count, rows)
+            finally:
+                self.suspended = False
+            self._add_found(module, found, call, names)
+
+        return tap_call(self.anchor, args, kwargs, output, receive)
 
     def _rows_at(self, module: nn.Module, x: torch.Tensor | None) -> ExampleRows | None:
         """The example of each row of a flattened input (rows.py): tracked in the first forward, and the same in a
@@ -305,13 +350,16 @@ class NormCollector:
         x, grad_output = regroup_for_rule(self.units, x, grad_output, self.layers.where(module), rows)
         return self.layers.rules[module](module, x, grad_output)
 
-    def _add_found(self, module: nn.Module, found: dict[str, PerExampleGradient], call: int) -> None:
-        """The module's per-example gradients of one use, into the norms (or kept, or in the tail)."""
+    def _add_found(
+        self, module: nn.Module, found: dict[str, PerExampleGradient], call: int, names: Sequence[str] = ()
+    ) -> None:
+        """The module's per-example gradients of one use, into the norms (or kept, or in the tail); ``names``: its
+        own and the nested ones a fallback covers (default: its own)."""
         in_tail = self.tail_finder is not None and self.tail_finder.holds(module, call)
-        for name in self.owned[module]:
+        for name in names or self.owned[module]:
             if name not in found:  # a parameter read directly (shared.py): that one alone
                 continue
-            param = getattr(module, name)
+            param = module.get_parameter(name)
             pid, part = id(param), found[name]
             if in_tail:  # kept for the weighted pass, in the form its norm is also computed from
                 part = self.tail_finder.keep(param, part)
