@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -153,7 +154,9 @@ class ModelArguments(LoraArguments):
         default="bitfit",
         metadata={
             "help": "'all': full fine-tuning; 'bitfit': biases, LayerNorms, pooler and classifier (DP-BiTFiT); "
-            "'lora': peft LoRA adapters + classifier (same as --use_lora); 'head': pooler and classifier only."
+            "'lora': peft LoRA adapters + classifier (same as --use_lora); 'head': pooler and classifier only; "
+            "'top<K>' (e.g. top2): the last K transformer layers, pooler and classifier (the backward pass runs "
+            "through those K layers only)."
         },
     )
     lora_r: int = lora_default("lora_r", 16)
@@ -338,8 +341,28 @@ def use_mean_pooling(model: torch.nn.Module) -> None:
     base.register_forward_pre_hook(remember_mask, with_kwargs=True)
 
 
+def layer_index(name: str) -> int | None:
+    """The transformer layer a parameter belongs to (``...layer.3.`` / ``...layers.3.``), else None."""
+    match = re.search(r"\.layers?\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def top_layers(mode: str, num_layers: int) -> int:
+    """K of ``--trainable top<K>``, checked against the model's number of transformer layers."""
+    match = re.fullmatch(r"top(\d+)", mode)
+    if not match or not 1 <= int(match.group(1)) <= num_layers:
+        raise ValueError(f"--trainable {mode!r}: top<K> needs 1 <= K <= {num_layers} (this model's layers)")
+    return int(match.group(1))
+
+
 def select_trainable(model: torch.nn.Module, model_args: ModelArguments, num_labels: int) -> torch.nn.Module:
-    """Freeze what --trainable says; for LoRA, wrap with peft (classifier kept trainable via modules_to_save)."""
+    """Freeze what --trainable says; for LoRA, wrap with peft (classifier kept trainable via modules_to_save).
+
+    ``top<K>`` trains the last K transformer layers and the head: the layers below get no gradient, so the
+    backward pass (and per-example clipping) stops at layer ``num_layers - K``. The attention key biases stay
+    frozen: softmax is invariant to the score q·b_k they add to every key, so their gradient is zero up to
+    rounding (which group-wise clipping's check against autograd would flag).
+    """
     mode = "lora" if model_args.use_lora else model_args.trainable
     if mode == "all":
         return model
@@ -348,15 +371,22 @@ def select_trainable(model: torch.nn.Module, model_args: ModelArguments, num_lab
 
         config = model_args.lora_config(task_type=TaskType.SEQ_CLS, modules_to_save=["classifier", "score"])
         return get_peft_model(model, config)
+    if mode not in ("bitfit", "head") and not mode.startswith("top"):
+        raise ValueError(f"unknown --trainable {mode!r}; use all, bitfit, lora, head or top<K>")
     head = ("classifier", "score", "pooler")
-    for name, param in model.named_parameters():
+    named = dict(model.named_parameters())
+    num_layers = 1 + max((i for i in map(layer_index, named) if i is not None), default=-1)
+    first_trained = num_layers - top_layers(mode, num_layers) if mode.startswith("top") else 0
+    for name, param in named.items():
         in_head = any(part in name.split(".") for part in head)
         if mode == "bitfit":
             param.requires_grad_(in_head or name.endswith("bias") or "LayerNorm" in name)
         elif mode == "head":
             param.requires_grad_(in_head)
         else:
-            raise ValueError(f"unknown --trainable {mode!r}; use all, bitfit, lora or head")
+            index = layer_index(name)
+            in_top = index is not None and index >= first_trained and not name.endswith("key.bias")
+            param.requires_grad_(in_head or in_top)
     return model
 
 

@@ -16,6 +16,7 @@ from transformers import AutoModelForSequenceClassification
 
 from recipes import glue
 from recipes.common import default_minilm_path, read_glue_tsv
+from tests import models
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = [
@@ -146,6 +147,29 @@ def test_local_files_and_labels(shared_data):
     assert len(train) == 8999 and len(evaluation) == 10 and split == glue.HELD_OUT_TRAIN_SAMPLE
     with pytest.raises(ValueError, match="unknown task_name"):
         glue.task_for("cola")
+
+
+def test_top_k_trains_the_last_k_layers_and_the_head():
+    model = glue.select_trainable(models.bert_classifier(2), glue.ModelArguments(trainable="top1"), 2)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(
+        name.startswith(("bert.encoder.layer.1.", "bert.pooler.", "classifier.")) for name in trained
+    )
+    assert "bert.encoder.layer.1.output.dense.weight" in trained and "classifier.weight" in trained
+    assert "bert.encoder.layer.1.attention.self.key.bias" not in trained  # softmax ignores it: zero gradient
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert (
+        "bert.encoder.layer.0.output.dense.weight" in frozen
+        and "bert.embeddings.word_embeddings.weight" in frozen
+    )
+    top2 = glue.select_trainable(models.bert_classifier(2), glue.ModelArguments(trainable="top2"), 2)
+    assert "bert.encoder.layer.0.output.dense.weight" in {
+        n for n, p in top2.named_parameters() if p.requires_grad
+    }
+    for bad in ("top0", "top3", "topx", "tops"):
+        with pytest.raises(ValueError, match=r"top<K> needs 1 <= K <= 2") as raised:
+            glue.select_trainable(models.bert_classifier(2), glue.ModelArguments(trainable=bad), 2)
+        assert "\n" not in str(raised.value)
 
 
 def test_mean_pooler_ignores_padding():
