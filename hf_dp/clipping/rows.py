@@ -65,104 +65,30 @@ class ExampleRows:
         return per_row.new_zeros((self.rows, *per_row.shape[1:])).index_add_(0, self.example, per_row)
 
 
+# fmt: off
 _RESHAPES = {Tensor.reshape, Tensor.view, torch.reshape, Tensor.flatten, torch.flatten, Tensor.view_as}
 _ROW_WISE = {
-    F.linear,
-    F.layer_norm,
-    F.rms_norm,
-    F.dropout,
-    F.gelu,
-    F.relu,
-    F.silu,
-    F.mish,
-    F.tanh,
-    F.sigmoid,
-    F.softplus,
-    torch.add,
-    torch.sub,
-    torch.mul,
-    torch.div,
-    torch.tanh,
-    torch.sigmoid,
-    torch.rsqrt,
-    torch.exp,
-    torch.where,
-    torch.pow,
-    torch.clamp,
-    torch.erf,
-    Tensor.__add__,
-    Tensor.__radd__,
-    Tensor.__iadd__,
-    Tensor.__sub__,
-    Tensor.__rsub__,
-    Tensor.__isub__,
-    Tensor.__mul__,
-    Tensor.__rmul__,
-    Tensor.__imul__,
-    Tensor.__truediv__,
-    Tensor.__itruediv__,
-    Tensor.__neg__,
-    Tensor.__pow__,
-    Tensor.add,
-    Tensor.add_,
-    Tensor.sub,
-    Tensor.mul,
-    Tensor.mul_,
-    Tensor.div,
-    Tensor.div_,
-    Tensor.pow,
-    Tensor.rsqrt,
-    Tensor.sqrt,
-    Tensor.exp,
-    Tensor.tanh,
-    Tensor.sigmoid,
-    Tensor.clamp,
-    Tensor.to,
-    Tensor.float,
-    Tensor.half,
-    Tensor.bfloat16,
-    Tensor.double,
-    Tensor.type,
-    Tensor.type_as,
-    Tensor.contiguous,
-    Tensor.clone,
-    Tensor.masked_fill,
-    Tensor.float_power,
+    F.linear, F.layer_norm, F.rms_norm, F.dropout, F.gelu, F.relu, F.silu, F.mish, F.tanh, F.sigmoid,
+    F.softplus, torch.add, torch.sub, torch.mul, torch.div, torch.tanh, torch.sigmoid, torch.rsqrt, torch.exp,
+    torch.where, torch.pow, torch.clamp, torch.erf, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__,
+    Tensor.__sub__, Tensor.__rsub__, Tensor.__isub__, Tensor.__mul__, Tensor.__rmul__, Tensor.__imul__,
+    Tensor.__truediv__, Tensor.__itruediv__, Tensor.__neg__, Tensor.__pow__, Tensor.add, Tensor.add_,
+    Tensor.sub, Tensor.mul, Tensor.mul_, Tensor.div, Tensor.div_, Tensor.pow, Tensor.rsqrt, Tensor.sqrt,
+    Tensor.exp, Tensor.tanh, Tensor.sigmoid, Tensor.clamp, Tensor.to, Tensor.float, Tensor.half,
+    Tensor.bfloat16, Tensor.double, Tensor.type, Tensor.type_as, Tensor.contiguous, Tensor.clone,
+    Tensor.masked_fill, Tensor.float_power,
 }
 _OVER_A_DIMENSION = {  # row-wise when the dimension they reduce or normalise over is not the rows'
-    torch.softmax,
-    F.softmax,
-    F.log_softmax,
-    Tensor.softmax,
-    Tensor.log_softmax,
-    torch.mean,
-    torch.sum,
-    Tensor.mean,
-    Tensor.sum,
-    Tensor.amax,
-    Tensor.norm,
-    Tensor.var,
+    torch.softmax, F.softmax, F.log_softmax, Tensor.softmax, Tensor.log_softmax, torch.mean, torch.sum,
+    Tensor.mean, Tensor.sum, Tensor.amax, Tensor.norm, Tensor.var,
 }
 _SPLITS = {torch.split, torch.chunk, Tensor.split, Tensor.chunk}
-
-
 _METADATA = {
-    Tensor.dim,
-    Tensor.size,
-    Tensor.numel,
-    Tensor.nelement,
-    Tensor.stride,
-    Tensor.element_size,
-    Tensor.is_floating_point,
-    Tensor.is_complex,
-    Tensor.is_contiguous,
-    Tensor.get_device,
-    Tensor.data_ptr,
-    Tensor.__len__,
-    torch.is_floating_point,
-    torch.is_complex,
-    torch.numel,
+    Tensor.dim, Tensor.size, Tensor.numel, Tensor.nelement, Tensor.stride, Tensor.element_size,
+    Tensor.is_floating_point, Tensor.is_complex, Tensor.is_contiguous, Tensor.get_device, Tensor.data_ptr,
+    Tensor.__len__, torch.is_floating_point, torch.is_complex, torch.numel,
 }
+# fmt: on
 
 
 def _reads_values(func) -> bool:
@@ -196,7 +122,7 @@ class RowTracker(TorchFunctionMode):
         self.seen = False
         self._maps: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._shared: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor → the shared uses it was made from
-        self._aliases: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a loose parameter → what was read instead
+        self._aliases: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a loose parameter → its alias
 
     def share(self, output: Tensor, use: SharedUse, made_from: Tensor | None = None) -> None:
         """``output`` of a layer applied to an input without a batch dimension (shared.py); made from the uses of
@@ -277,7 +203,9 @@ class RowTracker(TorchFunctionMode):
         """``made.repeat(B, …)`` (DeBERTa's positions, one copy per example): copy b is example b's, so the copies
         are made by broadcasting (same values, each copy's gradient that example's)."""
         made = args[0]
-        sizes = tuple(args[1]) if len(args) == 2 and isinstance(args[1], tuple | list | torch.Size) else args[1:]
+        sizes = (
+            tuple(args[1]) if len(args) == 2 and isinstance(args[1], tuple | list | torch.Size) else args[1:]
+        )
         if len(sizes) != made.dim() or made.dim() == 0 or sizes[0] != self.rows:
             return None
         copies = broadcast(made, self.rows, made.dim() + 1, self._shared[made])
