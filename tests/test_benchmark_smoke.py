@@ -60,3 +60,10 @@ def test_step_speed_tiny(tmp_path: Path) -> None:
     assert set(memory) == {"dp_ghost"}
     assert memory["dp_ghost"]["error"] is None, memory
     assert memory["dp_ghost"]["ru_maxrss_mb"] > 50
+
+
+def test_tracker_overhead_measures_both_arms() -> None:
+    """benchmarks/tracker_overhead.py: one round, the tracker off and on, a finite ratio."""
+    result = load_benchmark("tracker_overhead").measure(rounds=1)
+    assert _finite_positive(result["median_ms"]["off"]) and _finite_positive(result["median_ms"]["on"])
+    assert _finite_positive(result["ratio_on_off"])

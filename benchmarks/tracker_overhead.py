@@ -1,0 +1,88 @@
+"""What the row tracker (hf_dp/clipping/rows.py, a ``TorchFunctionMode``: one Python call per operation) costs a
+steady-state DP step where it stays on (OPT, MoE, T5, MPNet, DeBERTa, Mamba): the same book-keeping step of
+step_counts.py's tiny Llama (4 × 64, B 4, T 64, fp32, one thread), with the tracker forced on and off, interleaved.
+On a Llama it finds nothing to track, so the ratio is its overhead alone, in a launch-bound regime.
+
+    .venv/bin/python benchmarks/tracker_overhead.py --out benchmarks/results/tracker_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+sys.path[:] = [_REPO_ROOT] + [p for p in sys.path if p != _REPO_ROOT]
+
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from benchmarks import step_counts  # noqa: E402
+from hf_dp.backend import Backend  # noqa: E402
+from hf_dp.clipping.engine import ClippingEngine  # noqa: E402
+from hf_dp.clipping.pipeline import clipped_step  # noqa: E402
+from hf_dp.clipping.plan import StepPlan  # noqa: E402
+from hf_dp.losses import per_example_loss  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "tracker_overhead.json"
+
+
+def measure(rounds: int) -> dict:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    shape = step_counts.TINY
+    config = LlamaConfig(
+        num_hidden_layers=shape.layers,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        vocab_size=shape.vocab,
+    )
+    model = LlamaForCausalLM(config).train()
+    ids = torch.randint(0, shape.vocab, (step_counts.TINY_BATCH, step_counts.TINY_SEQ))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    step = clipped_step(ClippingEngine(model), model, Backend())
+    mask = torch.ones(step_counts.TINY_BATCH)
+
+    def run() -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        step.run(lambda module: per_example_loss(module, batch), mask, StepPlan(1.0), model)
+        seconds = time.perf_counter() - start
+        step.check_untouched()  # what the release does before the gradients are consumed
+        return seconds
+
+    run()  # the checked first step
+    seconds: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for label in ("off", "on"):
+            step.engine.row_tracking.on = label == "on"
+            seconds[label].append(run())
+    off, on = statistics.median(seconds["off"]), statistics.median(seconds["on"])
+    return {
+        "benchmark": "tracker_overhead",
+        "setting": {"shape": vars(shape), "seq": step_counts.TINY_SEQ, "batch": step_counts.TINY_BATCH},
+        "rounds": rounds,
+        "median_ms": {"off": round(1e3 * off, 2), "on": round(1e3 * on, 2)},
+        "ratio_on_off": round(on / off, 3),
+        "torch": torch.__version__,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    result = measure(args.rounds)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
