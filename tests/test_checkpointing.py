@@ -319,9 +319,10 @@ def test_few_trainable_weights_take_one_pass_after_the_checked_first_step(
     forwards = []
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
-    # the first step checks the taps with two passes and the layers one by one (for steps whose kept gradients
-    # would not fit), which needs no forward with the embeddings frozen; the second takes one
-    assert forwards == [2, 1]
+    # the first step checks the taps with two passes (the whole weighted pass, and one weighted by fixed unequal
+    # weights: calibration.CheckedInGradients) and the layers one by one (for steps whose kept gradients would not
+    # fit), which needs no forward with the embeddings frozen; the second takes one
+    assert forwards == [3, 1]
 
 
 def test_disk_with_activation_checkpointing_is_refused_before_training(tmp_path) -> None:
@@ -443,11 +444,11 @@ def test_the_weighted_pass_skips_the_lm_head_after_the_checked_first_step(name: 
     strategy = clipped_step(engine, model, Backend(checkpointing=True))
     first, second = checkpointed_steps(model, batch, max_norm, strategy=strategy, loss_fn=counted_loss)
     assert strategy.calibration.skips_tail and strategy.calibration.layerwise
-    # step 1: norm pass, whole weighted pass, the check's forward up to the first layer; step 2: norm pass, the
-    # forward up to the first layer (the embeddings' part)
-    assert len(loss_calls) == 5 and head_calls == [1, 2, 4]
+    # step 1: norm pass, whole weighted pass, the pass weighted by fixed unequal weights, the check's forward up to
+    # the first layer; step 2: norm pass, the forward up to the first layer (the embeddings' part)
+    assert len(loss_calls) == 6 and head_calls == [1, 2, 3, 5]
     # a layer runs in the norm pass's forward and backward, and recomputed in the weighted pass (layerwise.py)
-    assert [n for n in mlp_calls if n > 3] == [4, 4, 5]
+    assert [n for n in mlp_calls if n > 4] == [5, 5, 6]
     assert_close(second, reference, rtol=1e-9, floor=1e-6)
 
 
@@ -666,9 +667,12 @@ def test_the_tail_reaches_down_over_the_last_layers_its_budget_holds(
     reached = 0 if zero_stage and reentrant else reached
     assert strategy.calibration.skips_tail and strategy.calibration.tail_layers == reached
     assert strategy.calibration.layerwise  # one process and ZeRO-2: the layers below the tail one by one
-    # step 2: forward 4 is the norm pass (forward and recomputation), forward 5 the weighted pass below the tail
-    below = len(model.model.layers) - reached
-    assert [[n for n in calls if n > 3] for calls in mlp_calls] == [[4, 4, 5]] * below + [[4, 4]] * reached
+    # step 2: forward k + 1 is the norm pass (forward and recomputation), k + 2 the weighted pass below the tail,
+    # after the first step's k forwards (one process: one more, the pass weighted by fixed unequal weights)
+    below, k = len(model.model.layers) - reached, 3 if zero_stage else 4
+    assert [[n for n in calls if n > k] for calls in mlp_calls] == [[k + 1, k + 1, k + 2]] * below + [
+        [k + 1, k + 1]
+    ] * reached
     assert_close(first, reference, rtol=1e-9, floor=1e-6)
     assert_close(second, reference, rtol=1e-9, floor=1e-6)
 

@@ -182,6 +182,12 @@ def test_rows_credited_to_the_wrong_example_are_caught_by_the_first_step(monkeyp
     step = clipped_step(ClippingEngine(model), model, Backend())
     with pytest.raises(UnsupportedModuleError, match="credits rows to the wrong examples"):
         checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, steps=1)
+    # with checkpointing the norms come from the taps; no example clipped (every c_i = 1), the check weighted by
+    # the clip factors alone would pass, the one weighted by fixed unequal weights does not
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS)
+    with pytest.raises(UnsupportedModuleError, match="credited to the wrong examples"):
+        checkpointed_steps(model, models.token_batch(), 1e9, strategy=step, steps=1)
 
 
 def test_a_shared_input_in_a_reentrant_checkpoint_is_refused_in_one_line() -> None:

@@ -7,7 +7,7 @@ where the first step found it equal to the whole weighted pass (within ``TOLERAN
 whole pass, and the check around its delivery:
 
 - ``CheckedInGradients`` (the bare module): after the whole pass wrote ``.grad``, the taps' projections against
-  autograd's (checks.check_projections), then the body's sum without the tail, layer by layer and else chained,
+  autograd's (checks.check_projections), weighted by the clip factors and by fixed unequal weights, then the body's sum without the tail, layer by layer and else chained,
   against it, written into set-aside gradients.
 - ``CheckedThroughFramework`` (DeepSpeed ZeRO-1/2, FSDP2), whose backward runs once: before the whole pass, whether
   the tail separates (checks.tail_separable, with ``autograd.grad``) and the layer-by-layer pass equals the chain
@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from hf_dp.clipping.checks import check_projections, sums_match, tail_separable
+from hf_dp.clipping.checks import check_projections, engine_sum_weights, sums_match, tail_separable
 from hf_dp.clipping.delivery import MicroStep
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.layerwise import LayerByLayer
@@ -79,6 +79,7 @@ class CheckedInGradients:
         collector = found.collector
         weights = self.scale.weights(factors)
         check_projections(self.engine.parameters, self.engine.parameter_name, collector, weights)
+        self._check_attribution(losses_of, found, factors)
         if found.tail is None:
             return step, Calibration()
         layerwise = found.points is not None and self._matches(
@@ -92,6 +93,26 @@ class CheckedInGradients:
             found,
         )
         return step, Calibration(skips_tail=skips_tail, tail_layers=found.reached, layerwise=layerwise)
+
+    def _check_attribution(self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor) -> None:
+        """The taps' projections again, against autograd's gradient of Σ_i r_i L_i for fixed unequal r_i
+        (checks.engine_sum_weights): the clip factors above may all be equal on the first step, and then a gradient
+        credited to the wrong example would pass. One more forward and backward of the bare module, its RNG
+        replayed, ``.grad`` set aside and put back."""
+        params = self.engine.parameters
+        weights = engine_sum_weights(factors.shape[0], factors.device)
+        whole = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        try:
+            replay_rng(found.rng)
+            losses = losses_of(self.body.module)
+            (losses * weights.to(losses)).sum().backward()
+            gradients = {id(p): p.grad for p in params}
+        finally:
+            for param, grad in zip(params, whole, strict=True):
+                param.grad = grad
+        check_projections(params, self.engine.parameter_name, found.collector, weights, gradients)
 
     def _matches(self, body: Sum | None, weights: torch.Tensor, found: FoundNorms) -> bool:
         """The body's sum (its surrogate's backward, with the whole pass's ``.grad`` set aside, plus its parts)

@@ -235,9 +235,9 @@ def check_projections(
         gradient = 0.0 if grad is None else float(grad.double().norm())
         if abs(ours - theirs) > tolerance * max(scale, abs(theirs), gradient, 1e-6):
             raise UnsupportedModuleError(
-                f"parameter {name_of(param)} gets gradient from outside the forward of the module that owns it "
-                f"(norm pass {ours:.4g} vs autograd {theirs:.4g} along a probe), so its per-example norm would be "
-                "wrong: freeze it or call it through its module"
+                f"parameter {name_of(param)} gets gradient from outside the forward of the module that owns it, "
+                f"or credited to the wrong examples (norm pass {ours:.4g} vs autograd {theirs:.4g} along a probe), "
+                "so its per-example norm would be wrong: freeze it or call it through its module"
             )
 
 
