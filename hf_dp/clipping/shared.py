@@ -39,9 +39,7 @@ class SharedUse:
         if made is self.output:
             at_output = per_example
         else:
-            (at_output,) = torch.autograd.grad(
-                made, self.output, per_example, retain_graph=True, is_grads_batched=True, allow_unused=True
-            )
+            at_output = _pulled_back(made, self.output, per_example)
             if at_output is None:
                 return
         self.cotangent = at_output if self.cotangent is None else self.cotangent + at_output
@@ -54,6 +52,23 @@ class SharedUse:
         if self.parameter is not None:
             return {self.parameter: Materialised(wide(self.cotangent))}
         return rule(self.module, self.x.expand(self.rows, *self.x.shape), self.cotangent)
+
+
+def _pulled_back(made: torch.Tensor, output: torch.Tensor, per_example: torch.Tensor) -> torch.Tensor | None:
+    """(∂made/∂output)ᵀ ḡ_i for every example i: one batched vector-Jacobian product, or one per example where the
+    path back runs through a checkpoint's recomputation, which has no batching rule (``detach``)."""
+    try:
+        (found,) = torch.autograd.grad(
+            made, output, per_example, retain_graph=True, is_grads_batched=True, allow_unused=True
+        )
+        return found
+    except RuntimeError as error:
+        if "Batching rule not implemented" not in str(error):
+            raise
+    rows = [torch.autograd.grad(made, output, g, retain_graph=True, allow_unused=True)[0] for g in per_example]
+    if all(row is None for row in rows):
+        return None
+    return torch.stack([torch.zeros_like(output) if row is None else row for row in rows])
 
 
 class _Anchored(torch.autograd.Function):

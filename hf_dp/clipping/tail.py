@@ -49,8 +49,8 @@ class TailBoundary:
     def watch(self, hidden: torch.Tensor) -> None:
         """Keep h's gradient when the norm pass's backward reaches it."""
 
-        def keep(gradient: torch.Tensor) -> None:
-            if self.wanted:
+        def keep(gradient: torch.Tensor | None) -> None:
+            if self.wanted and gradient is not None:  # None: a later backward that does not reach h (a check's)
                 self.gradient = gradient.detach().clone()
 
         hidden.register_hook(keep)

@@ -195,6 +195,12 @@ class NormCollector:
         """A layer applied to an input without a batch dimension (shared.py): its per-example gradients are formed
         once the backward has brought each example's gradient back to it (``norms``)."""
         check_shared_use(self.layers, module, output, self.units)
+        if isinstance(x, nn.Parameter) and (self.tail_finder is not None or self.layer_points is not None):
+            raise UnsupportedModuleError(
+                f"{self.layers.where(module)} normalises a parameter read outside its module (DeBERTa's relative "
+                "embeddings with norm_rel_ebd='layer_norm'), which the checkpointed weighted pass does not follow: "
+                "turn activation checkpointing off, or freeze both"
+            )
         shared = anchored(output, self.anchor)
         if not self.counting:  # a checkpoint's recomputation: the first forward's use holds the gradients
             if not any(use.module is module for use, _ in self._shared):
@@ -211,12 +217,9 @@ class NormCollector:
 
     def loose_use(self, module: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
         check_shared_use(self.layers, module, param, self.units)
-        if is_checkpointing():
-            raise UnsupportedModuleError(
-                f"{self.layers.where(module)}'s {name} is read outside its forward inside a checkpointed layer "
-                "(DeBERTa's relative embeddings), which its recomputation does not follow: turn activation "
-                "checkpointing off, or freeze it"
-            )
+        # a checkpoint's recomputation reads the parameter itself: it must require grad there as the alias does
+        # here, or the two forwards save different tensors (its .grad is set aside and put back: engine.frozen)
+        param.requires_grad_(True)
         alias = anchored(param, self.anchor)
         use = SharedUse(module, None, alias, self.rows, parameter=name)
         self.tracking.share(alias, use)
