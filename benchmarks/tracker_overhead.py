@@ -19,9 +19,10 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 sys.path[:] = [_REPO_ROOT] + [p for p in sys.path if p != _REPO_ROOT]
 
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
 from benchmarks import step_counts  # noqa: E402
+from benchmarks._llama import llama_config  # noqa: E402
 from hf_dp.backend import Backend  # noqa: E402
 from hf_dp.clipping.engine import ClippingEngine  # noqa: E402
 from hf_dp.clipping.pipeline import clipped_step  # noqa: E402
@@ -35,15 +36,7 @@ def measure(rounds: int) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     shape = step_counts.TINY
-    config = LlamaConfig(
-        num_hidden_layers=shape.layers,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        vocab_size=shape.vocab,
-    )
-    model = LlamaForCausalLM(config).train()
+    model = LlamaForCausalLM(llama_config(shape, step_counts.TINY_SEQ)).train()
     ids = torch.randint(0, shape.vocab, (step_counts.TINY_BATCH, step_counts.TINY_SEQ))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     step = clipped_step(ClippingEngine(model), model, Backend())
