@@ -45,6 +45,24 @@ class Calibration:
     replays: bool = False
 
 
+def weighted_gradients(
+    params: list[torch.nn.Parameter], losses: Callable[[], torch.Tensor], weights: torch.Tensor, found: FoundNorms
+) -> dict[int, torch.Tensor | None]:
+    """Autograd's gradient of Σ_i w_i L_i per parameter id, from one more forward (its RNG replayed) and backward
+    of the bare module, ``.grad`` set aside and put back."""
+    kept = [p.grad for p in params]
+    for param in params:
+        param.grad = None
+    try:
+        replay_rng(found.rng)
+        values = losses()
+        (values * weights.to(values.dtype)).sum().backward()
+        return {id(p): p.grad for p in params}
+    finally:
+        for param, grad in zip(params, kept, strict=True):
+            param.grad = grad
+
+
 class FirstStepCheck(Protocol):
     def __call__(
         self,
@@ -101,17 +119,7 @@ class CheckedInGradients:
         replayed, ``.grad`` set aside and put back."""
         params = self.engine.parameters
         weights = engine_sum_weights(factors.shape[0], factors.device)
-        whole = [p.grad for p in params]
-        for param in params:
-            param.grad = None
-        try:
-            replay_rng(found.rng)
-            losses = losses_of(self.body.module)
-            (losses * weights.to(losses)).sum().backward()
-            gradients = {id(p): p.grad for p in params}
-        finally:
-            for param, grad in zip(params, whole, strict=True):
-                param.grad = grad
+        gradients = weighted_gradients(params, lambda: losses_of(self.body.module), weights, found)
         check_projections(params, self.engine.parameter_name, found.collector, weights, gradients)
 
     def _matches(self, body: Sum | None, weights: torch.Tensor, found: FoundNorms) -> bool:
@@ -156,15 +164,7 @@ class CheckedGroups:
         batch: Batch,
     ) -> tuple[MicroStep, Calibration]:
         params = self.engine.parameters
-        kept = [p.grad for p in params]
-        for param in params:
-            param.grad = None
-        replay_rng(found.rng)
-        losses = losses_of(self.module)
-        (losses * batch.mask.to(losses.dtype)).sum().backward()
-        gradients = {id(p): p.grad for p in params}
-        for param, grad in zip(params, kept, strict=True):
-            param.grad = grad
+        gradients = weighted_gradients(params, lambda: losses_of(self.module), batch.mask, found)
         mask = batch.mask.to(found.norms.dtype)
         check_projections(params, self.engine.parameter_name, found.collector, mask, gradients)
         return deliver(), Calibration()

@@ -23,14 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_dp.clipping.fallback import tap_call
 from hf_dp.clipping.geometry import ClipScale
 from hf_dp.clipping.groups import GroupSums
 from hf_dp.clipping.hooks import (
     Layers,
     UnsupportedModuleError,
-    batch_rows,
-    check_shared_use,
     in_reentrant_checkpoint,
     is_checkpointing,
     tap,
@@ -45,9 +42,8 @@ from hf_dp.clipping.per_example import (
     gram,
 )
 from hf_dp.clipping.rows import ExampleRows, RowTracking
-from hf_dp.clipping.rules import functorch_per_example_grads
-from hf_dp.clipping.shared import SharedUse, anchored
 from hf_dp.clipping.tail import Tail, TailFinder, keep_form
+from hf_dp.clipping.tap_uses import OtherUses
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
 
 
@@ -88,6 +84,20 @@ class _AgainstIds:
         return (self.gram * gram(self.right, embedding.right)).sum(dim=(1, 2))
 
 
+def _tail_finder(owned: dict[nn.Module, list[str]], count: int, options: TapOptions) -> TailFinder | None:
+    """What the weighted pass needs to skip the model's tail (tail.py), where ``options.keep_tail``."""
+    if not options.keep_tail:
+        return None
+    return TailFinder(
+        owned,
+        count,
+        options.tail_floats,
+        options.tail_layers,
+        options.tail_checked_by_grad,
+        options.tail_at_exit,
+    )
+
+
 class NormCollector:
     """Σ over parameters of ‖s ⊙ G_i‖², filled by the taps during one backward of Σ_i L_i.
 
@@ -111,11 +121,7 @@ class NormCollector:
     ) -> None:
         self.layers, self.scales, self.materialise = layers, scales, materialise
         self.tracking = tracking
-        self._flattened: dict[nn.Module, ExampleRows] = {}  # the row maps of the first forward (rows.py)
-        self._joined: dict[nn.Module, set[str]] = {}  # per fallback module, the submodules' parameters it reads
-        self._fallback_calls: set[nn.Module] = set()  # modules without a rule tapped in the first forward
-        self.suspended = False  # a fallback is re-running a module in the backward
-        self._shared: list[tuple[SharedUse, int]] = []  # layers on an input shared by all examples, their call
+        self.others = OtherUses(self)  # flattened rows, shared inputs, loose reads, modules without a rule
         self.group_sums = group_sums  # group-wise clipping: each group's clipped sum formed in the backward
         self.owned = layers.owned
         params = layers.parameters
@@ -146,19 +152,9 @@ class NormCollector:
         self.kept: dict[int, tuple[nn.Parameter, torch.Tensor]] | None = (
             {} if options.keep_gradients else None
         )
-        # what the weighted pass needs to skip the model's tail (tail.py)
-        self.tail_finder = (
-            TailFinder(
-                self.owned,
-                count,
-                options.tail_floats,
-                options.tail_layers,
-                options.tail_checked_by_grad,
-                options.tail_at_exit,
-            )
-            if options.keep_tail
-            else None
-        )
+        self.tail_finder = _tail_finder(
+            self.owned, count, options
+        )  # what the weighted pass needs to skip the tail
         self.layer_points: LayerPoints | None = None  # ``layerwise``: set by the norm pass
 
     def direction(self, param: nn.Parameter) -> torch.Tensor:
@@ -169,7 +165,7 @@ class NormCollector:
 
     def admits(self, module: nn.Module) -> bool:
         """Reentrant checkpointing runs the first forward under no_grad: counted here, tapped when recomputed."""
-        if self.suspended:
+        if self.others.suspended:
             return False
         if self.counting and not torch.is_grad_enabled() and in_reentrant_checkpoint():
             self.count(module, None, checkpointed=True, reentrant=True)
@@ -178,11 +174,12 @@ class NormCollector:
     def receive(
         self, module: nn.Module, x: torch.Tensor | None, args: tuple, kwargs: dict, output
     ) -> torch.Tensor:
-        if module not in self._flattened and self.tracking.takes_shared(x, self.rows):
-            return self._shared_use(module, x, output)
-        rows = self._rows_at(module, x)
+        others = self.others
+        if not others.flattened(module) and self.tracking.takes_shared(x, self.rows):
+            return others.shared_use(module, x, output)
+        rows = others.rows_at(module, x)
         if self.layers.rules[module] is None:
-            return self._fallback(module, x, args, kwargs, output, rows)
+            return others.fallback(module, x, args, kwargs, output, rows)
         if x is None or not isinstance(output, torch.Tensor):
             raise UnsupportedModuleError(
                 f"{self.layers.where(module)} must take a tensor first and return one tensor for its norm to be "
@@ -191,99 +188,11 @@ class NormCollector:
             )
         return self.tracking.carried(output, self.tap(module, x, output, rows))
 
-    def _shared_use(self, module: nn.Module, x: torch.Tensor, output) -> torch.Tensor:
-        """A layer applied to an input without a batch dimension (shared.py): its per-example gradients are formed
-        once the backward has brought each example's gradient back to it (``norms``)."""
-        check_shared_use(self.layers, module, output, self.units)
-        if isinstance(x, nn.Parameter) and (self.tail_finder is not None or self.layer_points is not None):
-            raise UnsupportedModuleError(
-                f"{self.layers.where(module)} normalises a parameter read outside its module (DeBERTa's relative "
-                "embeddings with norm_rel_ebd='layer_norm'), which the checkpointed weighted pass does not follow: "
-                "turn activation checkpointing off, or freeze both"
-            )
-        shared = anchored(output, self.anchor)
-        if not self.counting:  # a checkpoint's recomputation: the first forward's use holds the gradients
-            if not any(use.module is module for use, _ in self._shared):
-                raise UnsupportedModuleError(
-                    f"{self.layers.where(module)} takes an input shared by all examples inside a reentrant "
-                    "checkpoint, whose untracked first forward cannot follow it to the batch: use non-reentrant "
-                    "checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False}), or freeze it"
-                )
-            return shared
-        use = SharedUse(module, x, shared, self.rows)
-        self.tracking.share(shared, use, x)
-        self._shared.append((use, self.count(module, x)))
-        return shared
-
     def loose_use(self, module: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
-        check_shared_use(self.layers, module, param, self.units)
-        # a checkpoint's recomputation reads the parameter itself: it must require grad there as the alias does
-        # here, or the two forwards save different tensors (its .grad is set aside and put back: engine.frozen)
-        param.requires_grad_(True)
-        alias = anchored(param, self.anchor)
-        use = SharedUse(module, None, alias, self.rows, parameter=name)
-        self.tracking.share(alias, use)
-        self._shared.append((use, self.count(module, None) if self.counting else 0))
-        return alias
+        return self.others.loose_use(module, name, param)
 
     def joins(self, module: nn.Module, name: str) -> None:
-        self._joined.setdefault(module, set()).add(name)
-
-    def _fallback(
-        self, module: nn.Module, x: torch.Tensor | None, args: tuple, kwargs: dict, output, rows: ExampleRows | None
-    ) -> object:
-        """A module without a rule: its call tapped whole (fallback.py), its per-example gradients by torch.func
-        when its outputs' gradients arrive; the submodules' parameters its forward reads (``joins``) with them."""
-        if self.units is not None:
-            raise UnsupportedModuleError(
-                f"{self.layers.where(module)} has no per-example rule, and the torch.func fallback cannot form "
-                "gradients per privacy unit of several rows or records: register a rule for it, or freeze it"
-            )
-        if not self.counting:  # a checkpoint's recomputation: the first forward's tap receives the gradients
-            if module not in self._fallback_calls:
-                raise UnsupportedModuleError(
-                    f"{self.layers.where(module)} has no per-example rule and runs inside a reentrant checkpoint, "
-                    "whose untracked first forward the torch.func fallback cannot follow: use non-reentrant "
-                    "checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False}), or freeze it"
-                )
-            return tap_call(self.anchor, args, kwargs, output, lambda *_: None)
-        names = [*self.owned[module], *sorted(self._joined.pop(module, ()))]
-        if len(names) > len(self.owned[module]) and self.layer_points is not None:
-            self.layer_points.complete = False  # reads no module call marks: the layer-by-layer pass would miss them
-        for name in names[len(self.owned[module]) :]:  # each joined read is one more use of that parameter
-            pid = id(module.get_parameter(name))
-            self.uses[pid] = self.uses.get(pid, 0) + 1
-        call = self.count(module, x, is_checkpointing())
-        self._fallback_calls.add(module)
-        count = self.rows if rows is None else rows.count
-
-        def receive(call_args: tuple, call_kwargs: dict, grads: list[torch.Tensor | None]) -> None:
-            self.suspended = True  # the fallback re-runs the module (and its submodules): nothing to record
-            try:
-                with torch.enable_grad():
-                    found = functorch_per_example_grads(module, call_args, call_kwargs, grads, names, count, rows)
-            finally:
-                self.suspended = False
-            self._add_found(module, found, call, names)
-
-        return tap_call(self.anchor, args, kwargs, output, receive)
-
-    def _rows_at(self, module: nn.Module, x: torch.Tensor | None) -> ExampleRows | None:
-        """The example of each row of a flattened input (rows.py): tracked in the first forward, and the same in a
-        checkpoint's recomputation (the backward runs untracked), where the module's single use recomputes it."""
-        if not self.counting and module in self._flattened:
-            found = self._flattened[module]
-            if x is not None and x.dim() > 0 and x.shape[0] == found.count:
-                return found
-        rows = batch_rows(self.layers, module, x, self.rows, self.tracking)
-        if rows is not None and self.counting:
-            if module in self._flattened:
-                raise UnsupportedModuleError(
-                    f"{self.layers.where(module)} takes flattened rows in more than one call, which a checkpoint's "
-                    "recomputation cannot tell apart: turn checkpointing off, or freeze it"
-                )
-            self._flattened[module] = rows
-        return rows
+        self.others.joins(module, name)
 
     def count(
         self, module: nn.Module, x: torch.Tensor | None, checkpointed: bool = False, reentrant: bool = False
@@ -345,15 +254,15 @@ class NormCollector:
         call: int = 0,
         rows: ExampleRows | None = None,
     ) -> None:
-        self._add_found(module, self._rule(module, x, grad_output, rows), call)
+        self.add_found(module, self.rule(module, x, grad_output, rows), call)
 
-    def _rule(
+    def rule(
         self, module: nn.Module, x: torch.Tensor, grad_output: torch.Tensor, rows: ExampleRows | None
     ) -> dict[str, PerExampleGradient]:
         x, grad_output = regroup_for_rule(self.units, x, grad_output, self.layers.where(module), rows)
         return self.layers.rules[module](module, x, grad_output)
 
-    def _add_found(
+    def add_found(
         self, module: nn.Module, found: dict[str, PerExampleGradient], call: int, names: Sequence[str] = ()
     ) -> None:
         """The module's per-example gradients of one use, into the norms (or kept, or in the tail); ``names``: its
@@ -424,11 +333,8 @@ class NormCollector:
     def norms(self) -> torch.Tensor:
         """‖s ⊙ g_i‖, shape (B,), or per group (B, G), once the backward is done (call once); a use whose output
         got no gradient simply contributed nothing."""
-        for use, call in self._shared:
-            found = use.per_example(functools.partial(self._rule, rows=None))
-            if found is not None:
-                self._add_found(use.module, found, call)
-        self._shared.clear()
+        for module, found, call in self.others.shared_parts():
+            self.add_found(module, found, call)
         for param, parts in self._waiting.values():
             self._add_norm(param, parts)
         self._waiting.clear()
