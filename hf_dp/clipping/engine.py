@@ -110,8 +110,7 @@ class ClippingEngine:
         for module, names in self.layers.owned.items():
             for name in names:
                 owners.setdefault(id(getattr(module, name)), []).append((module, name))
-        running = self._hooks.running
-        running.clear()
+        running = self._hooks.running = []  # off again when the receiver goes (record, norms_in_backward)
 
         def loose(param: nn.Parameter) -> torch.Tensor | None:
             found = owners.get(id(param))
@@ -120,7 +119,9 @@ class ClippingEngine:
             inner = running[-1] if running else None
             if inner is not None and self.layers.rules.get(inner, rule_for) is None:
                 nested = next((n for n, p in inner.named_parameters() if p is param), None)
-                if nested is not None:  # inside a module that takes the torch.func fallback: it covers the read
+                if (
+                    nested is not None
+                ):  # inside a module that takes the torch.func fallback: it covers the read
                     receiver.joins(inner, nested)
                     self.row_tracking.keep()  # every step must see the read
                     return None
@@ -139,10 +140,12 @@ class ClippingEngine:
         self._recording = recording
         self._hooks.receiver = recording
         try:
-            with self.row_tracking.forward(batch_size, self._loose(recording)):
+            with self.row_tracking.forward(
+                batch_size, self._loose(recording) if self.row_tracking.on else None
+            ):
                 yield recording
         finally:
-            self._hooks.receiver = None
+            self._hooks.receiver, self._hooks.running = None, None
             self.saw_checkpointing |= recording.saw_checkpointing
 
     def per_example_gradients(
@@ -197,8 +200,10 @@ class ClippingEngine:
         try:
             with (
                 frozen(self.parameters if freeze else []),
-                self.row_tracking.forward(collector.rows, self._loose(collector)),
+                self.row_tracking.forward(
+                    collector.rows, self._loose(collector) if self.row_tracking.on else None
+                ),
             ):
                 yield collector
         finally:
-            self._hooks.receiver = None
+            self._hooks.receiver, self._hooks.running = None, None

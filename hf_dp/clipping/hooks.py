@@ -128,7 +128,9 @@ class ForwardHooks:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.receiver: Receiver | None = None
-        self.running: list[nn.Module] = []  # modules inside their forward, innermost last (rows.py: loose reads)
+        self.running: list[nn.Module] | None = (
+            None  # while tracking: modules in their forward, innermost last
+        )
         self.in_hook = False
         self._handles = []
         for module in modules:
@@ -148,7 +150,7 @@ class ForwardHooks:
         float input of batch 1 (DeBERTa's relative embeddings, ModernBERT's unpadded tokens) is no broadcast the
         model would leave unchanged, and is refused (``check_batch_dimension``)."""
         receiver = self.receiver
-        if receiver is not None:
+        if receiver is not None and self.running is not None:
             self.running.append(module)
         if receiver is None or not receiver.on or not torch.is_grad_enabled():
             return None
@@ -160,8 +162,9 @@ class ForwardHooks:
         return None
 
     def _record(self, module: nn.Module, args: tuple, kwargs: dict, output):
-        if module in self.running:
-            del self.running[len(self.running) - 1 - self.running[::-1].index(module)]
+        running = self.running
+        if running and module in running:
+            del running[len(running) - 1 - running[::-1].index(module)]
         self.in_hook = True  # what the receiver computes reads parameters, none of them loose
         try:
             return self._received(module, args, kwargs, output)
