@@ -1,7 +1,9 @@
 """What the row tracker (hf_dp/clipping/rows.py, a ``TorchFunctionMode``: one Python call per operation) costs a
-steady-state DP step where it stays on (OPT, MoE, T5, MPNet, DeBERTa, Mamba): the same book-keeping step of
-step_counts.py's tiny Llama (4 × 64, B 4, T 64, fp32, one thread), with the tracker forced on and off, interleaved.
-On a Llama it finds nothing to track, so the ratio is its overhead alone, in a launch-bound regime.
+steady-state DP step where it stays on (OPT, MoE, T5, MPNet, DeBERTa, Mamba), and what the ``LooseWatch`` that
+replaces it once it has stopped costs every other model: the same book-keeping step of step_counts.py's tiny Llama
+(4 × 64, B 4, T 64, fp32, one thread) with the tracker forced on, with the watch (the default after the first
+step) and bare (the watch swapped for a null context, as before it existed), interleaved. On a Llama both find
+nothing, so each ratio is its overhead alone, in a launch-bound regime.
 
     .venv/bin/python benchmarks/tracker_overhead.py --out benchmarks/results/tracker_overhead.json
 """
@@ -9,6 +11,7 @@ On a Llama it finds nothing to track, so the ratio is its overhead alone, in a l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -24,12 +27,20 @@ from transformers import LlamaForCausalLM  # noqa: E402
 from benchmarks import step_counts  # noqa: E402
 from benchmarks._llama import llama_config  # noqa: E402
 from hf_dp.backend import Backend  # noqa: E402
+from hf_dp.clipping import rows  # noqa: E402
 from hf_dp.clipping.engine import ClippingEngine  # noqa: E402
 from hf_dp.clipping.pipeline import clipped_step  # noqa: E402
 from hf_dp.clipping.plan import StepPlan  # noqa: E402
 from hf_dp.losses import per_example_loss  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "tracker_overhead.json"
+
+
+class _NoWatch(contextlib.nullcontext):
+    """The bare arm: no mode at all once the tracker has stopped."""
+
+    def __init__(self, loose) -> None:
+        super().__init__()
 
 
 def measure(rounds: int) -> dict:
@@ -51,18 +62,22 @@ def measure(rounds: int) -> dict:
         return seconds
 
     run()  # the checked first step
-    seconds: dict[str, list[float]] = {"off": [], "on": []}
+    watch = rows.LooseWatch
+    seconds: dict[str, list[float]] = {"bare": [], "watch": [], "tracker": []}
     for _ in range(rounds):
-        for label in ("off", "on"):
-            step.engine.row_tracking.on = label == "on"
+        for label in seconds:
+            step.engine.row_tracking.on = label == "tracker"
+            rows.LooseWatch = watch if label == "watch" else _NoWatch
             seconds[label].append(run())
-    off, on = statistics.median(seconds["off"]), statistics.median(seconds["on"])
+    rows.LooseWatch = watch
+    median = {label: statistics.median(times) for label, times in seconds.items()}
     return {
         "benchmark": "tracker_overhead",
         "setting": {"shape": vars(shape), "seq": step_counts.TINY_SEQ, "batch": step_counts.TINY_BATCH},
         "rounds": rounds,
-        "median_ms": {"off": round(1e3 * off, 2), "on": round(1e3 * on, 2)},
-        "ratio_on_off": round(on / off, 3),
+        "median_ms": {label: round(1e3 * t, 2) for label, t in median.items()},
+        "ratio_tracker_bare": round(median["tracker"] / median["bare"], 3),
+        "ratio_watch_bare": round(median["watch"] / median["bare"], 3),
         "torch": torch.__version__,
     }
 

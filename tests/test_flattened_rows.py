@@ -17,8 +17,9 @@ from hf_dp.backend import Backend
 from hf_dp.clipping import rows as rows_module
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedModuleError
 from hf_dp.clipping.pipeline import clipped_step
+from hf_dp.clipping.plan import StepPlan
 from tests import models, oracle
-from tests.test_checkpointing import ONE_PROCESS, ZERO2, checkpointed_steps
+from tests.test_checkpointing import ONE_PROCESS, ZERO2, checkpointed_steps, step_sums
 from tests.test_engine import assert_close
 from tests.test_model_families import float64_throughout
 
@@ -184,10 +185,15 @@ def test_rows_credited_to_the_wrong_example_are_caught_by_the_first_step(monkeyp
         checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, steps=1)
     # with checkpointing the norms come from the taps; no example clipped (every c_i = 1), the check weighted by
     # the clip factors alone would pass, the one weighted by fixed unequal weights does not
+    # through DeepSpeed ZeRO-2 (every process holds every parameter whole) the same checks run with autograd.grad
+    step = clipped_step(ClippingEngine(model), model, Backend(world_size=2, zero_stage=2))
+    with pytest.raises(UnsupportedModuleError, match="credits rows to the wrong examples"):
+        checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, steps=1)
     model.gradient_checkpointing_enable({"use_reentrant": False})
-    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS)
-    with pytest.raises(UnsupportedModuleError, match="credited to the wrong examples"):
-        checkpointed_steps(model, models.token_batch(), 1e9, strategy=step, steps=1)
+    for backend in (ONE_PROCESS, ZERO2):
+        step = clipped_step(ClippingEngine(model), model, backend)
+        with pytest.raises(UnsupportedModuleError, match="credited to the wrong examples"):
+            checkpointed_steps(model, models.token_batch(), 1e9, strategy=step, steps=1)
 
 
 def test_a_shared_input_in_a_reentrant_checkpoint_is_refused_in_one_line() -> None:
@@ -231,3 +237,73 @@ def test_deberta_normalised_relative_embeddings_under_checkpointing_are_refused_
         UnsupportedModuleError, match=r"LayerNorm\) normalises a parameter read outside its module"
     ):
         checkpointed_steps(model, models.classification_batch(3), 1.0, strategy=step, steps=1)
+
+
+class _LooseLater(nn.Module):
+    """A block whose forward reads its projection's weight outside the projection's forward when ``loose`` is set
+    (``F.linear`` on ``self.proj.weight``, or ``h @ self.proj.weight.T`` with ``through="transpose"``): a read the
+    tracker follows as a shared output, but which a later step may make where the first did not."""
+
+    def __init__(self, loose: bool, through: str = "linear") -> None:
+        super().__init__()
+        self.loose, self.through = loose, through
+        self.embed = nn.Embedding(models.VOCAB, 8)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, models.VOCAB)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = self.proj(self.embed(input_ids))
+        if self.loose:
+            read = (
+                nn.functional.linear(h, self.proj.weight)
+                if self.through == "linear"
+                else h @ self.proj.weight.T
+            )
+            h = h + 0.5 * torch.tanh(read)
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.head(h))
+
+
+@pytest.mark.parametrize("through", ["linear", "transpose"])
+@pytest.mark.parametrize("backend", ["book-keeping", "checkpointed"])
+def test_a_loose_read_from_the_first_step_on_equals_brute_force(backend: str, through: str) -> None:
+    """The read is followed on every step (the tracker stays on): each step equals brute force."""
+    torch.manual_seed(0)
+    model = _LooseLater(loose=True, through=through).double().train()
+    batch = models.token_batch()
+    loss_fn = _token_losses
+    _, norms = oracle.per_example(model, batch, max_norm=1e9, loss_fn=loss_fn)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = oracle.per_example(model, batch, max_norm=max_norm, loss_fn=loss_fn)
+    step = clipped_step(ClippingEngine(model), model, Backend(checkpointing=backend == "checkpointed"))
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, loss_fn=loss_fn, steps=2):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert step.engine.row_tracking.on
+
+
+@pytest.mark.parametrize("through", ["linear", "transpose"])
+@pytest.mark.parametrize("backend", ["book-keeping", "checkpointed"])
+def test_a_loose_read_first_made_after_the_first_step_is_refused_before_any_release(
+    backend: str, through: str
+) -> None:
+    """The first step reads nothing loosely, so the tracker switches itself off; a later step that does would put a
+    gradient the norms never counted into the weighted pass. The watch that stays on refuses it in one line, in
+    the norm pass's forward, before any gradient is written."""
+    torch.manual_seed(0)
+    model = _LooseLater(loose=False, through=through).double().train()
+    batch = models.token_batch()
+    step = clipped_step(ClippingEngine(model), model, Backend(checkpointing=backend == "checkpointed"))
+    mask = torch.ones(batch["input_ids"].shape[0])
+
+    def losses_of(module: nn.Module) -> torch.Tensor:
+        return _token_losses(module, batch)
+
+    step_sums(step, model, losses_of, mask, StepPlan(1.0))
+    assert step.engine.row_tracking.on is False
+    model.loose = True
+    with pytest.raises(
+        UnsupportedModuleError,
+        match=r"^proj\.weight was read outside the forward of its module in a later step.*read it through its "
+        r"module, or freeze it$",
+    ):
+        step_sums(step, model, losses_of, mask, StepPlan(1.0))
+    assert all(p.grad is None for p in model.parameters())

@@ -46,17 +46,26 @@ class Calibration:
 
 
 def weighted_gradients(
-    params: list[torch.nn.Parameter], losses: Callable[[], torch.Tensor], weights: torch.Tensor, found: FoundNorms
+    params: list[torch.nn.Parameter],
+    losses: Callable[[], torch.Tensor],
+    weights: torch.Tensor,
+    found: FoundNorms,
+    by_grad: bool = False,
 ) -> dict[int, torch.Tensor | None]:
     """Autograd's gradient of Σ_i w_i L_i per parameter id, from one more forward (its RNG replayed) and backward
-    of the bare module, ``.grad`` set aside and put back."""
+    of the bare module, ``.grad`` set aside and put back; ``by_grad``: with ``autograd.grad``, which runs no
+    gradient accumulation and so none of a framework's reduction hooks."""
     kept = [p.grad for p in params]
     for param in params:
         param.grad = None
     try:
         replay_rng(found.rng)
         values = losses()
-        (values * weights.to(values.dtype)).sum().backward()
+        weighted = (values * weights.to(values.dtype)).sum()
+        if by_grad:
+            found_grads = torch.autograd.grad(weighted, params, allow_unused=True)
+            return dict(zip((id(p) for p in params), found_grads, strict=True))
+        weighted.backward()
         return {id(p): p.grad for p in params}
     finally:
         for param, grad in zip(params, kept, strict=True):
@@ -173,10 +182,14 @@ class CheckedGroups:
 @dataclass(frozen=True)
 class CheckedThroughFramework:
     """Before the whole pass (as the framework wrapped the model, its layers compared: sum_passes.WholeSum), the
-    tail and the layers on the bare ``module`` without a backward that writes gradients."""
+    tail and the layers on the bare ``module`` without a backward that writes gradients; where every process holds
+    every parameter whole (ZeRO-1/2: ``attribution``), the taps' projections too, against ``autograd.grad`` of
+    Σ_i r_i L_i for fixed unequal r_i (as ``CheckedInGradients._check_attribution``), unless a reentrant checkpoint
+    hides its recomputation from ``autograd.grad``."""
 
     engine: ClippingEngine
     module: torch.nn.Module
+    attribution: bool = False
 
     def __call__(
         self,
@@ -186,6 +199,14 @@ class CheckedThroughFramework:
         factors: torch.Tensor,
         batch: Batch,
     ) -> tuple[MicroStep, Calibration]:
+        finder = found.collector.tail_finder
+        if self.attribution and not (finder is not None and finder.saw_reentrant):
+            params = self.engine.parameters
+            weights = engine_sum_weights(factors.shape[0], factors.device)
+            gradients = weighted_gradients(
+                params, lambda: losses_of(self.module), weights, found, by_grad=True
+            )
+            check_projections(params, self.engine.parameter_name, found.collector, weights, gradients)
         skips_tail, layerwise = self._tail(losses_of, found, factors, batch)
         step = deliver()
         replay = found.replay

@@ -105,7 +105,9 @@ class ClippingEngine:
         """For the row tracker: a clipped parameter read while none of the modules owning it is in its forward
         joins the fallback of the innermost running module when that takes the torch.func fallback and contains it
         (``receiver.joins``), else goes to ``receiver.loose_use`` (shared.py); its owners as the modules hold them
-        now (FSDP2 swaps)."""
+        now (FSDP2 swaps). Once the tracker has switched itself off (the first micro-batch read no parameter so),
+        such a read is refused: the plan and the first step's checks were fixed without it."""
+        watching = not self.row_tracking.on
         owners: dict[int, list[tuple[nn.Module, str]]] = {}
         for module, names in self.layers.owned.items():
             for name in names:
@@ -116,6 +118,14 @@ class ClippingEngine:
             found = owners.get(id(param))
             if found is None or self._hooks.in_hook or any(module in running for module, _ in found):
                 return None
+            if watching:
+                module, name = found[0]
+                where = self.layers.module_names.get(module, type(module).__name__)
+                raise UnsupportedModuleError(
+                    f"{where}.{name} was read outside the forward of its module in a later step, "
+                    "where the first step (whose checks fixed how this model is clipped) did not read it so; the "
+                    "step is refused before anything is released: read it through its module, or freeze it"
+                )
             inner = running[-1] if running else None
             if inner is not None and self.layers.rules.get(inner, rule_for) is None:
                 nested = next((n for n, p in inner.named_parameters() if p is param), None)
@@ -140,9 +150,7 @@ class ClippingEngine:
         self._recording = recording
         self._hooks.receiver = recording
         try:
-            with self.row_tracking.forward(
-                batch_size, self._loose(recording) if self.row_tracking.on else None
-            ):
+            with self.row_tracking.forward(batch_size, self._loose(recording)):
                 yield recording
         finally:
             self._hooks.receiver, self._hooks.running = None, None
@@ -200,9 +208,7 @@ class ClippingEngine:
         try:
             with (
                 frozen(self.parameters if freeze else []),
-                self.row_tracking.forward(
-                    collector.rows, self._loose(collector) if self.row_tracking.on else None
-                ),
+                self.row_tracking.forward(collector.rows, self._loose(collector)),
             ):
                 yield collector
         finally:

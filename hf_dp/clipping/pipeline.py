@@ -227,8 +227,10 @@ class ClippedStep:
                 Need.ONE_PASS if self.owner == "module" or self.framework_has_whole_parameters else Need.WHOLE
             )
         first = self.calibration is None
-        if kept_gradients_fit(self.engine, batch.size) and (
-            self.framework_has_whole_parameters or (self.owner == "module" and not first)
+        if (
+            kept_gradients_fit(self.engine, batch.size)
+            and (self.framework_has_whole_parameters or self.owner == "module")
+            and not first
         ):
             return Need.ONE_PASS  # the norm pass's explicit per-example gradients give the sum
         if self.owner != "module" and not self.framework_may_replay:
@@ -253,7 +255,7 @@ def _tail_keeps(step: ClippedStep, first: bool, calibration: Calibration) -> Tap
         tail_at_exit=module,
         tail_checked_by_grad=not module,
         layerwise=layerwise,
-        probe=first and module,
+        probe=first and (module or step.framework_has_whole_parameters),
         record_layers=first and not module,
         **reach,
     )
@@ -286,13 +288,14 @@ def _sum_pass(
 
 
 def _norm_pass(step: ClippedStep, kind: NormKind, keeps: TapOptions | None, first: bool) -> NormPass:
-    """The norm pass of a table row; on the bare module's first step, book-keeping's sum is verified against
-    autograd (a framework's parameters may be partitioned: ZeRO-3)."""
+    """The norm pass of a table row; on the first step, book-keeping's sum is verified against ``autograd.grad`` on
+    the bare module where every process holds every parameter whole (not ZeRO-3's partitions nor FSDP2's)."""
     module = step.owner == "module"
+    verifiable = module or step.framework_has_whole_parameters
     if kind == "recorded":
-        return RecordedNorms(step.engine, step.module, verify=first and module)
+        return RecordedNorms(step.engine, step.module, verify=first and verifiable)
     if kind == "evaluated":
-        return EvaluatedNorms(step.engine, step.module, step.shifter, verify=first and module)
+        return EvaluatedNorms(step.engine, step.module, step.shifter, verify=first and verifiable)
     return TappedNorms(
         step.engine,
         step.module,
@@ -328,7 +331,7 @@ def select(step: ClippedStep, plan: StepPlan, batch: Batch, model: nn.Module) ->
     if need is Need.FIRST_STEP and step.owner == "module":
         check = CheckedInGradients(step.engine, step.scale, BodySum(step.module, sum_pass, sum_pass.keeps))
     elif need is Need.FIRST_STEP:
-        check = CheckedThroughFramework(step.engine, step.module)
+        check = CheckedThroughFramework(step.engine, step.module, step.framework_has_whole_parameters)
     elif need is Need.GROUPS and step.calibration is None and step.owner == "module":
         check = CheckedGroups(step.engine, step.module)
     norm_pass = _norm_pass(step, norm_kind, sum_pass.keeps, first=step.calibration is None)

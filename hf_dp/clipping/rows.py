@@ -91,8 +91,14 @@ _METADATA = {
 # fmt: on
 
 
+# properties whose getter returns the tensor's values (a gradient flows through ``weight.T``)
+_VALUE_PROPERTIES = {Tensor.T.__get__, Tensor.mT.__get__, Tensor.H.__get__, Tensor.mH.__get__}
+
+
 def _reads_values(func) -> bool:
     """Whether an operation reads a tensor's values (a gradient can flow), not its shape, dtype or layout."""
+    if func in _VALUE_PROPERTIES:
+        return True
     return func not in _METADATA and getattr(func, "__name__", "") != "__get__"
 
 
@@ -182,6 +188,10 @@ class RowTracker(TorchFunctionMode):
             out = func(*args, **kwargs)
             self._track(func, args, kwargs, out)
             return out
+        if func is F.linear:
+            linear = self._shared_linear(args, kwargs)
+            if linear is not None:
+                return linear
         if func is Tensor.repeat and args[0] in self._shared:
             repeated = self._repeated(args)
             if repeated is not None:
@@ -198,6 +208,21 @@ class RowTracker(TorchFunctionMode):
             return value if found is None else broadcast(value, self.rows, rank, found)
 
         return func(*[batched(a) for a in args], **{k: batched(v) for k, v in kwargs.items()})
+
+    def _shared_linear(self, args: tuple, kwargs: dict) -> Tensor | None:
+        """``F.linear(x, W, b)`` with W or b shared and x of the batch's rows, as x @ Wᵀ + b with W and b broadcast
+        to the batch (``linear`` takes no batched weight)."""
+        x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if x in self._shared or x.dim() < 2 or x.shape[0] != self.rows:
+            return None
+
+        def batched(t: Tensor) -> Tensor:
+            found = self._shared.get(t)
+            return t if found is None else broadcast(t, self.rows, x.dim(), found)
+
+        out = torch.matmul(x, batched(weight).transpose(-1, -2))
+        return out if bias is None else out + batched(bias)
 
     def _repeated(self, args: tuple) -> Tensor | None:
         """``made.repeat(B, …)`` (DeBERTa's positions, one copy per example): copy b is example b's, so the copies
@@ -330,9 +355,28 @@ class RowTracker(TorchFunctionMode):
         return ExampleRows(torch.cat([m.example for m in maps]), self.rows, None)
 
 
+class LooseWatch(TorchFunctionMode):
+    """A recorded forward after the tracker switched itself off: only hands ``loose`` each clipped parameter an
+    operation reads, so that a read outside its module's forward that the first step did not make is refused
+    (engine._loose), not left out of the norms while the weighted pass back-propagates through it."""
+
+    def __init__(self, loose: Loose) -> None:
+        super().__init__()
+        self.loose = loose
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.is_grad_enabled() and _reads_values(func):
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, nn.Parameter):
+                    self.loose(value)
+        return func(*args, **kwargs)
+
+
 class RowTracking:
     """Whether a model's recorded forwards carry row maps: on until the first recorded micro-batch shows that no
-    trainable layer takes flattened rows (a ``TorchFunctionMode`` costs a Python call per operation)."""
+    trainable layer takes flattened rows and no parameter is read outside its module (a ``TorchFunctionMode``
+    costs a Python call per operation); off, a ``LooseWatch`` still sees every parameter read."""
 
     def __init__(self) -> None:
         self.on = True
@@ -341,7 +385,8 @@ class RowTracking:
     @contextlib.contextmanager
     def forward(self, rows: int, loose: Loose | None = None) -> Iterator[None]:
         if not self.on:
-            yield
+            with LooseWatch(loose) if loose is not None else contextlib.nullcontext():
+                yield
             return
         self.tracker = RowTracker(rows, loose)
         try:

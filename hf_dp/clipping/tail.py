@@ -189,6 +189,11 @@ class TailFinder:
             for handle in handles:
                 handle.remove()
 
+    @property
+    def saw_reentrant(self) -> bool:
+        """A use was numbered inside a reentrant checkpoint (whose recomputation ``autograd.grad`` cannot see)."""
+        return self._saw_reentrant
+
     def begin_backward(self) -> None:
         """After the forward: reach the tail down over the last checkpointed layers, each called once with a
         differentiable input, as far as ``floats`` or ``layers`` allow (a loss term on a hidden state between two
