@@ -280,6 +280,24 @@ def test_a_loose_read_from_the_first_step_on_equals_brute_force(backend: str, th
     assert step.engine.row_tracking.on
 
 
+class _LooseEinsum(_LooseLater):
+    """The read as ``einsum("btd,ed->bte", h, W)``, which takes no weight broadcast to the batch."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = self.proj(self.embed(input_ids))
+        h = h + 0.5 * torch.tanh(torch.einsum("btd,ed->bte", h, self.proj.weight))
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.head(h))
+
+
+def test_a_loose_read_an_operation_cannot_take_broadcast_is_refused_in_one_line() -> None:
+    model = _LooseEinsum(loose=True).double().train()
+    step = clipped_step(ClippingEngine(model), model, Backend())
+    with pytest.raises(
+        UnsupportedModuleError, match=r"^einsum meets the batch with a tensor made from a parameter"
+    ):
+        checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, loss_fn=_token_losses, steps=1)
+
+
 @pytest.mark.parametrize("through", ["linear", "transpose"])
 @pytest.mark.parametrize("backend", ["book-keeping", "checkpointed"])
 def test_a_loose_read_first_made_after_the_first_step_is_refused_before_any_release(

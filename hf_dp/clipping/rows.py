@@ -207,7 +207,17 @@ class RowTracker(TorchFunctionMode):
             found = self._shared.get(value) if isinstance(value, Tensor) else None
             return value if found is None else broadcast(value, self.rows, rank, found)
 
-        return func(*[batched(a) for a in args], **{k: batched(v) for k, v in kwargs.items()})
+        try:
+            return func(*[batched(a) for a in args], **{k: batched(v) for k, v in kwargs.items()})
+        except (RuntimeError, TypeError, ValueError) as error:
+            from hf_dp.clipping.rules import UnsupportedModuleError  # rules.py imports this module
+
+            name = getattr(func, "__name__", repr(func))
+            raise UnsupportedModuleError(
+                f"{name} meets the batch with a tensor made from a parameter read outside its module or a layer's "
+                f"output shared by all examples, and does not take that tensor broadcast to the batch ({error}); "
+                "call the parameter through its module, or freeze it"
+            ) from error
 
     def _shared_linear(self, args: tuple, kwargs: dict) -> Tensor | None:
         """``F.linear(x, W, b)`` with W or b shared and x of the batch's rows, as x @ Wᵀ + b with W and b broadcast
