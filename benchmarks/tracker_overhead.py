@@ -1,9 +1,11 @@
 """What the row tracker (hf_dp/clipping/rows.py, a ``TorchFunctionMode``: one Python call per operation) costs a
 steady-state DP step where it stays on (OPT, MoE, T5, MPNet, DeBERTa, Mamba), and what the ``LooseWatch`` that
-replaces it once it has stopped costs every other model: the same book-keeping step of step_counts.py's tiny Llama
-(4 × 64, B 4, T 64, fp32, one thread) with the tracker forced on, with the watch (the default after the first
-step) and bare (the watch swapped for a null context, as before it existed), interleaved. On a Llama both find
-nothing, so each ratio is its overhead alone, in a launch-bound regime.
+replaces it once it has stopped costs where it runs (a weighted pass that back-propagates the model: activation
+checkpointing, ZeRO-3): step_counts.py's tiny Llama (4 × 64, B 4, T 64, fp32, one thread), one steady-state DP
+step with the tracker forced on, with the watch and bare (the watch swapped for a null context), interleaved, in
+two settings: book-keeping (whose sum comes from the taps: no watch runs, so watch = bare) and non-reentrant
+activation checkpointing. On a Llama neither finds anything, so each ratio is its overhead alone, in a
+launch-bound regime.
 
     .venv/bin/python benchmarks/tracker_overhead.py --out benchmarks/results/tracker_overhead.json
 """
@@ -43,14 +45,16 @@ class _NoWatch(contextlib.nullcontext):
         super().__init__()
 
 
-def measure(rounds: int) -> dict:
+def measure_setting(checkpointing: bool, rounds: int) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     shape = step_counts.TINY
     model = LlamaForCausalLM(llama_config(shape, step_counts.TINY_SEQ)).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     ids = torch.randint(0, shape.vocab, (step_counts.TINY_BATCH, step_counts.TINY_SEQ))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    step = clipped_step(ClippingEngine(model), model, Backend())
+    step = clipped_step(ClippingEngine(model), model, Backend(checkpointing=checkpointing))
     mask = torch.ones(step_counts.TINY_BATCH)
 
     def run() -> float:
@@ -64,20 +68,33 @@ def measure(rounds: int) -> dict:
     run()  # the checked first step
     watch = rows.LooseWatch
     seconds: dict[str, list[float]] = {"bare": [], "watch": [], "tracker": []}
-    for _ in range(rounds):
-        for label in seconds:
-            step.engine.row_tracking.on = label == "tracker"
-            rows.LooseWatch = watch if label == "watch" else _NoWatch
-            seconds[label].append(run())
-    rows.LooseWatch = watch
+    try:
+        for _ in range(rounds):
+            for label in seconds:
+                step.engine.row_tracking.on = label == "tracker"
+                rows.LooseWatch = watch if label == "watch" else _NoWatch
+                seconds[label].append(run())
+    finally:
+        rows.LooseWatch = watch
     median = {label: statistics.median(times) for label, times in seconds.items()}
     return {
-        "benchmark": "tracker_overhead",
-        "setting": {"shape": vars(shape), "seq": step_counts.TINY_SEQ, "batch": step_counts.TINY_BATCH},
-        "rounds": rounds,
         "median_ms": {label: round(1e3 * t, 2) for label, t in median.items()},
         "ratio_tracker_bare": round(median["tracker"] / median["bare"], 3),
         "ratio_watch_bare": round(median["watch"] / median["bare"], 3),
+    }
+
+
+def measure(rounds: int) -> dict:
+    return {
+        "benchmark": "tracker_overhead",
+        "setting": {
+            "shape": vars(step_counts.TINY),
+            "seq": step_counts.TINY_SEQ,
+            "batch": step_counts.TINY_BATCH,
+        },
+        "rounds": rounds,
+        "book_keeping": measure_setting(False, rounds),
+        "checkpointing": measure_setting(True, rounds),
         "torch": torch.__version__,
     }
 

@@ -298,30 +298,50 @@ def test_a_loose_read_an_operation_cannot_take_broadcast_is_refused_in_one_line(
         checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, loss_fn=_token_losses, steps=1)
 
 
-@pytest.mark.parametrize("through", ["linear", "transpose"])
-@pytest.mark.parametrize("backend", ["book-keeping", "checkpointed"])
-def test_a_loose_read_first_made_after_the_first_step_is_refused_before_any_release(
-    backend: str, through: str
-) -> None:
-    """The first step reads nothing loosely, so the tracker switches itself off; a later step that does would put a
-    gradient the norms never counted into the weighted pass. The watch that stays on refuses it in one line, in
-    the norm pass's forward, before any gradient is written."""
+def _loose_later_step(through: str, backend: Backend):
+    """A step of ``_LooseLater`` whose first step read nothing loosely (the tracker stopped), then set to."""
     torch.manual_seed(0)
     model = _LooseLater(loose=False, through=through).double().train()
     batch = models.token_batch()
-    step = clipped_step(ClippingEngine(model), model, Backend(checkpointing=backend == "checkpointed"))
-    mask = torch.ones(batch["input_ids"].shape[0])
+    step = clipped_step(ClippingEngine(model), model, backend)
 
     def losses_of(module: nn.Module) -> torch.Tensor:
         return _token_losses(module, batch)
 
-    step_sums(step, model, losses_of, mask, StepPlan(1.0))
+    step_sums(step, model, losses_of, torch.ones(batch["input_ids"].shape[0]), StepPlan(1.0))
     assert step.engine.row_tracking.on is False
     model.loose = True
+    return model, step, losses_of, batch["input_ids"].shape[0]
+
+
+@pytest.mark.parametrize("through", ["linear", "transpose"])
+@pytest.mark.parametrize("backend", ["checkpointed", "zero3"])
+def test_a_loose_read_first_made_after_the_first_step_is_refused_before_any_release(
+    backend: str, through: str
+) -> None:
+    """A weighted pass that back-propagates the model (with checkpointing; ZeRO-3) would carry the read's gradient,
+    which the norms never counted. The watch that stays on refuses it in one line, in the norm pass's forward,
+    before any gradient is written."""
+    setup = ONE_PROCESS if backend == "checkpointed" else Backend(world_size=2, zero_stage=3)
+    model, step, losses_of, rows = _loose_later_step(through, setup)
     with pytest.raises(
         UnsupportedModuleError,
         match=r"^proj\.weight was read outside the forward of its module in a later step.*read it through its "
         r"module, or freeze it$",
     ):
-        step_sums(step, model, losses_of, mask, StepPlan(1.0))
+        step_sums(step, model, losses_of, torch.ones(rows), StepPlan(1.0))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_loose_read_first_made_after_the_first_step_leaves_book_keeping_within_its_clip_norm() -> None:
+    """Book-keeping forms the sum from the taps' factors, which do not see the read: its gradient is left out, and
+    each example's share of the released sum stays within C (one example unmasked at a time), so no watch runs."""
+    model, step, losses_of, rows = _loose_later_step("linear", Backend())
+    max_norm = 0.01  # far below every example's norm: each is clipped to exactly C
+    for example in range(rows):
+        mask = torch.zeros(rows)
+        mask[example] = 1.0
+        sums = step_sums(step, model, losses_of, mask, StepPlan(max_norm))
+        norm = torch.sqrt(sum((g**2).sum() for g in sums.values()))
+        assert norm <= max_norm * (1 + 1e-9)
+        assert norm >= max_norm * (1 - 1e-5)  # clipped: C / (‖G_i‖ + ε)

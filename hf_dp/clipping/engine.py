@@ -140,17 +140,28 @@ class ClippingEngine:
 
         return loose
 
+    def _watched(
+        self, receiver: Receiver, watch: bool
+    ) -> Callable[[nn.Parameter], torch.Tensor | None] | None:
+        """What a recorded forward hands its loose reads to: the tracker's, or the watch's where ``watch``."""
+        return self._loose(receiver) if self.row_tracking.on or watch else None
+
     # ---- the norms ------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def record(self, batch_size: int, units: PrivacyUnits | None = None) -> Iterator[Recording]:
+    def record(
+        self, batch_size: int, units: PrivacyUnits | None = None, watch: bool = False
+    ) -> Iterator[Recording]:
         """Record the forward passes of one micro-batch of ``batch_size`` rows; ``units`` groups its rows or tokens
-        into privacy units (None: one unit per row), and the per-example losses and norms are then per unit."""
+        into privacy units (None: one unit per row), and the per-example losses and norms are then per unit.
+        ``watch``: once the row tracker has stopped, still refuse a loose parameter read (rows.LooseWatch), for a
+        sum pass that back-propagates the model (sum_passes.WholeSum, BodySum), through which its gradient would
+        pass uncounted; the sums formed from the taps leave it out."""
         recording = Recording(self.layers, self.materialise, batch_size, units, self.row_tracking)
         self._recording = recording
         self._hooks.receiver = recording
         try:
-            with self.row_tracking.forward(batch_size, self._loose(recording)):
+            with self.row_tracking.forward(batch_size, self._watched(recording, watch)):
                 yield recording
         finally:
             self._hooks.receiver, self._hooks.running = None, None
@@ -192,13 +203,15 @@ class ClippingEngine:
         options: TapOptions = NO_OPTIONS,
         freeze: bool = True,
         group_sums: GroupSums | None = None,
+        watch: bool = False,
     ) -> Iterator[NormCollector]:
         """Tap the forward of one micro-batch; ``backward()`` of Σ_i L_i then fills ``collector.norms()`` without
         keeping any layer input alive and without touching ``.grad`` (the clipped parameters are frozen).
         ``batch_size`` counts the privacy units ``units`` groups the rows into (None: one a row). ``freeze=False``
         when the backward differentiates towards ``collector.anchor`` only (FSDP2, which decides from
         ``requires_grad`` in a forward which gradients it will reduce: frozen there, they never would be).
-        ``group_sums``: group-wise clipping, each group's clipped sum formed in the backward (groups.py)."""
+        ``group_sums``: group-wise clipping, each group's clipped sum formed in the backward (groups.py); ``watch``
+        as for ``record``."""
         scales = scales_by_id(clip_scale, self.parameters)
         collector = NormCollector(
             self.layers, batch_size, units, scales, self.materialise, options, self.row_tracking, group_sums
@@ -208,7 +221,7 @@ class ClippingEngine:
         try:
             with (
                 frozen(self.parameters if freeze else []),
-                self.row_tracking.forward(collector.rows, self._loose(collector)),
+                self.row_tracking.forward(collector.rows, self._watched(collector, watch)),
             ):
                 yield collector
         finally:

@@ -99,11 +99,12 @@ class RecordedNorms:
     engine: ClippingEngine
     module: nn.Module
     verify: bool = False
+    watch: bool = False  # the sum pass back-propagates the model (engine.record)
 
     def __call__(self, losses_of: LossFn, batch: Batch, plan: StepPlan) -> FoundNorms | None:
         """None when the user's own ``torch.utils.checkpoint`` ran in the forward (the random state is replayed)."""
         state = rng_state()
-        with self.engine.record(batch.rows, batch.units) as recording:
+        with self.engine.record(batch.rows, batch.units, self.watch) as recording:
             losses = losses_of(self.module)
         if recording.saw_checkpointing:
             replay_rng(state)
@@ -152,6 +153,7 @@ class TappedNorms:
     finite_losses: bool = True
     grouped: bool = False  # group-wise clipping: each group's clipped sum formed in the backward (groups.py)
     loss_scale: float = 1.0  # fp16's S, which scales the losses given (group-wise clipping unscales by it)
+    watch: bool = False  # the sum pass back-propagates the model (engine.record)
 
     def __call__(self, losses_of: LossFn, batch: Batch, plan: StepPlan) -> FoundNorms:
         state = rng_state()
@@ -164,11 +166,12 @@ class TappedNorms:
         with (
             replay.recording(keep_calls=points is not None) if replay else contextlib.nullcontext(),
             self.engine.norms_in_backward(
-                batch.size, plan.clip_scale, batch.units, options, not self.taps_only, group_sums
+                batch.size, plan.clip_scale, batch.units, options, not self.taps_only, group_sums, self.watch
             ) as collector,
             collector.forward(replay.layers if replay else [], points),
         ):
             losses = losses_of(self.module)
+            self.engine.row_tracking.end_watch()
             collector.begin_backward()
             if self.taps_only:
                 torch.autograd.grad(losses.sum(), collector.anchor, allow_unused=True)

@@ -287,13 +287,16 @@ def _sum_pass(
     )
 
 
-def _norm_pass(step: ClippedStep, kind: NormKind, keeps: TapOptions | None, first: bool) -> NormPass:
+def _norm_pass(
+    step: ClippedStep, kind: NormKind, keeps: TapOptions | None, first: bool, watch: bool
+) -> NormPass:
     """The norm pass of a table row; on the first step, book-keeping's sum is verified against ``autograd.grad`` on
-    the bare module where every process holds every parameter whole (not ZeRO-3's partitions nor FSDP2's)."""
+    the bare module where every process holds every parameter whole (not ZeRO-3's partitions nor FSDP2's);
+    ``watch``: its sum pass back-propagates the model, so a loose read after the first step is refused."""
     module = step.owner == "module"
     verifiable = module or step.framework_has_whole_parameters
     if kind == "recorded":
-        return RecordedNorms(step.engine, step.module, verify=first and verifiable)
+        return RecordedNorms(step.engine, step.module, verify=first and verifiable, watch=watch)
     if kind == "evaluated":
         return EvaluatedNorms(step.engine, step.module, step.shifter, verify=first and verifiable)
     return TappedNorms(
@@ -304,6 +307,7 @@ def _norm_pass(step: ClippedStep, kind: NormKind, keeps: TapOptions | None, firs
         finite_losses=module,
         grouped=step.engine.groups is not None,
         loss_scale=step.scale.scale,
+        watch=watch,
     )
 
 
@@ -334,7 +338,8 @@ def select(step: ClippedStep, plan: StepPlan, batch: Batch, model: nn.Module) ->
         check = CheckedThroughFramework(step.engine, step.module, step.framework_has_whole_parameters)
     elif need is Need.GROUPS and step.calibration is None and step.owner == "module":
         check = CheckedGroups(step.engine, step.module)
-    norm_pass = _norm_pass(step, norm_kind, sum_pass.keeps, first=step.calibration is None)
+    first = step.calibration is None
+    norm_pass = _norm_pass(step, norm_kind, sum_pass.keeps, first, watch=sum_kind in ("whole", "body"))
     return Passes(norm_pass, sum_pass, _delivery(step, model), check)
 
 

@@ -391,12 +391,18 @@ class RowTracking:
     def __init__(self) -> None:
         self.on = True
         self.tracker: RowTracker | None = None
+        self._watch: LooseWatch | None = None
 
     @contextlib.contextmanager
     def forward(self, rows: int, loose: Loose | None = None) -> Iterator[None]:
         if not self.on:
-            with LooseWatch(loose) if loose is not None else contextlib.nullcontext():
+            self._watch = LooseWatch(loose) if loose is not None else None
+            if self._watch is not None:
+                self._watch.__enter__()
+            try:
                 yield
+            finally:
+                self.end_watch()
             return
         self.tracker = RowTracker(rows, loose)
         try:
@@ -405,6 +411,14 @@ class RowTracking:
         finally:
             self.on = self.tracker.seen
             self.tracker = None
+
+    def end_watch(self) -> None:
+        """The recorded forward is over: its backward needs no watch (a checkpoint's recomputation reruns what the
+        forward read), unless a mode entered after it is still on (modes leave in the reverse order)."""
+        watch = self._watch
+        if watch is not None and torch.overrides._get_current_function_mode_stack()[-1:] == [watch]:
+            self._watch = None
+            watch.__exit__(None, None, None)
 
     def keep(self) -> None:
         """Track later forwards too: this one needed the tracker."""
