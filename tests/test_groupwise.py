@@ -191,3 +191,55 @@ def test_groupwise_clipping_of_units_of_rows_equals_brute_force(checkpointing: b
         step.check_untouched()
         assert_close(ours, reference, rtol=1e-9, floor=1e-9)
     assert max((ours[n] - per_row[n]).norm() / per_row[n].norm().clamp(min=1e-12) for n in ours) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "reentrant", [None, False, True], ids=["no_checkpointing", "non_reentrant", "reentrant"]
+)
+def test_groupwise_through_zero2_is_checked_on_its_first_step_and_equals_brute_force(reentrant) -> None:
+    """Through DeepSpeed ZeRO-2 (every process holds every parameter whole) the first step checks the taps along
+    their probes with autograd.grad of Σ_i r_i L_i, for fixed unequal r_i; every step is the per-group brute force
+    (× W, which the framework's mean removes). A reentrant checkpoint hides its recomputation from autograd.grad."""
+    torch.manual_seed(0)
+    model = models.llama().double().train()
+    batch = models.token_batch()
+    _, norms = oracle.per_example(model, batch, 1e12)
+    clip = 0.5 * norms.min().item()
+    engine = ClippingEngine(model, grouping="layer", clip_norm=clip)
+    reference, _ = _reference(model, batch, engine, clip)  # brute force's autograd.grad: before checkpointing
+    if reentrant is not None:
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+    backend = Backend(world_size=2, zero_stage=2, checkpointing=reentrant is not None)
+    step = clipped_step(engine, model, backend)
+    mask = torch.ones(batch["input_ids"].shape[0])
+    for _ in range(2):
+        ours = step_sums(step, model, lambda module: per_example_loss(module, batch), mask, StepPlan(clip))
+        assert_close(ours, reference, rtol=1e-9, floor=1e-9)
+    engine.remove_hooks()
+
+
+@pytest.mark.parametrize("zero2", [False, True], ids=["one_process", "zero2"])
+def test_groupwise_rows_credited_to_the_wrong_example_are_refused(monkeypatch, zero2: bool) -> None:
+    """Mutation (as tests/test_flattened_rows.py): OPT's reshaped rows credited to example B - 1 - r // T, no
+    example clipped (a check weighted by the mask alone would pass); the first step's check weighted by fixed
+    unequal weights refuses it, on one process and through ZeRO-2."""
+    from hf_dp.clipping import rows as rows_module
+    from hf_dp.clipping.engine import UnsupportedModuleError
+    from tests.test_flattened_rows import opt
+
+    reshaped = rows_module.RowTracker._reshaped
+
+    def reversed_map(self, source, out):
+        found = reshaped(self, source, out)
+        if found is None or found.per_example is None:
+            return found
+        return rows_module.ExampleRows(self.rows - 1 - found.example, self.rows, None)
+
+    monkeypatch.setattr(rows_module.RowTracker, "_reshaped", reversed_map)
+    model = opt().double().train()
+    batch = models.token_batch()
+    engine = ClippingEngine(model, grouping="layer", clip_norm=1e9)
+    step = clipped_step(engine, model, Backend(world_size=2, zero_stage=2) if zero2 else Backend())
+    mask = torch.ones(batch["input_ids"].shape[0])
+    with pytest.raises(UnsupportedModuleError, match="credited to the wrong examples"):
+        step_sums(step, model, lambda module: per_example_loss(module, batch), mask, StepPlan(1e9))

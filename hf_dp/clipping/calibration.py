@@ -51,10 +51,11 @@ def weighted_gradients(
     weights: torch.Tensor,
     found: FoundNorms,
     by_grad: bool = False,
-) -> dict[int, torch.Tensor | None]:
+) -> dict[int, torch.Tensor | None] | None:
     """Autograd's gradient of Σ_i w_i L_i per parameter id, from one more forward (its RNG replayed) and backward
     of the bare module, ``.grad`` set aside and put back; ``by_grad``: with ``autograd.grad``, which runs no
-    gradient accumulation and so none of a framework's reduction hooks."""
+    gradient accumulation and so none of a framework's reduction hooks, and None where a reentrant checkpoint
+    refuses it."""
     kept = [p.grad for p in params]
     for param in params:
         param.grad = None
@@ -63,7 +64,12 @@ def weighted_gradients(
         values = losses()
         weighted = (values * weights.to(values.dtype)).sum()
         if by_grad:
-            found_grads = torch.autograd.grad(weighted, params, allow_unused=True)
+            try:
+                found_grads = torch.autograd.grad(weighted, params, allow_unused=True)
+            except RuntimeError as error:
+                if "use_reentrant=True" not in str(error):  # torch's refusal of .grad() through one
+                    raise
+                return None
             return dict(zip((id(p) for p in params), found_grads, strict=True))
         weighted.backward()
         return {id(p): p.grad for p in params}
@@ -156,13 +162,16 @@ class CheckedInGradients:
 
 @dataclass(frozen=True)
 class CheckedGroups:
-    """Group-wise clipping's first step on the bare module (groups.py), whose sums the norm pass formed: the taps
-    saw every use of every parameter, checked along random probes against autograd's gradient of Σ_i mask_i L_i,
-    from one more forward and backward on this step only, its ``.grad`` set aside (None or 0 before the first
-    micro-batch, checks.GradientGuard); nothing is left to find."""
+    """Group-wise clipping's first step (groups.py), whose sums the norm pass formed: the taps saw every use of
+    every parameter, checked along random probes against autograd's gradient of Σ_i mask_i r_i L_i for fixed
+    unequal r_i (checks.engine_sum_weights: a gradient credited to the wrong example shows), from one more forward
+    and backward of the bare module on this step only, its ``.grad`` set aside (None or 0 before the first
+    micro-batch, checks.GradientGuard); nothing is left to find. ``by_grad``: through ZeRO-1/2, with
+    ``autograd.grad`` (none of DeepSpeed's reduction hooks run)."""
 
     engine: ClippingEngine
     module: torch.nn.Module
+    by_grad: bool = False
 
     def __call__(
         self,
@@ -173,9 +182,12 @@ class CheckedGroups:
         batch: Batch,
     ) -> tuple[MicroStep, Calibration]:
         params = self.engine.parameters
-        gradients = weighted_gradients(params, lambda: losses_of(self.module), batch.mask, found)
-        mask = batch.mask.to(found.norms.dtype)
-        check_projections(params, self.engine.parameter_name, found.collector, mask, gradients)
+        weights = batch.mask.to(found.norms.dtype) * engine_sum_weights(
+            batch.mask.shape[0], batch.mask.device
+        )
+        gradients = weighted_gradients(params, lambda: losses_of(self.module), weights, found, self.by_grad)
+        if gradients is not None:
+            check_projections(params, self.engine.parameter_name, found.collector, weights, gradients)
         return deliver(), Calibration()
 
 
@@ -185,7 +197,7 @@ class CheckedThroughFramework:
     tail and the layers on the bare ``module`` without a backward that writes gradients; where every process holds
     every parameter whole (ZeRO-1/2: ``attribution``), the taps' projections too, against ``autograd.grad`` of
     Σ_i r_i L_i for fixed unequal r_i (as ``CheckedInGradients._check_attribution``), unless a reentrant checkpoint
-    hides its recomputation from ``autograd.grad``."""
+    hides its recomputation from ``autograd.grad`` (or refuses it)."""
 
     engine: ClippingEngine
     module: torch.nn.Module
@@ -206,7 +218,8 @@ class CheckedThroughFramework:
             gradients = weighted_gradients(
                 params, lambda: losses_of(self.module), weights, found, by_grad=True
             )
-            check_projections(params, self.engine.parameter_name, found.collector, weights, gradients)
+            if gradients is not None:
+                check_projections(params, self.engine.parameter_name, found.collector, weights, gradients)
         skips_tail, layerwise = self._tail(losses_of, found, factors, batch)
         step = deliver()
         replay = found.replay

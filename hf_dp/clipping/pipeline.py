@@ -269,8 +269,9 @@ def _sum_pass(
         return FactoredSum()
     if kind == "kept":
         return KeptSum()
-    if kind == "grouped":  # on the bare module's first step, the taps' probes for CheckedGroups
-        return GroupedSum(TapOptions(probe=step.calibration is None and step.owner == "module"))
+    if kind == "grouped":  # on the first step (bare module, ZeRO-0/1/2), the taps' probes for CheckedGroups
+        checked = step.owner == "module" or step.framework_has_whole_parameters
+        return GroupedSum(TapOptions(probe=step.calibration is None and checked))
     module = step.owner == "module"
     runs_on = step.module if module else model
     if (
@@ -338,6 +339,8 @@ def select(step: ClippedStep, plan: StepPlan, batch: Batch, model: nn.Module) ->
         check = CheckedThroughFramework(step.engine, step.module, step.framework_has_whole_parameters)
     elif need is Need.GROUPS and step.calibration is None and step.owner == "module":
         check = CheckedGroups(step.engine, step.module)
+    elif need is Need.GROUPS and step.calibration is None and step.framework_has_whole_parameters:
+        check = CheckedGroups(step.engine, step.module, by_grad=True)
     first = step.calibration is None
     norm_pass = _norm_pass(step, norm_kind, sum_pass.keeps, first, watch=sum_kind in ("whole", "body"))
     return Passes(norm_pass, sum_pass, _delivery(step, model), check)
