@@ -13,7 +13,7 @@ operation drops it, so a layer fed rows of unknown origin is refused, never misl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +22,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from hf_dp.clipping.reads import Loose, LooseWatch, reads_values
 from hf_dp.clipping.shared import SharedUse, broadcast
 
 Tensor = torch.Tensor
-Loose = Callable[[nn.Parameter], Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -83,23 +83,7 @@ _OVER_A_DIMENSION = {  # row-wise when the dimension they reduce or normalise ov
     Tensor.mean, Tensor.sum, Tensor.amax, Tensor.norm, Tensor.var,
 }
 _SPLITS = {torch.split, torch.chunk, Tensor.split, Tensor.chunk}
-_METADATA = {
-    Tensor.dim, Tensor.size, Tensor.numel, Tensor.nelement, Tensor.stride, Tensor.element_size,
-    Tensor.is_floating_point, Tensor.is_complex, Tensor.is_contiguous, Tensor.get_device, Tensor.data_ptr,
-    Tensor.__len__, torch.is_floating_point, torch.is_complex, torch.numel,
-}
 # fmt: on
-
-
-# properties whose getter returns the tensor's values (a gradient flows through ``weight.T``)
-_VALUE_PROPERTIES = {Tensor.T.__get__, Tensor.mT.__get__, Tensor.H.__get__, Tensor.mH.__get__}
-
-
-def _reads_values(func) -> bool:
-    """Whether an operation reads a tensor's values (a gradient can flow), not its shape, dtype or layout."""
-    if func in _VALUE_PROPERTIES:
-        return True
-    return func not in _METADATA and getattr(func, "__name__", "") != "__get__"
 
 
 def _dim_of(func, args: tuple, kwargs: dict) -> object:
@@ -160,7 +144,7 @@ class RowTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.loose is not None and torch.is_grad_enabled() and _reads_values(func):
+        if self.loose is not None and torch.is_grad_enabled() and reads_values(func):
             args = tuple(self._read(a) for a in args)
             kwargs = {k: self._read(v) for k, v in kwargs.items()}
         if self._shared:
@@ -363,24 +347,6 @@ class RowTracker(TorchFunctionMode):
         if any(m is None for m in maps):
             return None
         return ExampleRows(torch.cat([m.example for m in maps]), self.rows, None)
-
-
-class LooseWatch(TorchFunctionMode):
-    """A recorded forward after the tracker switched itself off: only hands ``loose`` each clipped parameter an
-    operation reads, so that a read outside its module's forward that the first step did not make is refused
-    (engine._loose), not left out of the norms while the weighted pass back-propagates through it."""
-
-    def __init__(self, loose: Loose) -> None:
-        super().__init__()
-        self.loose = loose
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.is_grad_enabled() and _reads_values(func):
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, nn.Parameter):
-                    self.loose(value)
-        return func(*args, **kwargs)
 
 
 class RowTracking:
