@@ -16,7 +16,7 @@ from hf_dp.backend import Backend
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.pipeline import clipped_step
 from tests import models, oracle
-from tests.test_checkpointing import checkpointed_steps
+from tests.test_checkpointing import ONE_PROCESS, checkpointed_steps
 from tests.test_engine import assert_close
 from tests.test_flattened_rows import bart, mamba, mpnet, opt, qwen2_moe
 from tests.test_model_families import FAMILIES as CHECKPOINTED_DECODERS
@@ -250,3 +250,44 @@ def test_a_lora_dp_step_of_each_family_equals_brute_force(family: str, monkeypat
     step = clipped_step(ClippingEngine(model), model, Backend())
     for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
         assert_close(ours, reference, rtol=1e-9 if dtype == torch.float64 else 1e-4, floor=1e-6)
+
+
+# the families whose checkpointed step no other file tests (test_model_families.py: the Llama-like decoders;
+# test_flattened_rows.py: OPT, BART, T5, MoE, Mamba, DeBERTa); MPNet has no checkpointing
+CHECKPOINTED_HERE = (
+    "gpt2",
+    "falcon",
+    "bloom",
+    "gptj",
+    "stablelm",
+    "starcoder2",
+    "bert",
+    "roberta",
+    "xlm_roberta",
+    "electra",
+    "distilbert",
+    "modernbert",
+    "pegasus",
+)
+
+
+@pytest.mark.parametrize("family", CHECKPOINTED_HERE)
+def test_a_checkpointed_dp_step_of_each_family_equals_brute_force(family: str, monkeypatch) -> None:
+    """Non-reentrant activation checkpointing, one process: the checked first step and a later one (the tail
+    skipped, the layers run one by one where the check allowed it) each equal brute force."""
+    build, batch_of, dtype, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model = build()
+    float64_throughout(model, monkeypatch)
+    model = model.to(dtype).train()
+    batch = batch_of()
+    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    max_norm = norms.median().item()
+    reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS)
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert model.is_gradient_checkpointing and step.calibration is not None, (
+        family
+    )  # the checked first step ran
