@@ -195,8 +195,11 @@ def test_the_table_holds_at_least_the_issue_s_families() -> None:
     assert len(FAMILIES) >= 25
 
 
+@pytest.mark.parametrize("mode", ["ghost", "per_sample"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_dp_step_of_each_family_equals_brute_force(family: str, monkeypatch) -> None:
+def test_a_dp_step_of_each_family_equals_brute_force(family: str, mode: str, monkeypatch) -> None:
+    """Both clipping modes: norms from activations and output gradients (ghost), or from materialised per-example
+    gradients (per_sample)."""
     build, batch_of, dtype, path = FAMILIES[family]
     torch.manual_seed(0)
     model = build()
@@ -206,9 +209,10 @@ def test_a_dp_step_of_each_family_equals_brute_force(family: str, monkeypatch) -
     _, norms = oracle.per_example(model, batch, max_norm=1e9)
     max_norm = norms.median().item()  # some examples clipped, some not
     reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
-    step = clipped_step(ClippingEngine(model), model, Backend())
+    step = clipped_step(ClippingEngine(model, mode=mode), model, Backend())
     for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
         assert_close(ours, reference, rtol=1e-9 if dtype == torch.float64 else 1e-4, floor=1e-6)
+    assert step.engine.materialise is (mode == "per_sample")
     fallback = any(rule is None for rule in step.engine.layers.rules.values())
     assert fallback is (path == "fallback"), family
     assert step.engine.row_tracking.on is (path in ("rows", "shared", "fallback")), family
