@@ -295,3 +295,26 @@ def test_a_checkpointed_dp_step_of_each_family_equals_brute_force(family: str, m
     assert model.is_gradient_checkpointing and step.calibration is not None, (
         family
     )  # the checked first step ran
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_groupwise_clipping_of_each_family_equals_the_per_group_brute_force(family: str, monkeypatch) -> None:
+    """clipping_groups="layer" (each transformer block, the embeddings, the head; groups.py): every group of every
+    example clipped (C_g = C/√G, half the smallest example norm), one step checked and one later, each the
+    per-group brute force."""
+    from tests.test_groupwise import _reference
+
+    build, batch_of, dtype, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model = build()
+    float64_throughout(model, monkeypatch)
+    model = model.to(dtype).train()
+    batch = batch_of()
+    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    engine = ClippingEngine(model, grouping="layer", clip_norm=max_norm)
+    assert len(engine.groups.names) >= 4, family
+    reference, _ = _reference(model, batch, engine, max_norm)
+    step = clipped_step(engine, model, Backend())
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
+        assert_close(ours, reference, rtol=1e-9 if dtype == torch.float64 else 1e-4, floor=1e-6)
