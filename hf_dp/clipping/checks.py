@@ -261,7 +261,10 @@ def sums_match(
 
 
 def tensors_match(ours: torch.Tensor, theirs: torch.Tensor, low_precision: bool) -> bool:
-    """``ours`` equals ``theirs`` relative to its norm, within the tail's check tolerance."""
+    """``ours`` equals ``theirs`` relative to its norm, within the tail's check tolerance; tensors of different
+    shapes do not (a chain that runs from a decoder's layers into an encoder's, seq2seq)."""
+    if ours.shape != theirs.shape:
+        return False
     tolerance = TOLERANCES.tail.at(low_precision)
     return float((ours.float() - theirs.float()).norm()) <= tolerance * max(
         float(theirs.float().norm()), 1e-12
