@@ -286,15 +286,24 @@ CHECKPOINTED_HERE = (
 )
 
 
-@pytest.mark.parametrize("backend", ["one process", "zero2"])
+CHECKPOINTED_BACKENDS = {
+    "one process": ONE_PROCESS,
+    "zero2": ZERO2,
+    "zero3": Backend(world_size=2, zero_stage=3, checkpointing=True),
+    "fsdp2": Backend(world_size=2, fsdp=True, checkpointing=True),
+}
+
+
+@pytest.mark.parametrize("backend", list(CHECKPOINTED_BACKENDS))
 @pytest.mark.parametrize("family", CHECKPOINTED_HERE)
 def test_a_checkpointed_dp_step_of_each_family_equals_brute_force(
     family: str, backend: str, monkeypatch
 ) -> None:
-    """Non-reentrant activation checkpointing, one process and through ZeRO-2: the checked first step and a later
-    one (the tail skipped, the layers run one by one where the check allowed it) each equal brute force. Pegasus
-    through ZeRO-2: its layer-by-layer check runs from the decoder's layers into the encoder's, whose gradients
-    have another length (refused as no chain, not a crash)."""
+    """Non-reentrant activation checkpointing, on one process and through ZeRO-2, ZeRO-3 and FSDP2 (each step as
+    the framework would back-propagate it, in one process: tests/test_checkpointing.step_sums): the checked first
+    step and a later one (the tail skipped, the layers replayed or run one by one where the check allowed it) each
+    equal brute force. Pegasus through ZeRO-2: its layer-by-layer check runs from the decoder's layers into the
+    encoder's, whose gradients have another length (no chain, not a crash)."""
     build, batch_of, dtype, _ = FAMILIES[family]
     torch.manual_seed(0)
     model = build()
@@ -305,7 +314,7 @@ def test_a_checkpointed_dp_step_of_each_family_equals_brute_force(
     max_norm = norms.median().item()
     reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
     model.gradient_checkpointing_enable({"use_reentrant": False})
-    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS if backend == "one process" else ZERO2)
+    step = clipped_step(ClippingEngine(model), model, CHECKPOINTED_BACKENDS[backend])
     for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
     assert model.is_gradient_checkpointing and step.calibration is not None, (
