@@ -195,18 +195,25 @@ def test_the_table_holds_at_least_the_issue_s_families() -> None:
     assert len(FAMILIES) >= 25
 
 
-@pytest.mark.parametrize("mode", ["ghost", "per_sample"])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_dp_step_of_each_family_equals_brute_force(family: str, mode: str, monkeypatch) -> None:
-    """Both clipping modes: norms from activations and output gradients (ghost), or from materialised per-example
-    gradients (per_sample)."""
-    build, batch_of, dtype, path = FAMILIES[family]
+def _built(family: str, monkeypatch) -> tuple[nn.Module, dict, torch.dtype, torch.Tensor]:
+    """The family's tiny model (its dtype, float64 throughout), its batch and brute force's per-example norms."""
+    build, batch_of, dtype, _ = FAMILIES[family]
     torch.manual_seed(0)
     model = build()
     float64_throughout(model, monkeypatch)
     model = model.to(dtype).train()
     batch = batch_of()
     _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    return model, batch, dtype, norms
+
+
+@pytest.mark.parametrize("mode", ["ghost", "per_sample"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_dp_step_of_each_family_equals_brute_force(family: str, mode: str, monkeypatch) -> None:
+    """Both clipping modes: norms from activations and output gradients (ghost), or from materialised per-example
+    gradients (per_sample)."""
+    path = FAMILIES[family][3]
+    model, batch, dtype, norms = _built(family, monkeypatch)
     max_norm = norms.median().item()  # some examples clipped, some not
     reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
     step = clipped_step(ClippingEngine(model, mode=mode), model, Backend())
@@ -304,13 +311,7 @@ def test_a_checkpointed_dp_step_of_each_family_equals_brute_force(
     step and a later one (the tail skipped, the layers replayed or run one by one where the check allowed it) each
     equal brute force. Pegasus through ZeRO-2: its layer-by-layer check runs from the decoder's layers into the
     encoder's, whose gradients have another length (no chain, not a crash)."""
-    build, batch_of, dtype, _ = FAMILIES[family]
-    torch.manual_seed(0)
-    model = build()
-    float64_throughout(model, monkeypatch)
-    model = model.to(dtype).train()
-    batch = batch_of()
-    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    model, batch, _, norms = _built(family, monkeypatch)
     max_norm = norms.median().item()
     reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
     model.gradient_checkpointing_enable({"use_reentrant": False})
@@ -329,13 +330,7 @@ def test_groupwise_clipping_of_each_family_equals_the_per_group_brute_force(fami
     per-group brute force."""
     from tests.test_groupwise import _reference
 
-    build, batch_of, dtype, _ = FAMILIES[family]
-    torch.manual_seed(0)
-    model = build()
-    float64_throughout(model, monkeypatch)
-    model = model.to(dtype).train()
-    batch = batch_of()
-    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    model, batch, dtype, norms = _built(family, monkeypatch)
     max_norm = 0.5 * norms.min().item()
     engine = ClippingEngine(model, grouping="layer", clip_norm=max_norm)
     assert len(engine.groups.names) >= 4, family

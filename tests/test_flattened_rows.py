@@ -167,9 +167,8 @@ def test_rows_of_unknown_origin_are_refused_naming_the_layer() -> None:
         checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, loss_fn=_token_losses, steps=1)
 
 
-def test_rows_credited_to_the_wrong_example_are_caught_by_the_first_step(monkeypatch) -> None:
-    """Mutation: the reshape's map reversed (row r credited to example B - 1 - r // T). The unclipped sum is the
-    same (a plain sum cannot tell), the weighted check of the first step refuses."""
+def credit_rows_to_the_wrong_examples(monkeypatch) -> None:
+    """Mutation: the reshape's map reversed (row r credited to example B - 1 - r // T)."""
     reshaped = rows_module.RowTracker._reshaped
 
     def reversed_map(self, source, out):
@@ -179,6 +178,12 @@ def test_rows_credited_to_the_wrong_example_are_caught_by_the_first_step(monkeyp
         return rows_module.ExampleRows(self.rows - 1 - found.example, self.rows, None)
 
     monkeypatch.setattr(rows_module.RowTracker, "_reshaped", reversed_map)
+
+
+def test_rows_credited_to_the_wrong_example_are_caught_by_the_first_step(monkeypatch) -> None:
+    """Mutation: the reshape's map reversed. The unclipped sum is the same (a plain sum cannot tell), the weighted
+    check of the first step refuses."""
+    credit_rows_to_the_wrong_examples(monkeypatch)
     model = opt().double().train()
     step = clipped_step(ClippingEngine(model), model, Backend())
     with pytest.raises(UnsupportedModuleError, match="credits rows to the wrong examples"):

@@ -223,19 +223,10 @@ def test_groupwise_rows_credited_to_the_wrong_example_are_refused(monkeypatch, z
     """Mutation (as tests/test_flattened_rows.py): OPT's reshaped rows credited to example B - 1 - r // T, no
     example clipped (a check weighted by the mask alone would pass); the first step's check weighted by fixed
     unequal weights refuses it, on one process and through ZeRO-2."""
-    from hf_dp.clipping import rows as rows_module
     from hf_dp.clipping.engine import UnsupportedModuleError
-    from tests.test_flattened_rows import opt
+    from tests.test_flattened_rows import credit_rows_to_the_wrong_examples, opt
 
-    reshaped = rows_module.RowTracker._reshaped
-
-    def reversed_map(self, source, out):
-        found = reshaped(self, source, out)
-        if found is None or found.per_example is None:
-            return found
-        return rows_module.ExampleRows(self.rows - 1 - found.example, self.rows, None)
-
-    monkeypatch.setattr(rows_module.RowTracker, "_reshaped", reversed_map)
+    credit_rows_to_the_wrong_examples(monkeypatch)
     model = opt().double().train()
     batch = models.token_batch()
     engine = ClippingEngine(model, grouping="layer", clip_norm=1e9)
