@@ -154,7 +154,7 @@ class ClippingEngine:
     ) -> Iterator[Recording]:
         """Record the forward passes of one micro-batch of ``batch_size`` rows; ``units`` groups its rows or tokens
         into privacy units (None: one unit per row), and the per-example losses and norms are then per unit.
-        ``watch``: once the row tracker has stopped, still refuse a loose parameter read (rows.LooseWatch), for a
+        ``watch``: once the row tracker has stopped, still refuse a loose parameter read (reads.LooseWatch), for a
         sum pass that back-propagates the model (sum_passes.WholeSum, BodySum), through which its gradient would
         pass uncounted; the sums formed from the taps leave it out."""
         recording = Recording(self.layers, self.materialise, batch_size, units, self.row_tracking)
