@@ -294,7 +294,8 @@ class PrivateRun:
 
 def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     """The model's clipping engine with the run's clipping function, mode and groups; group-wise clipping is refused
-    in one line where the parameters are partitioned or sharded (ZeRO-3, FSDP2)."""
+    in one line where the parameters are partitioned or sharded (ZeRO-3, FSDP2). The modules that take the
+    torch.func fallback are logged once, with what they cost."""
     engine = ClippingEngine(
         model,
         args.clipping_fn,
@@ -309,6 +310,9 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
             f"clipping_groups={args.clipping_groups!r} runs on one process, with DDP and with DeepSpeed ZeRO-0/1/2, "
             "not with ZeRO-3 or FSDP yet: use clipping_groups='all' there, or ZeRO-2"
         )
+    report = engine.fallback_report()
+    if report is not None:
+        logger.warning(report)
     return engine
 
 

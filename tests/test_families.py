@@ -338,3 +338,29 @@ def test_groupwise_clipping_of_each_family_equals_the_per_group_brute_force(fami
     step = clipped_step(engine, model, Backend())
     for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
         assert_close(ours, reference, rtol=1e-9 if dtype == torch.float64 else 1e-4, floor=1e-6)
+
+
+def test_the_modules_that_take_the_fallback_are_logged_once_with_their_cost(tmp_path, caplog) -> None:
+    """Mixtral's router and fused experts have no layer rule: the run's log names each with its floats per example
+    and says how to avoid the cost; a model whose every module has a rule logs nothing of it."""
+    import logging
+
+    from hf_dp.backend import Backend
+    from hf_dp.run import clipping_engine
+    from tests.trainer_utils import make_args
+
+    args = make_args(tmp_path, noise_multiplier=1.0)
+    with caplog.at_level(logging.WARNING, logger="hf_dp.run"):
+        engine = clipping_engine(models.mixtral(), args, Backend())
+    engine.remove_hooks()
+    found = [r.getMessage() for r in caplog.records if "torch.func fallback" in r.getMessage()]
+    assert len(found) == 1 and "\n" not in found[0]
+    experts = next(m for m, r in engine.layers.rules.items() if r is None and "Experts" in type(m).__name__)
+    floats = sum(p.numel() for p in experts.parameters())
+    layers = len(engine.model.model.layers)
+    assert f"{layers} × MixtralExperts ({floats:,} floats each, e.g. model.layers.0.mlp.experts)" in found[0]
+    assert f"{layers} × MixtralTopKRouter" in found[0] and "register_rule" in found[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_dp.run"):
+        clipping_engine(models.llama(), args, Backend()).remove_hooks()
+    assert not [r for r in caplog.records if "torch.func fallback" in r.getMessage()]

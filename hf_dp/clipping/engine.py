@@ -91,6 +91,28 @@ class ClippingEngine:
         """The parameter's name in the model, as the modules hold it now."""
         return self.layers.parameter_names().get(id(param), "?")
 
+    def fallback_report(self) -> str | None:
+        """One line naming the modules without a layer rule, which take the torch.func fallback (by type: how many,
+        the first one's name, floats each), and what it costs: their per-example gradients materialised, those
+        floats per example (per row, where a module takes flattened rows: MoE routers and experts) each
+        micro-batch; None when every module has a rule."""
+        kinds: dict[tuple[str, int], list[nn.Module]] = {}
+        for module, rule in self.layers.rules.items():
+            if rule is None:
+                floats = sum(p.numel() for p in self.layers.of(module))
+                kinds.setdefault((type(module).__name__, floats), []).append(module)
+        if not kinds:
+            return None
+        listed = "; ".join(
+            f"{len(found)} × {kind} ({floats:,} floats each, e.g. {self.layers.module_names.get(found[0], '?')})"
+            for (kind, floats), found in kinds.items()
+        )
+        return (
+            f"hf_dp: modules without a layer rule take the torch.func fallback, which materialises their per-example "
+            f"gradients, per example (or per row where a module sees flattened rows) each micro-batch: {listed}; "
+            "register a rule (hf_dp.clipping.rules.register_rule) or freeze them to avoid it"
+        )
+
     def remove_hooks(self) -> None:
         """Leave the user's model as it was (the trainer calls this when training ends)."""
         self._hooks.remove()
