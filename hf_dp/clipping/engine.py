@@ -151,9 +151,8 @@ class ClippingEngine:
             inner = running[-1] if running else None
             if inner is not None and self.layers.rules.get(inner, rule_for) is None:
                 nested = next((n for n, p in inner.named_parameters() if p is param), None)
-                if (
-                    nested is not None
-                ):  # inside a module that takes the torch.func fallback: it covers the read
+                # inside a module that takes the torch.func fallback: it covers the read
+                if nested is not None:
                     receiver.joins(inner, nested)
                     self.row_tracking.keep()  # every step must see the read
                     return None

@@ -128,9 +128,8 @@ class ForwardHooks:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.receiver: Receiver | None = None
-        self.running: list[nn.Module] | None = (
-            None  # while tracking: modules in their forward, innermost last
-        )
+        # while a receiver watches for loose reads: the modules inside their forward, innermost last
+        self.running: list[nn.Module] | None = None
         self.in_hook = False
         self._handles = []
         for module in modules:

@@ -342,7 +342,7 @@ def select(step: ClippedStep, plan: StepPlan, batch: Batch, model: nn.Module) ->
     elif need is Need.GROUPS and step.calibration is None and step.framework_has_whole_parameters:
         check = CheckedGroups(step.engine, step.module, by_grad=True)
     first = step.calibration is None
-    norm_pass = _norm_pass(step, norm_kind, sum_pass.keeps, first, watch=sum_kind in ("whole", "body"))
+    norm_pass = _norm_pass(step, norm_kind, sum_pass.keeps, first, watch=sum_pass.back_propagates)
     return Passes(norm_pass, sum_pass, _delivery(step, model), check)
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from hf_dp.clipping.errors import UnsupportedModuleError
 from hf_dp.clipping.reads import Loose, LooseWatch, reads_values
 from hf_dp.clipping.shared import SharedUse, broadcast
 
@@ -194,8 +195,6 @@ class RowTracker(TorchFunctionMode):
         try:
             return func(*[batched(a) for a in args], **{k: batched(v) for k, v in kwargs.items()})
         except (RuntimeError, TypeError, ValueError) as error:
-            from hf_dp.clipping.rules import UnsupportedModuleError  # rules.py imports this module
-
             name = getattr(func, "__name__", repr(func))
             raise UnsupportedModuleError(
                 f"{name} meets the batch with a tensor made from a parameter read outside its module or a layer's "

@@ -18,14 +18,11 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses, minus the hooks
 from transformers.pytorch_utils import Conv1D
 
+from hf_dp.clipping.errors import UnsupportedModuleError
 from hf_dp.clipping.per_example import LOW_PRECISION, Materialised, OuterProductSum, PerExampleGradient, wide
 from hf_dp.clipping.rows import ExampleRows
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
-
-
-class UnsupportedModuleError(ValueError):
-    """A trainable parameter cannot be clipped per example."""
 
 
 def _as_sequence(x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
@@ -57,6 +57,9 @@ class Sum:
 
 class SumPass(Protocol):
     keeps: TapOptions | None  # what the norm pass must keep for it (None: book-keeping's recording)
+    # its surrogate back-propagates the model, so a parameter read the taps never saw would reach .grad uncounted:
+    # the norm pass watches for one (reads.LooseWatch)
+    back_propagates: ClassVar[bool]
 
     def __call__(self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch) -> Sum:
         """Σ_i c_i g_i as parts and a surrogate, given the masked clip ``factors`` c_i."""
@@ -79,6 +82,8 @@ class FactoredSum:
 
     keeps: None = None
 
+    back_propagates: ClassVar[bool] = False
+
     def __call__(self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch) -> Sum:
         return Sum(list(found.terms.values()), None, batch.overflowed, lazy=True)
 
@@ -88,6 +93,8 @@ class GroupedSum:
     """Group-wise clipping: the norm pass's backward formed each group's Σ_i c_ig G_i (groups.py)."""
 
     keeps: TapOptions = field(default_factory=TapOptions)
+
+    back_propagates: ClassVar[bool] = False
 
     def __call__(
         self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor | None, batch: Batch
@@ -100,6 +107,8 @@ class KeptSum:
     """Σ_i c_i G_i from the explicit G_i the norm pass kept."""
 
     keeps: TapOptions = TapOptions(keep_gradients=True)
+
+    back_propagates: ClassVar[bool] = False
 
     def __call__(self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch) -> Sum:
         parts = [(param, [(1.0, part)]) for param, part in found.kept]
@@ -128,6 +137,8 @@ class WholeSum:
     module: nn.Module
     layers: LayerUse = "run"
     keeps: TapOptions = field(default_factory=TapOptions)
+
+    back_propagates: ClassVar[bool] = True
 
     def __call__(self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch) -> Sum:
         def surrogate() -> torch.Tensor:
@@ -162,6 +173,8 @@ class BodySum:
     keeps: TapOptions
     replays: bool = True
     layerwise: bool = False
+
+    back_propagates: ClassVar[bool] = True
 
     def __call__(self, losses_of: LossFn, found: FoundNorms, factors: torch.Tensor, batch: Batch) -> Sum:
         body = self.body(losses_of, found, factors, batch)
