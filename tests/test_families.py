@@ -15,12 +15,14 @@ from torch import nn
 from hf_dp.backend import Backend
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.pipeline import clipped_step
+from hf_dp.clipping.rules import call_rule_for
 from tests import models, oracle
 from tests.test_checkpointing import ONE_PROCESS, ZERO2, checkpointed_steps
 from tests.test_engine import assert_close
 from tests.test_flattened_rows import bart, mamba, mpnet, opt, qwen2_moe
 from tests.test_model_families import FAMILIES as CHECKPOINTED_DECODERS
 from tests.test_model_families import float64_throughout
+from tests.test_routed_experts import gpt_oss
 
 V, PAD = models.VOCAB, models.PAD
 NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
@@ -54,7 +56,8 @@ def deberta_v3() -> nn.Module:
 
 
 # family: (builder, batch, dtype, path); path: "rules" (a rule for every layer), "rows" (flattened tokens tracked),
-# "shared" (an input shared by all examples followed to the batch), "fallback" (torch.func for layers without a rule)
+# "shared" (an input shared by all examples followed to the batch), "fallback" (torch.func for layers without a rule),
+# "routed" (fused MoE experts by their call rule, experts.py; their routers by torch.func)
 FAMILIES = {
     **{
         name: (lambda c=c, m=m, f=f: _decoder(c, m, f), models.token_batch, torch.float64, "rules")
@@ -103,8 +106,9 @@ FAMILIES = {
     ),
     "opt": (opt, models.token_batch, torch.float64, "rows"),
     "mamba": (mamba, models.token_batch, torch.float64, "fallback"),
-    "mixtral": (models.mixtral, models.token_batch, torch.float32, "fallback"),
-    "qwen2_moe": (qwen2_moe, models.token_batch, torch.float32, "fallback"),
+    "mixtral": (models.mixtral, models.token_batch, torch.float32, "routed"),
+    "qwen2_moe": (qwen2_moe, models.token_batch, torch.float32, "routed"),
+    "gpt_oss": (gpt_oss, models.token_batch, torch.float32, "routed"),
     "bert": (models.bert_classifier, _classes(), torch.float64, "rules"),
     "roberta": (
         lambda: models.roberta_classifier(3),
@@ -220,9 +224,11 @@ def test_a_dp_step_of_each_family_equals_brute_force(family: str, mode: str, mon
     for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
         assert_close(ours, reference, rtol=1e-9 if dtype == torch.float64 else 1e-4, floor=1e-6)
     assert step.engine.materialise is (mode == "per_sample")
-    fallback = any(rule is None for rule in step.engine.layers.rules.values())
-    assert fallback is (path == "fallback"), family
-    assert step.engine.row_tracking.on is (path in ("rows", "shared", "fallback")), family
+    without_rule = [module for module, rule in step.engine.layers.rules.items() if rule is None]
+    fallback = any(call_rule_for(module) is None for module in without_rule)
+    assert fallback is (path in ("fallback", "routed")), family
+    assert any(call_rule_for(module) is not None for module in without_rule) is (path == "routed"), family
+    assert step.engine.row_tracking.on is (path in ("rows", "shared", "fallback", "routed")), family
 
 
 # family: peft's target modules ("all-linear": every linear layer but the head)
@@ -341,8 +347,9 @@ def test_groupwise_clipping_of_each_family_equals_the_per_group_brute_force(fami
 
 
 def test_the_modules_that_take_the_fallback_are_logged_once_with_their_cost(tmp_path, caplog) -> None:
-    """Mixtral's router and fused experts have no layer rule: the run's log names each with its floats per example
-    and says how to avoid the cost; a model whose every module has a rule logs nothing of it."""
+    """Mixtral's router has no layer rule: the run's log names it with its floats per example and says how to avoid
+    the cost, and not its fused experts, which have a call rule; GPT-OSS's experts under its own eager forward
+    take the fallback and are named; a model whose every module has a rule logs nothing of it."""
     import logging
 
     from hf_dp.backend import Backend
@@ -350,16 +357,24 @@ def test_the_modules_that_take_the_fallback_are_logged_once_with_their_cost(tmp_
     from tests.trainer_utils import make_args
 
     args = make_args(tmp_path, noise_multiplier=1.0)
-    with caplog.at_level(logging.WARNING, logger="hf_dp.run"):
-        engine = clipping_engine(models.mixtral(), args, Backend())
-    engine.remove_hooks()
-    found = [r.getMessage() for r in caplog.records if "torch.func fallback" in r.getMessage()]
-    assert len(found) == 1 and "\n" not in found[0]
-    experts = next(m for m, r in engine.layers.rules.items() if r is None and "Experts" in type(m).__name__)
-    floats = sum(p.numel() for p in experts.parameters())
-    layers = len(engine.model.model.layers)
-    assert f"{layers} × MixtralExperts ({floats:,} floats each, e.g. model.layers.0.mlp.experts)" in found[0]
-    assert f"{layers} × MixtralTopKRouter" in found[0] and "register_rule" in found[0]
+
+    def report(model: nn.Module) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hf_dp.run"):
+            clipping_engine(model, args, Backend()).remove_hooks()
+        found = [r.getMessage() for r in caplog.records if "torch.func fallback" in r.getMessage()]
+        assert len(found) == 1 and "\n" not in found[0]
+        return found[0]
+
+    model = models.mixtral()
+    router = model.model.layers[0].mlp.gate
+    floats = sum(p.numel() for p in router.parameters())
+    found = report(model)
+    assert f"2 × MixtralTopKRouter ({floats:,} floats each, e.g. model.layers.0.mlp.gate)" in found
+    assert "Experts" not in found and "register_rule" in found
+    model = gpt_oss()
+    model.config._experts_implementation = "eager"
+    assert "2 × GptOssExperts" in report(model)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hf_dp.run"):
         clipping_engine(models.llama(), args, Backend()).remove_hooks()

@@ -89,8 +89,8 @@ FAMILIES = {
     # the checkpointed weighted pass on the batch, and float32 rounds the two differently
     "mamba": (mamba, models.token_batch, torch.float64, 1e-6),
 }
-# the families that support checkpointing (MPNet does not); the MoE routers and experts take the torch.func fallback,
-# which runs inside the backward when the gradients of all their outputs arrive (fallback.py)
+# the families that support checkpointing (MPNet does not); the MoE routers take the torch.func fallback and the fused
+# experts their call rule, each inside the backward when the gradients of all their outputs arrive (fallback.py)
 CHECKPOINTED = ("opt", "bart", "t5", "mixtral", "qwen2_moe", "mamba")
 
 

@@ -35,7 +35,7 @@ from hf_dp.clipping.hooks import (
 )
 from hf_dp.clipping.per_example import Materialised, PerExampleGradient, combined_squared_norm
 from hf_dp.clipping.rows import ExampleRows, RowTracking
-from hf_dp.clipping.rules import functorch_per_example_grads
+from hf_dp.clipping.rules import call_rule_for, per_call_grads
 from hf_dp.clipping.shared import SharedUse, anchored
 from hf_dp.clipping.sums import Terms
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
@@ -265,7 +265,7 @@ class Recording:
                 "a packed row into its records: register a rule for it with hf_dp.clipping.rules.register_rule, or "
                 "freeze it"
             )
-        if call.module not in _LOGGED_FALLBACKS:
+        if call.module not in _LOGGED_FALLBACKS and call_rule_for(call.module) is None:
             _LOGGED_FALLBACKS.add(call.module)
             count = self.rows if call.rows is None else call.rows.count
             floats = count * sum(call.module.get_parameter(name).numel() for name in names)
@@ -277,14 +277,15 @@ class Recording:
         was_on, self.on = self.on, False
         try:
             with torch.enable_grad():
-                found = functorch_per_example_grads(
-                    call.module, call.args, call.kwargs, grads, names, self.rows, call.rows
-                )
+                found = per_call_grads(call.module, call.args, call.kwargs, grads, names, self.rows, call.rows)
         finally:
             self.on = was_on
         if self.units is None:
             return found
-        return {name: Materialised(self.units.sum_rows(part.grads)) for name, part in found.items()}
+        return {
+            name: Materialised(self.units.sum_rows(part.explicit(call.module.get_parameter(name).shape).grads))
+            for name, part in found.items()
+        }
 
 
 def combined_terms(evaluations: Sequence[tuple[EvaluationGradients, float]]) -> tuple[Terms, int]:

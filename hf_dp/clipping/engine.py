@@ -23,7 +23,7 @@ from hf_dp.clipping.groups import ClipGroups, GroupSums, clip_groups
 from hf_dp.clipping.hooks import ForwardHooks, Layers, Receiver, UnsupportedModuleError, assign_parameters
 from hf_dp.clipping.quantized import check_quantized_base
 from hf_dp.clipping.rows import RowTracking
-from hf_dp.clipping.rules import rule_for
+from hf_dp.clipping.rules import call_rule_for, rule_for
 from hf_dp.clipping.sums import SumWriter, Terms
 from hf_dp.clipping.taps import NormCollector, TapOptions
 from hf_dp.clipping.units import PrivacyUnits
@@ -98,7 +98,7 @@ class ClippingEngine:
         micro-batch; None when every module has a rule."""
         kinds: dict[tuple[str, int], list[nn.Module]] = {}
         for module, rule in self.layers.rules.items():
-            if rule is None:
+            if rule is None and call_rule_for(module) is None:
                 floats = sum(p.numel() for p in self.layers.of(module))
                 kinds.setdefault((type(module).__name__, floats), []).append(module)
         if not kinds:

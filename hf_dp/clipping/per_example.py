@@ -1,10 +1,9 @@
 """Per-example gradients of one parameter use, kept in the cheapest exact form.
 
-A layer's per-example weight gradient is a sum over positions of outer products,
-G_i = Σ_t u_{i,t} ⊗ v_{i,t} (Linear: u = output gradient, v = input). Its squared norm is
-Σ_{t,t'} ⟨u_t, u_t'⟩⟨v_t, v_t'⟩ (the "ghost" Gram form of Goodfellow 2015 and Li et al. 2022),
-or ‖G_i‖² from the materialised G_i when that is cheaper (Bu et al. 2023, book-keeping).
-The clipped sum Σ_i c_i G_i is one GEMM over (example, position) pairs.
+A layer's per-example weight gradient is a sum over positions of outer products, G_i = Σ_t u_{i,t} ⊗ v_{i,t}
+(Linear: u = output gradient, v = input). Its squared norm is Σ_{t,t'} ⟨u_t, u_t'⟩⟨v_t, v_t'⟩ (the "ghost"
+Gram form of Goodfellow 2015 and Li et al. 2022), or ‖G_i‖² from the materialised G_i when that is cheaper
+(Bu et al. 2023, book-keeping). The clipped sum Σ_i c_i G_i is one GEMM over (example, position) pairs.
 
 The factors are kept in the precision the layer's own backward multiplied them in: bf16/fp16 under autocast or
 low-precision weights. Two such values multiply exactly in float32, so every Gram, norm and explicit G_i is
@@ -12,10 +11,9 @@ summed and returned in float32 (on CUDA by tensor-core GEMMs with float32 accumu
 product with a float32 weight, scale or direction is taken at float32's accuracy: the clipped sum's weighted
 side is split into three bf16 pieces on CUDA (``bf16_pieces``), elsewhere the factors are widened first.
 
-``combined_squared_norm`` gives ‖s ⊙ Σ_k w_k G^k_i‖² for several weighted uses of one parameter
-(tied uses, and evaluations at several parameter points for DiSK) in a clip geometry s (docs/clipping.md):
-a rank-1 s = r cᵀ scales the two factors, a dense s scales embedding rows and vectors exactly and
-otherwise needs the explicit per-example gradients.
+``combined_squared_norm``: ‖s ⊙ Σ_k w_k G^k_i‖² of weighted uses of one parameter (tied uses, DiSK's points)
+in a clip geometry s (docs/clipping.md): a rank-1 s = r cᵀ scales the two factors, a dense s scales embedding
+rows and vectors exactly and otherwise needs the explicit per-example gradients.
 """
 
 from __future__ import annotations
@@ -24,10 +22,14 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING, Union
 
 import torch
 
 from hf_dp.clipping.geometry import ClipScale, FactoredScale, dense_scale, unsharded
+
+if TYPE_CHECKING:
+    from hf_dp.clipping.experts import RoutedOuterProductSum
 
 # a micro-batch's per-example losses (U,) from a forward of the module given (bare, or as a framework wrapped it)
 LossFn = Callable[[torch.nn.Module], torch.Tensor]
@@ -299,6 +301,10 @@ class Materialised:
 
     grads: torch.Tensor
 
+    @property
+    def batch_size(self) -> int:
+        return self.grads.shape[0]
+
     def squared_norm(self, materialise: bool = True, into: torch.Tensor | None = None) -> torch.Tensor:
         """‖G_i‖² (already explicit: ``materialise`` is accepted for the common interface; ``into``: added to it)."""
         return dots(self.grads, self.grads, into)
@@ -334,7 +340,7 @@ class Materialised:
         return fresh if grad is None else grad.add_(fresh)
 
 
-PerExampleGradient = OuterProductSum | Materialised
+PerExampleGradient = Union[OuterProductSum, Materialised, "RoutedOuterProductSum"]  # the last: experts.py
 Weighted = tuple[float, PerExampleGradient]
 
 
@@ -379,10 +385,6 @@ def _chunks(batch: int, floats_per_example: int) -> Iterator[tuple[int, int]]:
     step = max(1, _CHUNK_FLOATS // max(1, floats_per_example))
     for start in range(0, batch, step):
         yield start, min(batch, start + step)
-
-
-def _batch_size(part: PerExampleGradient) -> int:
-    return part.batch_size if isinstance(part, OuterProductSum) else part.grads.shape[0]
 
 
 def combined_squared_norm(
@@ -437,7 +439,7 @@ def _explicit_squared_norm(
 ) -> torch.Tensor:
     """‖s ⊙ Σ_k w_k G^k_i‖² from the explicit per-example gradients, a few examples at a time."""
     norms = []
-    for start, stop in _chunks(_batch_size(terms[0][1]), shape.numel()):
+    for start, stop in _chunks(terms[0][1].batch_size, shape.numel()):
         (weight, part), rest = terms[0], terms[1:]
         grads = weight * part.materialise(start, stop).reshape(-1, *shape)
         for weight, part in rest:

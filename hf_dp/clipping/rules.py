@@ -19,10 +19,15 @@ from torch.nn.utils.stateless import _reparametrize_module  # what functional_ca
 from transformers.pytorch_utils import Conv1D
 
 from hf_dp.clipping.errors import UnsupportedModuleError
+from hf_dp.clipping.experts import is_routed_experts, routed_experts_rule
 from hf_dp.clipping.per_example import LOW_PRECISION, Materialised, OuterProductSum, PerExampleGradient, wide
 from hf_dp.clipping.rows import ExampleRows
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
+# (module, args, kwargs, each output's gradient, the rows' examples or None, B) -> per-example gradients
+CallRule = Callable[
+    [nn.Module, tuple, dict, list[torch.Tensor | None], ExampleRows | None, int], dict[str, PerExampleGradient]
+]
 
 
 def _as_sequence(x: torch.Tensor) -> torch.Tensor:
@@ -243,12 +248,53 @@ def rule_for(module: nn.Module) -> Rule | None:
     return next((_RULES[cls] for cls in type(module).__mro__ if cls in _RULES), None)
 
 
+_CALL_RULES: list[tuple[Callable[[nn.Module], bool], CallRule]] = []
+
+
+def register_call_rule(when: Callable[[nn.Module], bool]):
+    """Register ``rule(module, args, kwargs, grad_outputs, rows, batch_size) -> {param_name: PerExampleGradient}``
+    for every module ``when(module)`` accepts that has no layer rule: a rule that needs the whole call (every
+    argument, every output's gradient) for the module's own parameters, as fused MoE experts do (experts.py).
+    ``rows``: the example of each row of a flattened input (rows.ExampleRows), None for the batch's own rows."""
+
+    def register(rule: CallRule) -> CallRule:
+        _CALL_RULES.append((when, rule))
+        return rule
+
+    return register
+
+
+def call_rule_for(module: nn.Module) -> CallRule | None:
+    """The first registered call rule that accepts the module, or None (the torch.func fallback)."""
+    return next((rule for when, rule in _CALL_RULES if when(module)), None)
+
+
 register_rule(nn.Linear)(linear_rule)
 register_rule(Conv1D)(conv1d_rule)
 register_rule(nn.Embedding)(embedding_rule)
 register_rule(nn.LayerNorm)(layer_norm_rule)
 register_rule(when=is_rms_norm)(rms_norm_rule)
 register_rule(when=is_scaled_embedding)(scaled_embedding_rule)
+register_call_rule(is_routed_experts)(routed_experts_rule)
+
+
+def per_call_grads(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    grad_outputs: list[torch.Tensor | None],
+    param_names: list[str],
+    batch_size: int,
+    rows: ExampleRows | None = None,
+) -> dict[str, PerExampleGradient]:
+    """The per-example gradients of a module without a layer rule, from its whole call: its call rule where one
+    is registered and ``param_names`` are its own parameters, else the torch.func fallback."""
+    rule = call_rule_for(module)
+    own = dict(module.named_parameters(recurse=False))
+    if rule is not None and all(name in own for name in param_names):
+        found = rule(module, args, kwargs, grad_outputs, rows, batch_size)
+        return {name: found[name] for name in param_names}
+    return functorch_per_example_grads(module, args, kwargs, grad_outputs, param_names, batch_size, rows)
 
 
 def functorch_per_example_grads(

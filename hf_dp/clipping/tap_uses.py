@@ -16,7 +16,7 @@ from hf_dp.clipping.fallback import tap_call
 from hf_dp.clipping.hooks import UnsupportedModuleError, batch_rows, check_shared_use, is_checkpointing
 from hf_dp.clipping.per_example import PerExampleGradient
 from hf_dp.clipping.rows import ExampleRows
-from hf_dp.clipping.rules import functorch_per_example_grads
+from hf_dp.clipping.rules import per_call_grads
 from hf_dp.clipping.shared import SharedUse, anchored
 
 if TYPE_CHECKING:
@@ -130,15 +130,13 @@ class OtherUses:
             self.collector.uses[pid] = self.collector.uses.get(pid, 0) + 1
         call = self.collector.count(module, x, is_checkpointing())
         self._fallback_calls.add(module)
-        count = self.collector.rows if rows is None else rows.count
+        count = self.collector.rows
 
         def receive(call_args: tuple, call_kwargs: dict, grads: list[torch.Tensor | None]) -> None:
             self.suspended = True  # the fallback re-runs the module (and its submodules): nothing to record
             try:
                 with torch.enable_grad():
-                    found = functorch_per_example_grads(
-                        module, call_args, call_kwargs, grads, names, count, rows
-                    )
+                    found = per_call_grads(module, call_args, call_kwargs, grads, names, count, rows)
             finally:
                 self.suspended = False
             self.collector.add_found(module, found, call, names)
