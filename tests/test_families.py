@@ -239,7 +239,7 @@ LORA = {
     "bart": "all-linear",
     "mpnet": "all-linear",
     "deberta_v2": "all-linear",
-    "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],  # peft's router adapter reads its weights directly
+    "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],  # LoRA on its experts and router: test_lora_parameters.py
     "mamba": ["in_proj", "x_proj"],  # peft refuses Mamba's out_proj and conv1d
 }
 

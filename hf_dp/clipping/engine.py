@@ -21,9 +21,10 @@ from hf_dp.clipping.bookkeeping import EvaluationGradients, Recording, combined_
 from hf_dp.clipping.geometry import ClippingFn, ClippingMode, ClipScales, scales_by_id
 from hf_dp.clipping.groups import ClipGroups, GroupSums, clip_groups
 from hf_dp.clipping.hooks import ForwardHooks, Layers, Receiver, UnsupportedModuleError, assign_parameters
+from hf_dp.clipping.lora_params import wrapped, wraps_fallback
 from hf_dp.clipping.quantized import check_quantized_base
 from hf_dp.clipping.rows import RowTracking
-from hf_dp.clipping.rules import call_rule_for, rule_for
+from hf_dp.clipping.rules import call_rule_for, parameter_at, rule_for
 from hf_dp.clipping.sums import SumWriter, Terms
 from hf_dp.clipping.taps import NormCollector, TapOptions
 from hf_dp.clipping.units import PrivacyUnits
@@ -98,8 +99,10 @@ class ClippingEngine:
         micro-batch; None when every module has a rule."""
         kinds: dict[tuple[str, int], list[nn.Module]] = {}
         for module, rule in self.layers.rules.items():
-            if rule is None and call_rule_for(module) is None:
-                floats = sum(p.numel() for p in self.layers.of(module))
+            if rule is None and (call_rule_for(module) is None or wraps_fallback(module)):
+                # a LoRA wrapper's fallback materialises the wrapped module's parameters W' = W + s·B A
+                params = wrapped(module).parameters(recurse=False) if wraps_fallback(module) else self.layers.of(module)
+                floats = sum(p.numel() for p in params)
                 kinds.setdefault((type(module).__name__, floats), []).append(module)
         if not kinds:
             return None
@@ -133,7 +136,7 @@ class ClippingEngine:
         owners: dict[int, list[tuple[nn.Module, str]]] = {}
         for module, names in self.layers.owned.items():
             for name in names:
-                owners.setdefault(id(getattr(module, name)), []).append((module, name))
+                owners.setdefault(id(parameter_at(module, name)), []).append((module, name))
         running = self._hooks.running = []  # off again when the receiver goes (record, norms_in_backward)
 
         def loose(param: nn.Parameter) -> torch.Tensor | None:

@@ -48,13 +48,14 @@ _EAGER_ROUTED_SUM = ("MixtralExperts", "Qwen2MoeExperts")
 @dataclass
 class RoutedOuterProductSum:
     """G_i[e] = Σ_{p of example i with expert_p = e} left_p ⊗ right_p, shaped (experts, rows, cols) like a fused
-    expert weight; left (B, P, rows), right (B, P, cols) and expert (B, P) per routed pair (zero rows pad an
-    example's pairs, as ``ExampleRows.as_examples`` lays them out)."""
+    expert weight (``experts_last``: (rows, cols, experts)); left (B, P, rows), right (B, P, cols) and expert (B, P)
+    per routed pair (zero rows pad an example's pairs, as ``ExampleRows.as_examples`` lays them out)."""
 
     left: torch.Tensor
     right: torch.Tensor
     expert: torch.Tensor
     experts: int
+    experts_last: bool = False  # the parameter is laid out (rows, cols, experts): peft's LoRA B of experts
 
     @property
     def batch_size(self) -> int:
@@ -83,9 +84,10 @@ class RoutedOuterProductSum:
     def materialise(self, start: int, stop: int) -> torch.Tensor:
         """The explicit per-example gradients (stop − start, experts, rows, cols), float32 or wider."""
         left, right, expert = self.left[start:stop], self.right[start:stop], self.expert[start:stop]
-        return torch.stack(
+        grads = torch.stack(
             [wide_bmm(left.mul((expert == e)[:, :, None]).transpose(1, 2), right) for e in range(self.experts)], 1
         )
+        return grads.permute(0, 2, 3, 1) if self.experts_last else grads
 
     def explicit(self, shape: torch.Size) -> Materialised:
         """All B explicit per-example gradients, shaped (B, *shape)."""
@@ -98,14 +100,15 @@ class RoutedOuterProductSum:
     def without_examples(self, drop: torch.Tensor) -> RoutedOuterProductSum:
         """The same sum with G_i = 0 for the examples in ``drop`` (B,), bool."""
         mask = drop[:, None, None]
-        return RoutedOuterProductSum(
-            self.left.masked_fill(mask, 0.0), self.right.masked_fill(mask, 0.0), self.expert, self.experts
-        )
+        left, right = self.left.masked_fill(mask, 0.0), self.right.masked_fill(mask, 0.0)
+        return RoutedOuterProductSum(left, right, self.expert, self.experts, self.experts_last)
 
     def project(self, direction: torch.Tensor) -> torch.Tensor:
         """⟨G_i, V⟩ = Σ_p left_pᵀ V[e_p] right_p per example, V shaped (experts, rows, cols)."""
         right = wide(self.right)
-        v = direction.reshape(self.experts, self.left.shape[2], -1).to(right)
+        rows, cols = self.left.shape[2], right.shape[2]
+        v = direction.reshape(rows, cols, -1).permute(2, 0, 1) if self.experts_last else direction
+        v = v.reshape(self.experts, rows, cols).to(right)
         left = wide(self.left)
         total = right.new_zeros(self.batch_size)
         for e in range(self.experts):
@@ -132,7 +135,7 @@ class RoutedOuterProductSum:
         for e, (a, b) in enumerate(zip(left[order].split(counts), right[order].split(counts), strict=True)):
             if a.shape[0]:
                 target[e].addmm_(a.T, b)
-        fresh = target.view(like.shape).to(like.dtype)
+        fresh = (target.permute(1, 2, 0) if self.experts_last else target).reshape(like.shape).to(like.dtype)
         return fresh if grad is None else grad.add_(fresh)
 
 
@@ -173,21 +176,27 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Te
 
 
 def _pair_gradients(
-    module: nn.Module, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, grad_out: torch.Tensor
+    module: nn.Module,
+    values: dict[str, torch.Tensor],
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    grad_out: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per routed pair p = (t, k), flattened t-major: (δ_p at the up projection's output, the down projection's
     input a_p, its output's gradient w_p ∂y_t, and the valid-pair mask), each pair back-propagated through its own
-    expert's slice, gate and routing weight as the forward computed them (a bf16/fp16 ∂y: in that precision)."""
+    expert's slice (of ``values``, the module's parameters by name), gate and routing weight as the forward computed
+    them (a bf16/fp16 ∂y: in that precision)."""
     count, k = index.shape
     dtype = grad_out.dtype if grad_out.dtype in LOW_PRECISION else hidden.dtype
-    up = module.gate_up_proj if module.has_gate else module.up_proj
-    up_bias = getattr(module, "gate_up_proj_bias" if module.has_gate else "up_proj_bias", None)
+    name = "gate_up_proj" if module.has_gate else "up_proj"
+    up, up_bias, down_weight = values[name], values.get(f"{name}_bias"), values["down_proj"]
     expert = index.reshape(-1)
     token = torch.arange(count, device=index.device).repeat_interleave(k)
     d_out = (grad_out[token] * weights.reshape(-1, 1).to(grad_out.dtype)).to(dtype)
     valid = expert < module.num_experts  # expert parallelism's sentinel: no expert here
     d_up = d_out.new_zeros(count * k, up.shape[2] if module.is_transposed else up.shape[1])
-    acts = d_out.new_zeros(count * k, module.down_proj.shape[1] if module.is_transposed else module.down_proj.shape[2])
+    acts = d_out.new_zeros(count * k, down_weight.shape[1] if module.is_transposed else down_weight.shape[2])
     x = hidden.detach().to(dtype)
     for e in torch.unique(expert[valid]).tolist():
         pairs = (expert == e).nonzero().squeeze(1)
@@ -197,7 +206,7 @@ def _pair_gradients(
                 h = h + up_bias[e].detach().to(dtype)
             h = h.detach().requires_grad_(True)
             a = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-            down = module.down_proj[e].detach().to(dtype)
+            down = down_weight[e].detach().to(dtype)
             d_a = d_out[pairs] @ (down.T if module.is_transposed else down)
             (d_h,) = torch.autograd.grad(a, h, d_a.to(a.dtype))
         d_up[pairs], acts[pairs] = d_h.to(dtype), a.detach().to(dtype)
@@ -211,12 +220,15 @@ def routed_experts_rule(
     grad_outputs: list[torch.Tensor | None],
     rows: ExampleRows | None,
     batch_size: int,
+    values: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, PerExampleGradient]:
     """G_i of the up (gate_up) and down projections as routed outer-product sums, of their per-expert biases as
-    one-hot sums over the experts (an embedding's form): G_i(b_down)[e] = Σ_{p of i, e_p = e} w_p ∂y_p."""
+    one-hot sums over the experts (an embedding's form): G_i(b_down)[e] = Σ_{p of i, e_p = e} w_p ∂y_p; at the
+    parameters' ``values`` where given (peft's LoRA on them: W + s·B A), else at the module's own."""
     hidden, index, weights = _call_inputs(args, kwargs)
     grad_out = grad_outputs[0] if grad_outputs[0] is not None else torch.zeros_like(hidden)
-    d_up, acts, d_out, valid = _pair_gradients(module, hidden, index, weights, grad_out)
+    own = {name: param.detach() for name, param in module.named_parameters(recurse=False)}
+    d_up, acts, d_out, valid = _pair_gradients(module, own | (values or {}), hidden, index, weights, grad_out)
     k = index.shape[1]
     token = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(k)
     example = token if rows is None else rows.example[token]

@@ -1,6 +1,6 @@
-"""A module without a rule inside the norm pass's backward (activation checkpointing, FSDP2, group-wise clipping):
-its whole call is tapped, so that the torch.func fallback (rules.functorch_per_example_grads) runs when the
-gradients of all its outputs arrive.
+"""The torch.func fallback for a module without a rule (``functorch_per_example_grads``), and its tap inside the
+norm pass's backward (activation checkpointing, FSDP2, group-wise clipping): the module's whole call is tapped, so
+that the fallback runs when the gradients of all its outputs arrive.
 
 ``tap_call`` saves the call's tensor arguments through autograd (a checkpoint drops and recomputes them like any
 other saved activation) and returns its floating outputs as fresh tensors: the gradient at each is then only what
@@ -14,7 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from hf_dp.clipping.per_example import Materialised, PerExampleGradient, wide
+from hf_dp.clipping.rows import ExampleRows
 
 Received = Callable[[tuple, dict, list[torch.Tensor | None]], None]
 
@@ -58,3 +63,51 @@ def tap_call(anchor: torch.Tensor, args: tuple, kwargs: dict, output, receive: R
     for k, tensor in zip(tapped, fresh, strict=True):
         out_flat[k] = tensor
     return tree_unflatten(out_flat, out_spec)
+
+
+def functorch_per_example_grads(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    grad_outputs: list[torch.Tensor | None],
+    param_names: list[str],
+    batch_size: int,
+    rows: ExampleRows | None = None,
+    values: dict[str, torch.Tensor] | None = None,
+) -> dict[str, PerExampleGradient]:
+    """Fallback for modules without a rule: G_i = ∂⟨f(x_i; θ), ∂y_i⟩/∂θ, by vmap over examples (torch.func).
+
+    Exact for any module whose output for example i depends only on example i's inputs. ``rows``: the module takes
+    flattened tokens (rows.py), so it is vmapped over rows (exact when each output row depends on its input row
+    only, an MoE router's) and G_i = Σ_(rows r of i) G_r. ``values``: the parameters' values where they are not the
+    module's own (peft's LoRA on a parameter: W + s·B A).
+    """
+    if rows is not None:
+        per_row = functorch_per_example_grads(module, args, kwargs, grad_outputs, param_names, rows.count, None, values)
+        return {name: Materialised(rows.sum_per_example(part.grads)) for name, part in per_row.items()}
+    values = values or {}
+    # nested names: joined reads
+    params = {n: values.get(n, p).detach() for n, p in module.named_parameters() if n in param_names}
+    is_batched = [isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch_size for a in args]
+    batched_kwargs = {
+        k: v
+        for k, v in kwargs.items()
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch_size
+    }
+    static_kwargs = {k: v for k, v in kwargs.items() if k not in batched_kwargs}
+    used = [i for i, g in enumerate(grad_outputs) if g is not None]
+
+    def objective(p: dict, example_args: list, example_kwargs: dict, cotangents: list) -> torch.Tensor:
+        call_args = [a.unsqueeze(0) if b else a for a, b in zip(example_args, is_batched, strict=True)]
+        call_kwargs = {**static_kwargs, **{k: v.unsqueeze(0) for k, v in example_kwargs.items()}}
+        out = functional_call(module, p, tuple(call_args), call_kwargs, strict=False)
+        outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, torch.Tensor)]
+        return sum(
+            (outs[i] * c.unsqueeze(0).to(outs[i].dtype)).sum() for i, c in zip(used, cotangents, strict=True)
+        )
+
+    arg_dims = [0 if b else None for b in is_batched]
+    per_example = vmap(grad(objective), in_dims=(None, arg_dims, 0, 0))(
+        params, list(args), batched_kwargs, [grad_outputs[i] for i in used]
+    )
+    return {name: Materialised(wide(per_example[name])) for name in params}

@@ -17,8 +17,16 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from hf_dp.clipping.lora_params import claims_nested
 from hf_dp.clipping.rows import ExampleRows, RowTracking
-from hf_dp.clipping.rules import Rule, UnsupportedModuleError, makes_own_rows, rule_for, rule_input
+from hf_dp.clipping.rules import (
+    Rule,
+    UnsupportedModuleError,
+    makes_own_rows,
+    parameter_at,
+    rule_for,
+    rule_input,
+)
 from hf_dp.clipping.units import PrivacyUnits
 
 
@@ -30,7 +38,9 @@ def assign_parameters(model: nn.Module, allow_fallback: bool) -> dict[nn.Module,
     """Which module computes per-example gradients of which trainable parameter.
 
     A parameter owned by a module with a rule is left to it even if a parent also registers it
-    (BERT's prediction head registers its decoder's bias twice).
+    (BERT's prediction head registers its decoder's bias twice). A module whose forward reads its submodules'
+    parameters itself (``rules.claims_nested``: peft's LoRA on a parameter) owns them under their nested names,
+    the outermost such module first.
     """
     for name, module in model.named_modules():
         if _is_batch_norm(module):
@@ -45,6 +55,12 @@ def assign_parameters(model: nn.Module, allow_fallback: bool) -> dict[nn.Module,
                 "its fused kernel cannot run per example under torch.func; freeze it, or register a rule for it "
                 "with hf_dp.clipping.rules.register_rule"
             )
+    claimed: dict[int, tuple[nn.Module, str]] = {}
+    for module in model.modules():  # pre-order: a wrapper claims before the wrapper it wraps
+        if claims_nested(module):
+            for pname, param in module.named_parameters():
+                if param.requires_grad:
+                    claimed.setdefault(id(param), (module, pname))
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for pname, param in module.named_parameters(recurse=False):
@@ -52,7 +68,11 @@ def assign_parameters(model: nn.Module, allow_fallback: bool) -> dict[nn.Module,
                 owners.setdefault(id(param), []).append((module, pname))
     owned: dict[nn.Module, list[str]] = {}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    for module, pname in claimed.values():
+        owned.setdefault(module, []).append(pname)
     for pid, candidates in owners.items():
+        if pid in claimed:
+            continue
         with_rule = [(m, n) for m, n in candidates if rule_for(m) is not None]
         chosen = with_rule or candidates
         if not with_rule and not allow_fallback:
@@ -83,11 +103,11 @@ class Layers:
     def parameters(self) -> list[nn.Parameter]:
         """What is clipped, each once, as the modules hold it now: FSDP2's ``prepare`` swaps sharded Parameters
         into the modules after the engine is built (and the optimizer's groups with them)."""
-        unique = {id(getattr(m, n)): getattr(m, n) for m, names in self.owned.items() for n in names}
+        unique = {id(parameter_at(m, n)): parameter_at(m, n) for m, names in self.owned.items() for n in names}
         return list(unique.values())
 
     def of(self, module: nn.Module) -> list[nn.Parameter]:
-        return [getattr(module, name) for name in self.owned[module]]
+        return [parameter_at(module, name) for name in self.owned[module]]
 
     def where(self, module: nn.Module) -> str:
         """The module's name and type, for an error."""

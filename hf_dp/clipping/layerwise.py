@@ -38,7 +38,7 @@ from torch import nn
 from hf_dp.clipping.checks import sums_match, tensors_match
 from hf_dp.clipping.per_example import PerExampleGradient
 from hf_dp.clipping.replay import Kept
-from hf_dp.clipping.rules import is_rms_norm
+from hf_dp.clipping.rules import is_rms_norm, parameter_at
 from hf_dp.clipping.tail import TailBoundary, UnitWeights, clipped_sums, forward_to, paired, weighted_by_units
 from hf_dp.clipping.units import PrivacyUnits
 
@@ -265,13 +265,13 @@ class LayerByLayer:
             id(param): param
             for module in layer.modules()
             if module in self.points.owned and module is not layer and module not in self.points.stream_norms
-            for param in (getattr(module, name) for name in self.points.owned[module])
+            for param in (parameter_at(module, name) for name in self.points.owned[module])
         }
         return list(found.values())
 
     def _norm_parameters(self, layer: nn.Module) -> list[nn.Parameter]:
         return [
-            getattr(m, name)
+            parameter_at(m, name)
             for m in layer.modules()
             if m in self.points.stream_norms and m in self.points.owned
             for name in self.points.owned[m]
@@ -285,7 +285,7 @@ class LayerByLayer:
 
         def used(module: nn.Module, args: tuple) -> None:
             for name in self.points.owned[module]:
-                param = getattr(module, name)
+                param = parameter_at(module, name)
                 if param.requires_grad:
                     for segment in segments:
                         segment[:] = [p for p in segment if p is not param]

@@ -14,12 +14,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses, minus the hooks
 from transformers.pytorch_utils import Conv1D
 
 from hf_dp.clipping.errors import UnsupportedModuleError
 from hf_dp.clipping.experts import is_routed_experts, routed_experts_rule
+from hf_dp.clipping.fallback import functorch_per_example_grads
+from hf_dp.clipping.lora_params import claims_nested, parameter_lora_rule
 from hf_dp.clipping.per_example import LOW_PRECISION, Materialised, OuterProductSum, PerExampleGradient, wide
 from hf_dp.clipping.rows import ExampleRows
 
@@ -251,6 +252,14 @@ def rule_for(module: nn.Module) -> Rule | None:
 _CALL_RULES: list[tuple[Callable[[nn.Module], bool], CallRule]] = []
 
 
+def parameter_at(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter a module holds under ``name``, its own (``weight``) or a submodule's (``lora_A.default.weight``),
+    as the module holds it now (FSDP2 swaps in unsharded parameters)."""
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module
+
+
 def register_call_rule(when: Callable[[nn.Module], bool]):
     """Register ``rule(module, args, kwargs, grad_outputs, rows, batch_size) -> {param_name: PerExampleGradient}``
     for every module ``when(module)`` accepts that has no layer rule: a rule that needs the whole call (every
@@ -276,6 +285,7 @@ register_rule(nn.LayerNorm)(layer_norm_rule)
 register_rule(when=is_rms_norm)(rms_norm_rule)
 register_rule(when=is_scaled_embedding)(scaled_embedding_rule)
 register_call_rule(is_routed_experts)(routed_experts_rule)
+register_call_rule(claims_nested)(parameter_lora_rule)
 
 
 def per_call_grads(
@@ -288,54 +298,10 @@ def per_call_grads(
     rows: ExampleRows | None = None,
 ) -> dict[str, PerExampleGradient]:
     """The per-example gradients of a module without a layer rule, from its whole call: its call rule where one
-    is registered and ``param_names`` are its own parameters, else the torch.func fallback."""
+    is registered and covers ``param_names``, else the torch.func fallback."""
     rule = call_rule_for(module)
-    own = dict(module.named_parameters(recurse=False))
-    if rule is not None and all(name in own for name in param_names):
+    if rule is not None:
         found = rule(module, args, kwargs, grad_outputs, rows, batch_size)
-        return {name: found[name] for name in param_names}
+        if all(name in found for name in param_names):
+            return {name: found[name] for name in param_names}
     return functorch_per_example_grads(module, args, kwargs, grad_outputs, param_names, batch_size, rows)
-
-
-def functorch_per_example_grads(
-    module: nn.Module,
-    args: tuple,
-    kwargs: dict,
-    grad_outputs: list[torch.Tensor | None],
-    param_names: list[str],
-    batch_size: int,
-    rows: ExampleRows | None = None,
-) -> dict[str, PerExampleGradient]:
-    """Fallback for modules without a rule: G_i = ∂⟨f(x_i; θ), ∂y_i⟩/∂θ, by vmap over examples (torch.func).
-
-    Exact for any module whose output for example i depends only on example i's inputs. ``rows``: the module takes
-    flattened tokens (rows.py), so it is vmapped over rows (exact when each output row depends on its input row
-    only, an MoE router's) and G_i = Σ_(rows r of i) G_r.
-    """
-    if rows is not None:
-        per_row = functorch_per_example_grads(module, args, kwargs, grad_outputs, param_names, rows.count)
-        return {name: Materialised(rows.sum_per_example(part.grads)) for name, part in per_row.items()}
-    params = {n: p.detach() for n, p in module.named_parameters() if n in param_names}  # nested: joined reads
-    is_batched = [isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch_size for a in args]
-    batched_kwargs = {
-        k: v
-        for k, v in kwargs.items()
-        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch_size
-    }
-    static_kwargs = {k: v for k, v in kwargs.items() if k not in batched_kwargs}
-    used = [i for i, g in enumerate(grad_outputs) if g is not None]
-
-    def objective(p: dict, example_args: list, example_kwargs: dict, cotangents: list) -> torch.Tensor:
-        call_args = [a.unsqueeze(0) if b else a for a, b in zip(example_args, is_batched, strict=True)]
-        call_kwargs = {**static_kwargs, **{k: v.unsqueeze(0) for k, v in example_kwargs.items()}}
-        out = functional_call(module, p, tuple(call_args), call_kwargs, strict=False)
-        outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, torch.Tensor)]
-        return sum(
-            (outs[i] * c.unsqueeze(0).to(outs[i].dtype)).sum() for i, c in zip(used, cotangents, strict=True)
-        )
-
-    arg_dims = [0 if b else None for b in is_batched]
-    per_example = vmap(grad(objective), in_dims=(None, arg_dims, 0, 0))(
-        params, list(args), batched_kwargs, [grad_outputs[i] for i in used]
-    )
-    return {name: Materialised(wide(per_example[name])) for name in params}

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.per_example import Dropped, OuterProductSum, PerExampleGradient, Weighted, clipped_total
+from hf_dp.clipping.rules import parameter_at
 from hf_dp.clipping.units import PrivacyUnits
 
 
@@ -230,7 +231,7 @@ class TailFinder:
         its parameters. Kept as factors where those are smaller (``keep_form``), they are not counted smaller: at
         8 x 1024, T 256 that raised the peak to 1.12x the stock step's for 3% of its time
         (benchmarks/results/archive/llm_memory_ckpt_cpu_8x1024_T256_B4_factors_counted.md)."""
-        return self.count * sum(getattr(module, name).numel() for name in self.owned[module])
+        return self.count * sum(parameter_at(module, name).numel() for name in self.owned[module])
 
     def holds(self, module: nn.Module, call: int) -> bool:
         """Whether a use belongs to the tail: by its number in the first forward, or (a reentrant checkpoint's

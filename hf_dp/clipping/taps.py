@@ -42,6 +42,7 @@ from hf_dp.clipping.per_example import (
     gram,
 )
 from hf_dp.clipping.rows import ExampleRows, RowTracking
+from hf_dp.clipping.rules import parameter_at
 from hf_dp.clipping.tail import Tail, TailFinder, keep_form
 from hf_dp.clipping.tap_uses import OtherUses
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
@@ -130,10 +131,10 @@ class NormCollector:
         # each scale by where its parameter is used: FSDP2 swaps the module's sharded parameter for an unsharded
         # one (another object) during the forward and backward, so the backward's ids are not the scales' keys
         self._site_scales = {
-            (module, name): scales[id(getattr(module, name))]
+            (module, name): scales[id(parameter_at(module, name))]
             for module, names in self.owned.items()
             for name in names
-            if id(getattr(module, name)) in scales
+            if id(parameter_at(module, name)) in scales
         }
         self.units = None if units is None or units.is_trivial else units  # norms per privacy unit (units.py)
         self.rows = count if units is None else units.rows
@@ -200,7 +201,7 @@ class NormCollector:
         """One more use of the module's parameters in the forward (not in a recomputation); its number in the tail
         finder (0 without one)."""
         for name in self.owned[module]:
-            pid = id(getattr(module, name))
+            pid = id(parameter_at(module, name))
             self.uses[pid] = self.uses.get(pid, 0) + 1
         return 0 if self.tail_finder is None else self.tail_finder.use(module, x, checkpointed, reentrant)
 
