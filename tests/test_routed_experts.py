@@ -146,6 +146,7 @@ def test_a_dp_step_with_trained_experts_equals_brute_force_without_the_fallback(
 
     def refuse_experts(module, *args, **kwargs):
         assert not is_routed_experts(module), "the experts took the torch.func fallback"
+        assert "Router" not in type(module).__name__, "the router took the torch.func fallback"
         return fallback(module, *args, **kwargs)
 
     monkeypatch.setattr(rules, "functorch_per_example_grads", refuse_experts)
@@ -185,6 +186,7 @@ def test_a_checkpointed_step_with_trained_experts_equals_brute_force(name, backe
 
     def refuse_experts(module, *args, **kwargs):
         assert not is_routed_experts(module), "the experts took the torch.func fallback"
+        assert "Router" not in type(module).__name__, "the router took the torch.func fallback"
         return fallback(module, *args, **kwargs)
 
     monkeypatch.setattr(rules, "functorch_per_example_grads", refuse_experts)

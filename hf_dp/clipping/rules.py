@@ -21,6 +21,7 @@ from hf_dp.clipping.errors import UnsupportedModuleError
 from hf_dp.clipping.experts import is_routed_experts, routed_experts_rule
 from hf_dp.clipping.fallback import functorch_per_example_grads
 from hf_dp.clipping.lora_params import claims_nested, parameter_lora_rule
+from hf_dp.clipping.one_linear import one_linear_rule, reads_one_linear
 from hf_dp.clipping.per_example import LOW_PRECISION, Materialised, OuterProductSum, PerExampleGradient, wide
 from hf_dp.clipping.rows import ExampleRows
 
@@ -286,6 +287,7 @@ register_rule(when=is_rms_norm)(rms_norm_rule)
 register_rule(when=is_scaled_embedding)(scaled_embedding_rule)
 register_call_rule(is_routed_experts)(routed_experts_rule)
 register_call_rule(claims_nested)(parameter_lora_rule)
+register_call_rule(reads_one_linear)(one_linear_rule)
 
 
 def per_call_grads(
