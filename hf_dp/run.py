@@ -294,8 +294,9 @@ class PrivateRun:
 
 def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     """The model's clipping engine with the run's clipping function, mode and groups; group-wise clipping is refused
-    in one line where the parameters are partitioned or sharded (ZeRO-3, FSDP2). The modules that take the
-    torch.func fallback are logged once, with what they cost."""
+    in one line where the parameters are partitioned or sharded (ZeRO-3, FSDP2), and so is a module without a layer
+    rule under ZeRO-3 (its call rule or the torch.func fallback re-runs it on weights ZeRO-3 keeps partitioned).
+    The modules that take the torch.func fallback are logged once, with what they cost."""
     engine = ClippingEngine(
         model,
         args.clipping_fn,
@@ -309,6 +310,14 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
         raise ValueError(
             f"clipping_groups={args.clipping_groups!r} runs on one process, with DDP and with DeepSpeed ZeRO-0/1/2, "
             "not with ZeRO-3 or FSDP yet: use clipping_groups='all' there, or ZeRO-2"
+        )
+    without_rule = [module for module, rule in engine.layers.rules.items() if rule is None]
+    if without_rule and backend.zero_stage == 3:
+        engine.remove_hooks()
+        raise ValueError(
+            f"{engine.layers.where(without_rule[0])} has no layer rule, and its per-example gradients (a call rule "
+            "or the torch.func fallback) are not formed under DeepSpeed ZeRO-3, which keeps its weights partitioned: "
+            "use ZeRO-2 or FSDP2, or freeze it"
         )
     report = engine.fallback_report()
     if report is not None:

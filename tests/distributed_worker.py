@@ -57,7 +57,7 @@ def deepspeed_config(stage: int) -> dict:
     }
 
 
-LAYERS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer"}
+LAYERS = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "mixtral": "MixtralDecoderLayer"}
 
 
 def full_parameters(trainer: DPTrainer) -> dict[str, torch.Tensor]:
@@ -146,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--clip", type=float, default=0.5)
     parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
+    parser.add_argument("--model", choices=["gpt2", "llama", "mixtral"], default="gpt2")
     parser.add_argument("--clipping_mode", choices=["ghost", "per_sample"], default="ghost")
     parser.add_argument("--checkpointing", choices=["off", "reentrant", "non_reentrant"], default="off")
     parser.add_argument("--clipping_groups", default="all", help="DPTrainingArguments.clipping_groups")
@@ -230,6 +230,8 @@ def run(cli: argparse.Namespace) -> None:
     )
     if cli.model == "llama":
         model = models.llama()
+    elif cli.model == "mixtral":  # flattened rows, its routers and fused experts by their call rules
+        model = models.mixtral()
     else:
         model = models.gpt2(resid_pdrop=cli.dropout, embd_pdrop=cli.dropout, attn_pdrop=cli.dropout)
     if cli.lora:

@@ -94,6 +94,7 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reference_users": ("single", ("--users", "--per_device", "8")),
     "reference_llama": ("single", ("--per_device", "8", "--model", "llama")),
     "reference_lora": ("single", ("--per_device", "8", "--model", "llama", "--lora")),
+    "reference_mixtral": ("single", ("--per_device", "8", "--model", "mixtral")),
     "reference_disk": ("single", ("--per_device", "8", "--optimizer", "disk", "--lr", "0.05")),
     **{
         f"reference_{rule}": ("single", ("--per_device", "8", *rule_args))
@@ -151,6 +152,12 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero2_bf16_checkpointing": ("torchrun", ("--zero", "2", "--bf16", "--checkpointing", "non_reentrant")),
     "zero3_checkpointing": ("torchrun", ("--zero", "3", "--checkpointing", "reentrant")),
     "zero3_llama": ("torchrun", ("--zero", "3", "--model", "llama")),
+    # MoE: flattened rows, routers and fused experts by their call rules (refused under ZeRO-3)
+    "zero3_mixtral_refused": ("torchrun", ("--zero", "3", "--model", "mixtral")),
+    "zero2_checkpointing_mixtral": (
+        "torchrun",
+        ("--zero", "2", "--checkpointing", "non_reentrant", "--model", "mixtral"),
+    ),
     # GPT-2 left-padded without position_ids: every process refuses on the first step, before any release
     "zero3_left_padded_refused": ("torchrun", ("--zero", "3", "--left_pad")),
     "zero3_whole": ("torchrun", (*RESUME, "--zero", "3", "--save_steps", "2")),
@@ -158,6 +165,8 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     # torchrun: FSDP2 (a launch of its own: its shared state is switched to FSDP on CPU)
     "fsdp2_gpt2": ("torchrun_fsdp", ("--fsdp",)),
     "fsdp2_llama": ("torchrun_fsdp", ("--fsdp", "--model", "llama")),
+    "fsdp2_mixtral": ("torchrun_fsdp", ("--fsdp", "--model", "mixtral")),
+    "fsdp2_checkpointing_mixtral": ("torchrun_fsdp", ("--fsdp", "--checkpointing", "non_reentrant", "--model", "mixtral")),
     "fsdp2_checkpointing": ("torchrun_fsdp", ("--fsdp", "--checkpointing", "non_reentrant")),
     # the tail over both blocks of the tied GPT-2: the stopped forward reaches no unit's output (the embeddings
     # belong to the root), so none of FSDP2's pre-backward hooks queues its end-of-backward reduce-scatter
@@ -464,6 +473,26 @@ def test_llama_under_zero_matches_one_process_without_noise(runs, name, stage):
     run = assert_world(out, "DEEPSPEED", stage)
     assert run["skips_tail"] is ("checkpointing" in name)
     assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "kind", "stage"),
+    [
+        ("zero2_checkpointing_mixtral", "DEEPSPEED", 2),
+        ("fsdp2_mixtral", "FSDP", None),
+        ("fsdp2_checkpointing_mixtral", "FSDP", None),
+    ],
+)
+def test_mixtral_under_zero_and_fsdp2_matches_one_process_without_noise(runs, name, kind, stage):
+    """Mixtral's routers and fused experts (their call rules on rows of both examples' tokens) through ZeRO-2 with
+    checkpointing and with their weights sharded by FSDP2: equal one process. Under ZeRO-3 every process refuses
+    them in one line before training."""
+    reference, out = runs("reference_mixtral"), runs(name)
+    assert_world(out, kind, stage)
+    assert relative_difference(out / "final.pt", reference / "final.pt") < 1e-4
+    error = runs("zero3_mixtral_refused", fails=True).strip().splitlines()[-1]
+    assert "MixtralTopKRouter) has no layer rule" in error and "use ZeRO-2 or FSDP2" in error
 
 
 @pytest.mark.slow
