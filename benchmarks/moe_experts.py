@@ -1,9 +1,9 @@
-"""What the routed-experts rule (hf_dp/clipping/experts.py) saves over the torch.func fallback for trained fused MoE
-experts: a small Mixtral (2 layers, d 128, 8 experts of width 256, top-2, B 8, T 128, fp32, one thread),
-one steady-state book-keeping DP step with the experts' call rule and with it switched off (the fallback vmapped
-over rows), and the non-private step, interleaved; and the floats each keeps per micro-batch for the experts'
-per-example gradients (the fallback: every row's gradient of all experts' weights; the rule: each routed pair's
-two factor pairs).
+"""What the call rules of trained MoE layers (hf_dp/clipping/experts.py for fused experts, one_linear.py for routers)
+save over the torch.func fallback: a small Mixtral (2 layers, d 128, 8 experts of width 256, top-2, B 8, T 128,
+fp32, one thread), one steady-state book-keeping DP step with the call rules and with them switched off (both on
+the fallback, vmapped over rows), and the non-private step, interleaved; and the floats each keeps per micro-batch
+for the experts' per-example gradients (the fallback: every row's gradient of all experts' weights; the rule: each
+routed pair's two factor pairs).
 
     .venv/bin/python benchmarks/moe_experts.py --out benchmarks/results/moe_experts.json
 """
