@@ -42,7 +42,12 @@ def lora_on_parameters(family: str, targets: str, **config) -> nn.Module:
     return model.float().train()
 
 
-CASES = [("mixtral", "experts"), ("mixtral", "mixtral_router"), ("gpt_oss", "experts"), ("gpt_oss", "gpt_oss_router")]
+CASES = [
+    ("mixtral", "experts"),
+    ("mixtral", "mixtral_router"),
+    ("gpt_oss", "experts"),
+    ("gpt_oss", "gpt_oss_router"),
+]
 
 
 def _reference(model: nn.Module, batch: dict, every_example_clipped: bool) -> tuple[dict, float]:
@@ -61,13 +66,17 @@ def test_a_dp_step_with_lora_on_parameters_equals_brute_force(family, targets, m
     reference, max_norm = _reference(model, batch, every_example_clipped=False)
     if targets == "experts":
         monkeypatch.setattr(
-            lora_params, "functorch_per_example_grads", lambda *_: pytest.fail("the experts took the fallback")
+            lora_params,
+            "functorch_per_example_grads",
+            lambda *_: pytest.fail("the experts took the fallback"),
         )
         if mode == "ghost":
             monkeypatch.setattr(RoutedOuterProductSum, "materialise", lambda *_: pytest.fail("materialised"))
     engine = ClippingEngine(model, mode=mode)
     wrappers = [m for m in engine.layers.owned if lora_params.claims_nested(m)]
-    assert len(wrappers) == 2 and all(len(engine.layers.owned[m]) == 2 * len(TARGETS[targets]) for m in wrappers)
+    assert len(wrappers) == 2 and all(
+        len(engine.layers.owned[m]) == 2 * len(TARGETS[targets]) for m in wrappers
+    )
     step = clipped_step(engine, model, Backend())
     for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
         assert_close(ours, reference, rtol=1e-4, floor=1e-6)

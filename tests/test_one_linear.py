@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_dp.clipping import one_linear, rules
+from hf_dp.clipping.fallback import ModuleCall
 from hf_dp.clipping.one_linear import one_linear_rule, reads_one_linear
 from hf_dp.clipping.rows import ExampleRows
 
@@ -57,7 +58,7 @@ def test_the_rule_equals_one_backward_per_example_through_softmax_and_top_k(bias
     assert reads_one_linear(router) and rules.call_rule_for(router) is one_linear_rule
     x = torch.randn(3, 5, 6, dtype=torch.float64)
     grads = [torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 2, dtype=torch.float64), None]
-    found = one_linear_rule(router, (x,), {}, grads, None, 3)
+    found = one_linear_rule(ModuleCall(router, (x,), {}, grads, 3))
     for name, want in _per_example(router, x, grads).items():
         got = found[name].explicit(getattr(router, name).shape).grads
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
@@ -69,9 +70,9 @@ def test_flattened_rows_are_summed_per_example() -> None:
     router = Router(bias=True)
     x = torch.randn(7, 6, dtype=torch.float64)
     grads = [torch.randn(7, 4, dtype=torch.float64), torch.randn(7, 2, dtype=torch.float64), None]
-    per_row = one_linear_rule(router, (x,), {}, grads, None, 7)
+    per_row = one_linear_rule(ModuleCall(router, (x,), {}, grads, 7))
     rows = ExampleRows(torch.tensor([2, 0, 2, 1, 0, 2, 1]), 3, None)
-    per_example = one_linear_rule(router, (x,), {}, grads, rows, 3)
+    per_example = one_linear_rule(ModuleCall(router, (x,), {}, grads, 3, rows))
     for name, part in per_example.items():
         shape = getattr(router, name).shape
         want = rows.sum_per_example(per_row[name].explicit(shape).grads)
@@ -86,10 +87,13 @@ def test_a_forward_that_reads_its_weight_otherwise_keeps_the_fallback(module_cla
     module = module_class(bias=False)
     x = torch.randn(3, 5, 6, dtype=torch.float64)
     grads = [torch.randn(3, 5, 4, dtype=torch.float64)]
-    assert one_linear_rule(module, (x,), {}, grads, None, 3) == {}
+    assert one_linear_rule(ModuleCall(module, (x,), {}, grads, 3)) == {}
     assert not reads_one_linear(module) and module in one_linear._OTHERWISE
-    found = rules.per_call_grads(module, (x,), {}, grads, ["weight"], 3)
+    found = rules.per_call_grads(ModuleCall(module, (x,), {}, grads, 3), ["weight"])
     expected = torch.stack(
-        [torch.autograd.grad((module(x[i : i + 1]) * grads[0][i : i + 1]).sum(), module.weight)[0] for i in range(3)]
+        [
+            torch.autograd.grad((module(x[i : i + 1]) * grads[0][i : i + 1]).sum(), module.weight)[0]
+            for i in range(3)
+        ]
     )
     torch.testing.assert_close(found["weight"].grads, expected, rtol=1e-12, atol=1e-14)

@@ -14,6 +14,7 @@ from hf_dp.backend import Backend
 from hf_dp.clipping import rules
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.experts import RoutedOuterProductSum, is_routed_experts, routed_experts_rule
+from hf_dp.clipping.fallback import ModuleCall
 from hf_dp.clipping.pipeline import clipped_step
 from hf_dp.clipping.rows import ExampleRows
 from tests import models, oracle
@@ -47,17 +48,25 @@ def test_the_routed_sum_s_norm_projection_and_clipped_sum_equal_its_explicit_gra
     torch.testing.assert_close(part.squared_norm(True), squared, rtol=1e-12, atol=0)
     torch.testing.assert_close(part.explicit(explicit.shape[1:]).grads, explicit, rtol=1e-12, atol=0)
     direction = torch.randn(explicit.shape[1:], generator=g, dtype=torch.float64)
-    torch.testing.assert_close(part.project(direction), explicit.flatten(1) @ direction.flatten(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        part.project(direction), explicit.flatten(1) @ direction.flatten(), rtol=1e-12, atol=0
+    )
     weights = torch.tensor([0.5, 0.0, 2.0], dtype=torch.float64)
     start = torch.ones(explicit.shape[1:], dtype=torch.float64)
     summed = part.accumulate(start.clone(), weights, start)
-    torch.testing.assert_close(summed, start + torch.einsum("b,bers->ers", weights, explicit), rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        summed, start + torch.einsum("b,bers->ers", weights, explicit), rtol=1e-12, atol=0
+    )
     dropped = part.without_examples(torch.tensor([False, True, False]))
-    assert dropped.squared_norm(False)[1] == 0 and dropped.squared_norm(False)[0] == part.squared_norm(False)[0]
+    assert (
+        dropped.squared_norm(False)[1] == 0 and dropped.squared_norm(False)[0] == part.squared_norm(False)[0]
+    )
 
 
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
-def test_the_rule_equals_one_backward_per_token_with_expert_parallelism_s_sentinel_skipped(implementation) -> None:
+def test_the_rule_equals_one_backward_per_token_with_expert_parallelism_s_sentinel_skipped(
+    implementation,
+) -> None:
     """Each row its own example: G_r = ∂⟨experts(x_r), ∂y_r⟩/∂W by autograd, one row at a time; a pair routed to the
     sentinel expert E (eager Mixtral skips it) contributes nothing."""
     torch.manual_seed(0)
@@ -73,7 +82,7 @@ def test_the_rule_equals_one_backward_per_token_with_expert_parallelism_s_sentin
         index[2, 1] = experts.num_experts
     weights = torch.rand(tokens, k, dtype=dtype)
     grad_out = torch.randn(tokens, 16, dtype=dtype)
-    found = routed_experts_rule(experts, (hidden, index, weights), {}, [grad_out], None, tokens)
+    found = routed_experts_rule(ModuleCall(experts, (hidden, index, weights), {}, [grad_out], tokens))
     tolerance = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
     params = [experts.gate_up_proj, experts.down_proj]
     for r in range(tokens):
@@ -90,10 +99,12 @@ def test_rows_of_several_examples_are_summed_per_example() -> None:
     experts = models.mixtral().double().model.layers[0].mlp.experts
     hidden, index = torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 4, (8, 2))
     weights, grad_out = torch.rand(8, 2, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
-    per_row = routed_experts_rule(experts, (hidden, index, weights), {}, [grad_out], None, 8)
+    per_row = routed_experts_rule(ModuleCall(experts, (hidden, index, weights), {}, [grad_out], 8))
     example = torch.tensor([1, 0, 1, 1, 0, 2, 2, 0])
     for rows in (ExampleRows(torch.arange(8) // 4, 2, 4), ExampleRows(example, 3, None)):
-        per_example = routed_experts_rule(experts, (hidden, index, weights), {}, [grad_out], rows, rows.rows)
+        per_example = routed_experts_rule(
+            ModuleCall(experts, (hidden, index, weights), {}, [grad_out], rows.rows, rows)
+        )
         for name, part in per_example.items():
             shape = getattr(experts, name).shape
             want = rows.sum_per_example(per_row[name].explicit(shape).grads)
@@ -131,9 +142,23 @@ MODELS = {
 }
 
 
+def _moe_off_the_fallback(monkeypatch) -> None:
+    """From here on the torch.func fallback fails the test if an MoE layer's experts or router take it."""
+    fallback = rules.functorch_per_example_grads
+
+    def refuse_moe(module, *args, **kwargs):
+        assert not is_routed_experts(module), "the experts took the torch.func fallback"
+        assert "Router" not in type(module).__name__, "the router took the torch.func fallback"
+        return fallback(module, *args, **kwargs)
+
+    monkeypatch.setattr(rules, "functorch_per_example_grads", refuse_moe)
+
+
 @pytest.mark.parametrize("mode", ["ghost", "per_sample"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_a_dp_step_with_trained_experts_equals_brute_force_without_the_fallback(name, mode, monkeypatch) -> None:
+def test_a_dp_step_with_trained_experts_equals_brute_force_without_the_fallback(
+    name, mode, monkeypatch
+) -> None:
     """Two steps (the checked first one and a later one), some examples clipped; in ghost mode no expert's
     per-example gradient is ever materialised, and the torch.func fallback never runs for the experts."""
     build, dtype = MODELS[name]
@@ -142,14 +167,7 @@ def test_a_dp_step_with_trained_experts_equals_brute_force_without_the_fallback(
     batch = models.token_batch()
     _, norms = oracle.per_example(model, batch, max_norm=1e9)
     reference, _ = oracle.per_example(model, batch, max_norm=norms.median().item())
-    fallback = rules.functorch_per_example_grads
-
-    def refuse_experts(module, *args, **kwargs):
-        assert not is_routed_experts(module), "the experts took the torch.func fallback"
-        assert "Router" not in type(module).__name__, "the router took the torch.func fallback"
-        return fallback(module, *args, **kwargs)
-
-    monkeypatch.setattr(rules, "functorch_per_example_grads", refuse_experts)
+    _moe_off_the_fallback(monkeypatch)
     if mode == "ghost":
         monkeypatch.setattr(RoutedOuterProductSum, "materialise", lambda *_: pytest.fail("materialised"))
     engine = ClippingEngine(model, mode=mode)
@@ -182,14 +200,7 @@ def test_a_checkpointed_step_with_trained_experts_equals_brute_force(name, backe
     _, norms = oracle.per_example(model, batch, max_norm=1e9)
     max_norm = 0.5 * norms.min().item()
     reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
-    fallback = rules.functorch_per_example_grads
-
-    def refuse_experts(module, *args, **kwargs):
-        assert not is_routed_experts(module), "the experts took the torch.func fallback"
-        assert "Router" not in type(module).__name__, "the router took the torch.func fallback"
-        return fallback(module, *args, **kwargs)
-
-    monkeypatch.setattr(rules, "functorch_per_example_grads", refuse_experts)
+    _moe_off_the_fallback(monkeypatch)
     model.gradient_checkpointing_enable({"use_reentrant": False})
     step = clipped_step(ClippingEngine(model), model, ONE_PROCESS if backend == "one process" else ZERO2)
     for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=3):

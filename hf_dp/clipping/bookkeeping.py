@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.checks import check_engine_sum, engine_sum_weights
+from hf_dp.clipping.fallback import ModuleCall
 from hf_dp.clipping.geometry import ClipScale
 from hf_dp.clipping.hooks import (
     Layers,
@@ -277,7 +278,8 @@ class Recording:
         was_on, self.on = self.on, False
         try:
             with torch.enable_grad():
-                found = per_call_grads(call.module, call.args, call.kwargs, grads, names, self.rows, call.rows)
+                recorded = ModuleCall(call.module, call.args, call.kwargs, grads, self.rows, call.rows)
+                found = per_call_grads(recorded, names)
         finally:
             self.on = was_on
         if self.units is None:

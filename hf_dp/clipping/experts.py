@@ -36,6 +36,7 @@ from hf_dp.clipping.per_example import (
 from hf_dp.clipping.rows import ExampleRows
 
 if TYPE_CHECKING:
+    from hf_dp.clipping.fallback import ModuleCall
     from hf_dp.clipping.geometry import ClipScale
     from hf_dp.clipping.per_example import PerExampleGradient
 
@@ -65,7 +66,10 @@ class RoutedOuterProductSum:
         """The masked Gram costs P²(rows + cols) per example; materialising E blocks about (P + 256·E)·rows·cols
         (``OuterProductSum.gram_is_cheaper``'s costs, with every expert's block written and read back)."""
         rows, cols, pairs = self.left.shape[2], self.right.shape[2], self.left.shape[1]
-        return pairs * pairs * (rows + cols) <= (pairs + _MATERIALISE_OVERHEAD_STEPS * self.experts) * rows * cols
+        return (
+            pairs * pairs * (rows + cols)
+            <= (pairs + _MATERIALISE_OVERHEAD_STEPS * self.experts) * rows * cols
+        )
 
     def squared_norm(self, materialise: bool, into: torch.Tensor | None = None) -> torch.Tensor:
         """‖G_i‖² per example: Σ_{p,p'} [e_p = e_p'] ⟨left_p, left_p'⟩⟨right_p, right_p'⟩, or from the explicit G_i."""
@@ -85,7 +89,11 @@ class RoutedOuterProductSum:
         """The explicit per-example gradients (stop − start, experts, rows, cols), float32 or wider."""
         left, right, expert = self.left[start:stop], self.right[start:stop], self.expert[start:stop]
         grads = torch.stack(
-            [wide_bmm(left.mul((expert == e)[:, :, None]).transpose(1, 2), right) for e in range(self.experts)], 1
+            [
+                wide_bmm(left.mul((expert == e)[:, :, None]).transpose(1, 2), right)
+                for e in range(self.experts)
+            ],
+            1,
         )
         return grads.permute(0, 2, 3, 1) if self.experts_last else grads
 
@@ -214,19 +222,14 @@ def _pair_gradients(
 
 
 def routed_experts_rule(
-    module: nn.Module,
-    args: tuple,
-    kwargs: dict,
-    grad_outputs: list[torch.Tensor | None],
-    rows: ExampleRows | None,
-    batch_size: int,
-    values: dict[str, torch.Tensor] | None = None,
+    call: ModuleCall, values: dict[str, torch.Tensor] | None = None
 ) -> dict[str, PerExampleGradient]:
     """G_i of the up (gate_up) and down projections as routed outer-product sums, of their per-expert biases as
     one-hot sums over the experts (an embedding's form): G_i(b_down)[e] = Σ_{p of i, e_p = e} w_p ∂y_p; at the
     parameters' ``values`` where given (peft's LoRA on them: W + s·B A), else at the module's own."""
-    hidden, index, weights = _call_inputs(args, kwargs)
-    grad_out = grad_outputs[0] if grad_outputs[0] is not None else torch.zeros_like(hidden)
+    module, rows, batch_size = call.module, call.rows, call.batch_size
+    hidden, index, weights = _call_inputs(call.args, call.kwargs)
+    grad_out = call.grad_outputs[0] if call.grad_outputs[0] is not None else torch.zeros_like(hidden)
     own = {name: param.detach() for name, param in module.named_parameters(recurse=False)}
     d_up, acts, d_out, valid = _pair_gradients(module, own | (values or {}), hidden, index, weights, grad_out)
     k = index.shape[1]

@@ -12,6 +12,7 @@ gradient, to ``receive``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -22,6 +23,21 @@ from hf_dp.clipping.per_example import Materialised, PerExampleGradient, wide
 from hf_dp.clipping.rows import ExampleRows
 
 Received = Callable[[tuple, dict, list[torch.Tensor | None]], None]
+
+
+@dataclass(frozen=True)
+class ModuleCall:
+    """One call of a module without a layer rule, once its backward is done: its arguments, the gradient of each of
+    its tensor outputs in order (None where none arrived or the output is not floating), and whose rows its inputs
+    hold (``rows``: the example of each row of a flattened input, rows.py; None: the ``batch_size`` rows of the
+    batch itself). What a call rule (rules.register_call_rule) and the torch.func fallback start from."""
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    grad_outputs: list[torch.Tensor | None]
+    batch_size: int
+    rows: ExampleRows | None = None
 
 
 class _TapCall(torch.autograd.Function):
@@ -66,25 +82,28 @@ def tap_call(anchor: torch.Tensor, args: tuple, kwargs: dict, output, receive: R
 
 
 def functorch_per_example_grads(
-    module: nn.Module,
-    args: tuple,
-    kwargs: dict,
-    grad_outputs: list[torch.Tensor | None],
-    param_names: list[str],
-    batch_size: int,
-    rows: ExampleRows | None = None,
-    values: dict[str, torch.Tensor] | None = None,
+    call: ModuleCall, param_names: list[str], values: dict[str, torch.Tensor] | None = None
 ) -> dict[str, PerExampleGradient]:
     """Fallback for modules without a rule: G_i = ∂⟨f(x_i; θ), ∂y_i⟩/∂θ, by vmap over examples (torch.func).
 
-    Exact for any module whose output for example i depends only on example i's inputs. ``rows``: the module takes
-    flattened tokens (rows.py), so it is vmapped over rows (exact when each output row depends on its input row
-    only, an MoE router's) and G_i = Σ_(rows r of i) G_r. ``values``: the parameters' values where they are not the
+    Exact for any module whose output for example i depends only on example i's inputs. With ``call.rows`` the
+    module takes flattened tokens (rows.py), so it is vmapped over rows (exact when each output row depends on its
+    input row only) and G_i = Σ_(rows r of i) G_r. ``values``: the parameters' values where they are not the
     module's own (peft's LoRA on a parameter: W + s·B A).
     """
+    rows = call.rows
     if rows is not None:
-        per_row = functorch_per_example_grads(module, args, kwargs, grad_outputs, param_names, rows.count, None, values)
+        per_row = functorch_per_example_grads(
+            replace(call, batch_size=rows.count, rows=None), param_names, values
+        )
         return {name: Materialised(rows.sum_per_example(part.grads)) for name, part in per_row.items()}
+    module, args, kwargs, grad_outputs, batch_size = (
+        call.module,
+        call.args,
+        call.kwargs,
+        call.grad_outputs,
+        call.batch_size,
+    )
     values = values or {}
     # nested names: joined reads
     params = {n: values.get(n, p).detach() for n, p in module.named_parameters() if n in param_names}

@@ -10,6 +10,7 @@ them: A (E·r, in), B (out, r·E).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,14 +22,18 @@ from hf_dp.clipping.fallback import functorch_per_example_grads
 from hf_dp.clipping.per_example import Materialised, wide
 
 if TYPE_CHECKING:
+    from hf_dp.clipping.fallback import ModuleCall
     from hf_dp.clipping.per_example import PerExampleGradient
-    from hf_dp.clipping.rows import ExampleRows
 
 
 def claims_nested(module: nn.Module) -> bool:
     """A module whose forward reads its submodules' parameters itself rather than calling them: peft's LoRA on a
     parameter (a ``ParamWrapper``). Its call covers them (hooks.assign_parameters)."""
-    return type(module).__name__ == "ParamWrapper" and hasattr(module, "parameter_name") and hasattr(module, "lora_A")
+    return (
+        type(module).__name__ == "ParamWrapper"
+        and hasattr(module, "parameter_name")
+        and hasattr(module, "lora_A")
+    )
 
 
 def wrapped(wrapper: nn.Module) -> nn.Module:
@@ -76,7 +81,9 @@ def _per_pair(factor: torch.Tensor, along: torch.Tensor, expert: torch.Tensor) -
     """factor_{e_p} along_p per pair: (B, P, d) @ factor (E, d, r) gathered at each pair's expert, (B, P, r)."""
     experts, d, r = factor.shape
     every = wide(along) @ factor.to(wide(along).dtype).permute(1, 0, 2).reshape(d, experts * r)
-    return every.view(*along.shape[:2], experts, r).gather(2, expert[:, :, None, None].expand(-1, -1, 1, r))[:, :, 0]
+    return every.view(*along.shape[:2], experts, r).gather(2, expert[:, :, None, None].expand(-1, -1, 1, r))[
+        :, :, 0
+    ]
 
 
 def _lora_parts(
@@ -87,7 +94,10 @@ def _lora_parts(
     experts, rank = lhs.shape[0], lhs.shape[2]
     if isinstance(part, RoutedOuterProductSum):
         left, right, expert = part.left, part.right, part.expert
-        g_lhs = (left, scaling * _per_pair(rhs.transpose(1, 2), right, expert))  # Σ L_p ⊗ s·R_e right_p: (E, d0, r)
+        g_lhs = (
+            left,
+            scaling * _per_pair(rhs.transpose(1, 2), right, expert),
+        )  # Σ L_p ⊗ s·R_e right_p: (E, d0, r)
         g_rhs = (scaling * _per_pair(lhs, left, expert), right)  # Σ s·L_eᵀ left_p ⊗ right_p: (E, r, d1)
         if swapped:
             return (
@@ -112,17 +122,10 @@ def _lora_parts(
     )
 
 
-def parameter_lora_rule(
-    wrapper: nn.Module,
-    args: tuple,
-    kwargs: dict,
-    grad_outputs: list[torch.Tensor | None],
-    rows: ExampleRows | None,
-    batch_size: int,
-) -> dict[str, PerExampleGradient]:
+def parameter_lora_rule(call: ModuleCall) -> dict[str, PerExampleGradient]:
     """Per-example gradients of every adapter in a chain of ``ParamWrapper``s (and of the wrapped module's own
     trained parameters), from G_i(W') of the wrapped module at its re-parametrised values W'."""
-    wrappers, base, base_prefix = _chain(wrapper)
+    wrappers, base, base_prefix = _chain(call.module)
     values = {name: param.detach() for name, param in base.named_parameters(recurse=False)}
     factors = {}
     for prefix, inner in wrappers:
@@ -131,12 +134,19 @@ def parameter_lora_rule(
         name = inner.parameter_name
         delta = scaling * torch.bmm(lhs, rhs.to(lhs)).reshape(values[name].shape)
         values[name] = values[name] + delta.to(values[name].dtype)
-        factors[prefix, adapter] = (name, lhs, rhs, scaling, getattr(inner, "_did_swap_in_out_features", True))
+        factors[prefix, adapter] = (
+            name,
+            lhs,
+            rhs,
+            scaling,
+            getattr(inner, "_did_swap_in_out_features", True),
+        )
     names = list(values)
+    wrapped_call = replace(call, module=base)
     if is_routed_experts(base):
-        at_values = routed_experts_rule(base, args, kwargs, grad_outputs, rows, batch_size, values)
+        at_values = routed_experts_rule(wrapped_call, values)
     else:
-        at_values = functorch_per_example_grads(base, args, kwargs, grad_outputs, names, batch_size, rows, values)
+        at_values = functorch_per_example_grads(wrapped_call, names, values)
     found: dict[str, PerExampleGradient] = {f"{base_prefix}{name}": part for name, part in at_values.items()}
     for (prefix, adapter), (name, lhs, rhs, scaling, swapped) in factors.items():
         swapped = swapped or lhs.shape[0] == 1

@@ -24,8 +24,8 @@ from hf_dp.clipping.per_example import Materialised, OuterProductSum, wide
 from hf_dp.clipping.reads import reads_values
 
 if TYPE_CHECKING:
+    from hf_dp.clipping.fallback import ModuleCall
     from hf_dp.clipping.per_example import PerExampleGradient
-    from hf_dp.clipping.rows import ExampleRows
 
 # modules whose forward turned out to read their weight other than in one linear call: the torch.func fallback
 _OTHERWISE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -57,7 +57,9 @@ class _LinearOutput(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        owned = [t for t in tree_leaves((args, kwargs)) if t is self.weight or (t is self.bias and t is not None)]
+        owned = [
+            t for t in tree_leaves((args, kwargs)) if t is self.weight or (t is self.bias and t is not None)
+        ]
         if not owned or not reads_values(func):
             return out
         if func is F.linear and self.found is None:
@@ -71,33 +73,38 @@ class _LinearOutput(TorchFunctionMode):
         return out
 
 
-def one_linear_rule(
-    module: nn.Module,
-    args: tuple,
-    kwargs: dict,
-    grad_outputs: list[torch.Tensor | None],
-    rows: ExampleRows | None,
-    batch_size: int,
-) -> dict[str, PerExampleGradient]:
+def one_linear_rule(call: ModuleCall) -> dict[str, PerExampleGradient]:
     """G_i(W) = Σ_t ∂z_t ⊗ x_t as a linear layer's factors (∂z: every output's gradient pulled back to the linear
     call's output z), G_i(b) = Σ_t ∂z_t; empty (the torch.func fallback) where the forward reads W otherwise."""
+    module, rows = call.module, call.rows
     bias = module.bias if isinstance(getattr(module, "bias", None), nn.Parameter) else None
     watch = _LinearOutput(module.weight, bias)
-    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in call.args]
     with torch.enable_grad(), watch:
-        out = module.forward(*detached, **kwargs)
+        out = module.forward(*detached, **call.kwargs)
     if watch.otherwise or watch.found is None:
         _OTHERWISE.add(module)
         return {}
     x, leaf = watch.found
     outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
-    used = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if g is not None and o.requires_grad]
-    grads = torch.autograd.grad([o for o, _ in used], leaf, [g for _, g in used], allow_unused=True)[0] if used else None
+    used = [
+        (o, g) for o, g in zip(outputs, call.grad_outputs, strict=True) if g is not None and o.requires_grad
+    ]
+    grads = (
+        torch.autograd.grad([o for o, _ in used], leaf, [g for _, g in used], allow_unused=True)[0]
+        if used
+        else None
+    )
     grad_z = torch.zeros_like(leaf) if grads is None else grads
     if rows is not None:
         x, grad_z = rows.as_examples(x, grad_z)
-    x, grad_z = wide(x.reshape(x.shape[0], -1, x.shape[-1])), wide(grad_z.reshape(x.shape[0], -1, grad_z.shape[-1]))
-    found: dict[str, PerExampleGradient] = {"weight": OuterProductSum(grad_z, x.to(grad_z.dtype), module.weight.shape[0])}
+    x, grad_z = (
+        wide(x.reshape(x.shape[0], -1, x.shape[-1])),
+        wide(grad_z.reshape(x.shape[0], -1, grad_z.shape[-1])),
+    )
+    found: dict[str, PerExampleGradient] = {
+        "weight": OuterProductSum(grad_z, x.to(grad_z.dtype), module.weight.shape[0])
+    }
     if bias is not None:
         found["bias"] = Materialised(grad_z.sum(dim=1))
     return found

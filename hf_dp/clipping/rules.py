@@ -19,17 +19,14 @@ from transformers.pytorch_utils import Conv1D
 
 from hf_dp.clipping.errors import UnsupportedModuleError
 from hf_dp.clipping.experts import is_routed_experts, routed_experts_rule
-from hf_dp.clipping.fallback import functorch_per_example_grads
+from hf_dp.clipping.fallback import ModuleCall, functorch_per_example_grads
 from hf_dp.clipping.lora_params import claims_nested, parameter_lora_rule
 from hf_dp.clipping.one_linear import one_linear_rule, reads_one_linear
 from hf_dp.clipping.per_example import LOW_PRECISION, Materialised, OuterProductSum, PerExampleGradient, wide
-from hf_dp.clipping.rows import ExampleRows
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
-# (module, args, kwargs, each output's gradient, the rows' examples or None, B) -> per-example gradients
-CallRule = Callable[
-    [nn.Module, tuple, dict, list[torch.Tensor | None], ExampleRows | None, int], dict[str, PerExampleGradient]
-]
+# a module's whole call (fallback.ModuleCall) -> per-example gradients of the parameters it covers
+CallRule = Callable[[ModuleCall], dict[str, PerExampleGradient]]
 
 
 def _as_sequence(x: torch.Tensor) -> torch.Tensor:
@@ -262,10 +259,10 @@ def parameter_at(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def register_call_rule(when: Callable[[nn.Module], bool]):
-    """Register ``rule(module, args, kwargs, grad_outputs, rows, batch_size) -> {param_name: PerExampleGradient}``
-    for every module ``when(module)`` accepts that has no layer rule: a rule that needs the whole call (every
-    argument, every output's gradient) for the module's own parameters, as fused MoE experts do (experts.py).
-    ``rows``: the example of each row of a flattened input (rows.ExampleRows), None for the batch's own rows."""
+    """Register ``rule(call: ModuleCall) -> {param_name: PerExampleGradient}`` for every module ``when(module)``
+    accepts that has no layer rule: a rule that needs the whole call (every argument, every output's gradient), as
+    fused MoE experts do (experts.py). A rule that returns fewer parameters than asked leaves the call to the
+    torch.func fallback."""
 
     def register(rule: CallRule) -> CallRule:
         _CALL_RULES.append((when, rule))
@@ -290,20 +287,12 @@ register_call_rule(claims_nested)(parameter_lora_rule)
 register_call_rule(reads_one_linear)(one_linear_rule)
 
 
-def per_call_grads(
-    module: nn.Module,
-    args: tuple,
-    kwargs: dict,
-    grad_outputs: list[torch.Tensor | None],
-    param_names: list[str],
-    batch_size: int,
-    rows: ExampleRows | None = None,
-) -> dict[str, PerExampleGradient]:
+def per_call_grads(call: ModuleCall, param_names: list[str]) -> dict[str, PerExampleGradient]:
     """The per-example gradients of a module without a layer rule, from its whole call: its call rule where one
     is registered and covers ``param_names``, else the torch.func fallback."""
-    rule = call_rule_for(module)
+    rule = call_rule_for(call.module)
     if rule is not None:
-        found = rule(module, args, kwargs, grad_outputs, rows, batch_size)
+        found = rule(call)
         if all(name in found for name in param_names):
             return {name: found[name] for name in param_names}
-    return functorch_per_example_grads(module, args, kwargs, grad_outputs, param_names, batch_size, rows)
+    return functorch_per_example_grads(call, param_names)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from hf_dp.clipping.fallback import tap_call
+from hf_dp.clipping.fallback import ModuleCall, tap_call
 from hf_dp.clipping.hooks import UnsupportedModuleError, batch_rows, check_shared_use, is_checkpointing
 from hf_dp.clipping.per_example import PerExampleGradient
 from hf_dp.clipping.rows import ExampleRows
@@ -136,7 +136,7 @@ class OtherUses:
             self.suspended = True  # the fallback re-runs the module (and its submodules): nothing to record
             try:
                 with torch.enable_grad():
-                    found = per_call_grads(module, call_args, call_kwargs, grads, names, count, rows)
+                    found = per_call_grads(ModuleCall(module, call_args, call_kwargs, grads, count, rows), names)
             finally:
                 self.suspended = False
             self.collector.add_found(module, found, call, names)
