@@ -230,18 +230,26 @@ def test_deberta_checkpointed_equals_brute_force(backend: str) -> None:
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)
 
 
-def test_deberta_normalised_relative_embeddings_under_checkpointing_are_refused_in_one_line() -> None:
-    """DeBERTa-v3's settings normalise the relative embeddings' weight with a LayerNorm outside the layers, which
-    the checkpointed weighted pass does not follow (exact without checkpointing: tests/test_families.py)."""
+@pytest.mark.parametrize("backend", ["one process", "zero2"])
+def test_deberta_normalised_relative_embeddings_under_checkpointing_equal_brute_force(backend, monkeypatch) -> None:
+    """DeBERTa-v3's settings normalise the relative embeddings' weight with a LayerNorm outside the layers, a use no
+    layer call marks: the checked first step finds neither a tail to skip nor a layer-by-layer pass, and every step
+    back-propagates the whole model, equal to brute force (every example clipped, three steps)."""
     from tests.test_families import deberta_v3
 
-    model = deberta_v3().double().train()
+    torch.manual_seed(0)
+    model = deberta_v3()
+    float64_throughout(model, monkeypatch)
+    model = model.double().train()
+    batch = models.classification_batch(3)
+    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
     model.gradient_checkpointing_enable({"use_reentrant": False})
-    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS)
-    with pytest.raises(
-        UnsupportedModuleError, match=r"LayerNorm\) normalises a parameter read outside its module"
-    ):
-        checkpointed_steps(model, models.classification_batch(3), 1.0, strategy=step, steps=1)
+    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS if backend == "one process" else ZERO2)
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=3):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+    assert not step.calibration.skips_tail and not step.calibration.layerwise
 
 
 class _LooseLater(nn.Module):

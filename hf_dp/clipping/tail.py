@@ -243,6 +243,10 @@ class TailFinder:
         first = self._deep.first_use if self._deep is not None else self._last_checkpointed + 1
         return call >= first  # an unnumbered use (0) is not: every number is at least 1
 
+    def unreachable(self) -> None:
+        """A use no layer call marks (a parameter read and normalised outside its module): no tail this step."""
+        self._unreachable = True
+
     def keep(self, param: nn.Parameter, part: PerExampleGradient) -> PerExampleGradient:
         """Keep a tail use's per-example gradients for the weighted pass, in the form its norm is computed from."""
         part = keep_form(part, param.shape)

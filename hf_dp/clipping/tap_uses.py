@@ -54,14 +54,12 @@ class OtherUses:
         """A layer applied to an input without a batch dimension (shared.py): its per-example gradients are formed
         once the backward has brought each example's gradient back to it (``shared_parts``)."""
         check_shared_use(self.collector.layers, module, output, self.collector.units)
-        if isinstance(x, nn.Parameter) and (
-            self.collector.tail_finder is not None or self.collector.layer_points is not None
-        ):
-            raise UnsupportedModuleError(
-                f"{self.collector.layers.where(module)} normalises a parameter read outside its module (DeBERTa's relative "
-                "embeddings with norm_rel_ebd='layer_norm'), which the checkpointed weighted pass does not follow: "
-                "turn activation checkpointing off, or freeze both"
-            )
+        if isinstance(x, nn.Parameter):  # a norm of a parameter read outside its module (DeBERTa-v3's relative
+            # embeddings): no layer call marks it, so neither the tail nor the layer-by-layer pass can follow it
+            if self.collector.tail_finder is not None:
+                self.collector.tail_finder.unreachable()
+            if self.collector.layer_points is not None:
+                self.collector.layer_points.complete = False
         shared = anchored(output, self.collector.anchor)
         if (
             not self.collector.counting
