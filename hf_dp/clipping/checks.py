@@ -180,6 +180,8 @@ def check_examples_alone(
         for m, training in modes.items():
             m.training = training
         replay_rng(state)
+    # bf16/fp16 weights run the forward in low precision as autocast does
+    low_precision = low_precision or any(p.dtype in (torch.bfloat16, torch.float16) for p in base.parameters())
     tolerance = TOLERANCES.examples_alone.at(low_precision, [in_batch.dtype] + [p.dtype for p in params])
     differ = [
         (row, ours, theirs)

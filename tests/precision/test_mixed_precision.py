@@ -199,3 +199,38 @@ def test_three_bf16_pieces_sum_to_the_float32_operand_exactly():
     pieces = bf16_pieces(x)
     assert len(pieces) == 3 and all(p.dtype == torch.bfloat16 for p in pieces)
     assert torch.equal(sum(p.double() for p in pieces), x.double())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_bf16_moe_releases_the_float32_clipped_mean(tmp_path, checkpointing):
+    """bf16 Mixtral: its routers' and fused experts' call rules back-propagate each routed pair in bf16, as the
+    forward ran. Measured 0.69% of the float64 brute force's clipped mean (0.56% for GPT-2 above). The first step's
+    check that an example's loss in its batch equals its loss alone allows bf16 weights bf16 rounding (it refused
+    this model at float32's tolerance). Per parameter, a router whose top-k flips between bf16 and float64 differs
+    more: the stock bf16 gradient of this model is 13% off float64 on its second router's weight."""
+    torch.manual_seed(1)
+    model = models.mixtral()
+    reference_model = models.mixtral().double()
+    reference_model.load_state_dict(model.state_dict())
+    reference_model.config._experts_implementation = "batched_mm"  # the grouped GEMM takes no float64
+    model = model.to(torch.bfloat16)
+    trainer = make_trainer(
+        tmp_path,
+        model=model,
+        noise_multiplier=0.0,
+        max_steps=1,
+        per_device_train_batch_size=6,
+        gradient_accumulation_steps=2,
+        insecure_dp_seed=3,
+        per_sample_max_grad_norm=0.1,
+        activation_checkpointing=checkpointing,
+    )
+    (indices,) = sampled_logical_batches(trainer, 1)
+    expected = brute_force_update(
+        reference_model, trainer.train_dataset, indices, 0.1, trainer.expected_batch_size
+    )
+    released = released_gradients(trainer)
+    trainer.train()
+    error = sum((released[n] - expected[n]).norm() ** 2 for n in released) ** 0.5
+    size = sum(expected[n].norm() ** 2 for n in released) ** 0.5
+    assert error / size < TOLERANCE[torch.bfloat16]
