@@ -34,7 +34,7 @@ from hf_dp.clipping.hooks import (
     tap,
     tensor_outputs,
 )
-from hf_dp.clipping.per_example import Materialised, PerExampleGradient, combined_squared_norm
+from hf_dp.clipping.per_example import PerExampleGradient, combined_squared_norm
 from hf_dp.clipping.rows import ExampleRows, RowTracking
 from hf_dp.clipping.rules import call_rule_for, per_call_grads
 from hf_dp.clipping.shared import SharedUse, anchored
@@ -260,34 +260,30 @@ class Recording:
     def _fallback(
         self, call: _RecordedForward, grads: list, names: list[str]
     ) -> dict[str, PerExampleGradient]:
-        if self.units is not None and (not self.units.per_row or call.rows is not None):
-            raise UnsupportedModuleError(
-                f"{self.layers.where(call.module)} has no per-example rule, and the torch.func fallback cannot split "
-                "a packed row into its records: register a rule for it with hf_dp.clipping.rules.register_rule, or "
-                "freeze it"
-            )
+        count, rows = self.rows, call.rows
+        if self.units is not None:  # each row's unit: the call's per-unit gradients
+            count, rows = self.units.count, self.units.rows_by_unit(call.rows)
+            if rows is None:
+                raise UnsupportedModuleError(
+                    f"{self.layers.where(call.module)} has no layer rule and sees whole packed rows, which its call "
+                    "rule or the torch.func fallback cannot split into their records: register a layer rule for it "
+                    "with hf_dp.clipping.rules.register_rule, or freeze it"
+                )
         if call.module not in _LOGGED_FALLBACKS and call_rule_for(call.module) is None:
             _LOGGED_FALLBACKS.add(call.module)
-            count = self.rows if call.rows is None else call.rows.count
-            floats = count * sum(call.module.get_parameter(name).numel() for name in names)
+            vmapped = self.rows if rows is None else rows.count
+            floats = vmapped * sum(call.module.get_parameter(name).numel() for name in names)
             logger.info(
                 f"hf_dp: {self.layers.where(call.module)} has no per-example rule: its per-example gradients "
-                f"({', '.join(names)}) come from the torch.func fallback, vmapped over {count} "
-                f"{'rows' if call.rows is not None else 'examples'} ({floats:,} floats a micro-batch)"
+                f"({', '.join(names)}) come from the torch.func fallback, vmapped over {vmapped} "
+                f"{'rows' if rows is not None else 'examples'} ({floats:,} floats a micro-batch)"
             )
         was_on, self.on = self.on, False
         try:
             with torch.enable_grad():
-                recorded = ModuleCall(call.module, call.args, call.kwargs, grads, self.rows, call.rows)
-                found = per_call_grads(recorded, names)
+                return per_call_grads(ModuleCall(call.module, call.args, call.kwargs, grads, count, rows), names)
         finally:
             self.on = was_on
-        if self.units is None:
-            return found
-        return {
-            name: Materialised(self.units.sum_rows(part.explicit(call.module.get_parameter(name).shape).grads))
-            for name, part in found.items()
-        }
 
 
 def combined_terms(evaluations: Sequence[tuple[EvaluationGradients, float]]) -> tuple[Terms, int]:

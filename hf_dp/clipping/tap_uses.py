@@ -101,11 +101,16 @@ class OtherUses:
     ) -> object:
         """A module without a rule: its call tapped whole (fallback.py), its per-example gradients by torch.func
         when its outputs' gradients arrive; the submodules' parameters its forward reads (``joins``) with them."""
-        if self.collector.units is not None:
-            raise UnsupportedModuleError(
-                f"{self.collector.layers.where(module)} has no per-example rule, and the torch.func fallback cannot form "
-                "gradients per privacy unit of several rows or records: register a rule for it, or freeze it"
-            )
+        units = self.collector.units
+        count = self.collector.rows if units is None else units.count
+        if units is not None:  # each row's unit: the call's per-unit gradients
+            rows = units.rows_by_unit(rows)
+            if rows is None:
+                raise UnsupportedModuleError(
+                    f"{self.collector.layers.where(module)} has no layer rule and sees whole packed rows, which its "
+                    "call rule or the torch.func fallback cannot split into their records: register a layer rule "
+                    "for it, or freeze it"
+                )
         if (
             not self.collector.counting
         ):  # a checkpoint's recomputation: the first forward's tap receives the gradients
@@ -128,7 +133,6 @@ class OtherUses:
             self.collector.uses[pid] = self.collector.uses.get(pid, 0) + 1
         call = self.collector.count(module, x, is_checkpointing())
         self._fallback_calls.add(module)
-        count = self.collector.rows
 
         def receive(call_args: tuple, call_kwargs: dict, grads: list[torch.Tensor | None]) -> None:
             self.suspended = True  # the fallback re-runs the module (and its submodules): nothing to record

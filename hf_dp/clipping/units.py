@@ -107,6 +107,18 @@ class PrivacyUnits:
         tokens = None if self.unit_of_token is None else self.unit_of_token.to(device)
         return PrivacyUnits(self.rows, self.count, self.slots.to(device), self.per_row, tokens)
 
+    def rows_by_unit(self, rows: ExampleRows | None) -> ExampleRows | None:
+        """Each row of a module's input as its unit's (``rows``: a flattened input's rows, rows.py; None: the
+        micro-batch's own rows): a unit of whole rows by its rows' examples; a packed record by its token, for the
+        rows of a row-major reshape of the (R, W) tokens (a padding token, which no loss reads and so gets no
+        gradient, is put in unit 0). None where a row's unit is not known: a module that sees whole packed rows."""
+        if self.per_row:
+            example = torch.arange(self.rows, device=self.slots.device) if rows is None else rows.example
+            return ExampleRows(self.unit_of_row()[example], self.count, None)
+        if rows is None or rows.per_example != self.unit_of_token.shape[1]:
+            return None
+        return ExampleRows(self.unit_of_token.flatten().clamp(min=0), self.count, None)
+
     def unit_of_row(self) -> torch.Tensor:
         if not self.per_row:
             raise UnitLayoutError("records packed in a row are not whole rows")
@@ -147,13 +159,17 @@ def regroup_for_rule(
     rows: ExampleRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's input and output gradient with flattened rows laid out by example (``rows``, rows.py) and each
-    unit's tokens gathered into one example (None: unchanged)."""
+    unit's tokens gathered into one example (None: unchanged); rows picked by routing: laid out by their unit."""
     if rows is not None:
         if units is not None and rows.per_example is None:
-            raise UnitLayoutError(
-                f"{where} takes rows picked from the examples (routed tokens), whose positions in a packed record "
-                "are unknown, so its per-unit gradients cannot be formed; freeze it"
-            )
+            by_unit = units.rows_by_unit(rows)  # whole-row units: each routed row's example's
+            if by_unit is None:
+                raise UnitLayoutError(
+                    f"{where} takes rows picked from the examples (routed tokens), whose positions in a packed "
+                    "record are unknown, so its per-unit gradients cannot be formed; freeze it"
+                )
+            x, grad_out = by_unit.as_examples(x, grad_out)
+            return x, grad_out
         x, grad_out = rows.as_examples(x, grad_out)
     if units is None:
         return x, grad_out
