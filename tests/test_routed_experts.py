@@ -24,29 +24,43 @@ from tests.test_flattened_rows import qwen2_moe
 
 
 def _explicit(part: RoutedOuterProductSum) -> torch.Tensor:
-    """G_i[e] = Σ_p [e_p = e] left_p ⊗ right_p, one pair at a time."""
+    """G_i[e] = Σ_p [e_p = e] left_p ⊗ right_p, one pair at a time (a padding pair, expert -1, in none)."""
     batch, pairs = part.expert.shape
     grads = torch.zeros(batch, part.experts, part.left.shape[2], part.right.shape[2], dtype=torch.float64)
     for i in range(batch):
         for p in range(pairs):
-            grads[i, part.expert[i, p]] += torch.outer(part.left[i, p], part.right[i, p])
+            if part.expert[i, p] >= 0:
+                grads[i, part.expert[i, p]] += torch.outer(part.left[i, p], part.right[i, p])
     return grads
 
 
-def test_the_routed_sum_s_norm_projection_and_clipped_sum_equal_its_explicit_gradients() -> None:
-    g = torch.Generator().manual_seed(0)
-    part = RoutedOuterProductSum(
-        torch.randn(3, 7, 5, generator=g, dtype=torch.float64),
-        torch.randn(3, 7, 4, generator=g, dtype=torch.float64),
-        torch.randint(0, 4, (3, 7), generator=g),
-        experts=4,
-    )
+def _routed(pairs: int, experts: int, seed: int = 0) -> RoutedOuterProductSum:
+    """Three examples' pairs, the last two of example 1 padding (zero factors, expert -1)."""
+    g = torch.Generator().manual_seed(seed)
+    left = torch.randn(3, pairs, 5, generator=g, dtype=torch.float64)
+    right = torch.randn(3, pairs, 4, generator=g, dtype=torch.float64)
+    expert = torch.randint(0, experts, (3, pairs), generator=g)
+    left[1, -2:], right[1, -2:], expert[1, -2:] = 0.0, 0.0, -1
+    return RoutedOuterProductSum(left, right, expert, experts)
+
+
+@pytest.mark.parametrize(("pairs", "experts", "grouped"), [(24, 4, True), (7, 2, False)])
+def test_the_routed_sum_s_norm_projection_and_clipped_sum_equal_its_explicit_gradients(
+    pairs: int, experts: int, grouped: bool
+) -> None:
+    """The norm by one Gram per (example, expert) group where that is smaller (E·m² < P²), else by the Gram over an
+    example's pairs masked to those sharing an expert; and from the explicit gradients."""
+    part = _routed(pairs, experts)
+    assert (part.grouped_by_expert() is not None) is grouped
     explicit = _explicit(part)
     squared = explicit.flatten(1).pow(2).sum(1)
     assert part.gram_is_cheaper()
     torch.testing.assert_close(part.squared_norm(False), squared, rtol=1e-12, atol=0)
     torch.testing.assert_close(part.squared_norm(True), squared, rtol=1e-12, atol=0)
+    into = torch.ones(3, dtype=torch.float64)
+    torch.testing.assert_close(part.squared_norm(False, into=into), 1 + squared, rtol=1e-12, atol=0)
     torch.testing.assert_close(part.explicit(explicit.shape[1:]).grads, explicit, rtol=1e-12, atol=0)
+    g = torch.Generator().manual_seed(1)
     direction = torch.randn(explicit.shape[1:], generator=g, dtype=torch.float64)
     torch.testing.assert_close(
         part.project(direction), explicit.flatten(1) @ direction.flatten(), rtol=1e-12, atol=0

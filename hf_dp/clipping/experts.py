@@ -50,7 +50,8 @@ _EAGER_ROUTED_SUM = ("MixtralExperts", "Qwen2MoeExperts")
 class RoutedOuterProductSum:
     """G_i[e] = Σ_{p of example i with expert_p = e} left_p ⊗ right_p, shaped (experts, rows, cols) like a fused
     expert weight (``experts_last``: (rows, cols, experts)); left (B, P, rows), right (B, P, cols) and expert (B, P)
-    per routed pair (zero rows pad an example's pairs, as ``ExampleRows.as_examples`` lays them out)."""
+    per routed pair (pairs that pad an example's, as ``ExampleRows.as_examples`` lays them out, have zero factors
+    and expert -1)."""
 
     left: torch.Tensor
     right: torch.Tensor
@@ -62,17 +63,41 @@ class RoutedOuterProductSum:
     def batch_size(self) -> int:
         return self.right.shape[0]
 
-    def gram_is_cheaper(self) -> bool:
-        """The masked Gram costs P²(rows + cols) per example; materialising E blocks about (P + 256·E)·rows·cols
-        (``OuterProductSum.gram_is_cheaper``'s costs, with every expert's block written and read back)."""
+    def gram_is_cheaper(self, steps: int | None = None) -> bool:
+        """A Gram over ``steps`` pair products per example (P² masked, E·m² grouped by expert) costs steps·(rows +
+        cols); materialising E blocks about (P + 256·E)·rows·cols (``OuterProductSum.gram_is_cheaper``'s costs, with
+        every expert's block written and read back)."""
         rows, cols, pairs = self.left.shape[2], self.right.shape[2], self.left.shape[1]
-        return (
-            pairs * pairs * (rows + cols)
-            <= (pairs + _MATERIALISE_OVERHEAD_STEPS * self.experts) * rows * cols
-        )
+        steps = pairs * pairs if steps is None else steps
+        return steps * (rows + cols) <= (pairs + _MATERIALISE_OVERHEAD_STEPS * self.experts) * rows * cols
+
+    def grouped_by_expert(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each example's pairs grouped by expert, (B·E, m, rows) and (B·E, m, cols) with m the fullest group's size
+        (one host read), where that Gram, E·m² products per example, is smaller than the masked one's P²; else None."""
+        batch, pairs = self.expert.shape
+        offset = torch.arange(batch, device=self.expert.device)[:, None] * self.experts
+        valid = (self.expert >= 0).flatten()
+        group = (self.expert + offset).flatten()[valid]
+        sizes = torch.bincount(group, minlength=batch * self.experts)
+        widest = int(sizes.max()) if group.numel() else 0
+        if self.experts * widest * widest >= pairs * pairs:
+            return None
+        groups = ExampleRows(group, batch * self.experts, None)
+        left, right = groups.as_examples(self.left.flatten(0, 1)[valid], self.right.flatten(0, 1)[valid])
+        return left, right
 
     def squared_norm(self, materialise: bool, into: torch.Tensor | None = None) -> torch.Tensor:
-        """‖G_i‖² per example: Σ_{p,p'} [e_p = e_p'] ⟨left_p, left_p'⟩⟨right_p, right_p'⟩, or from the explicit G_i."""
+        """‖G_i‖² per example: Σ_{p,p'} [e_p = e_p'] ⟨left_p, left_p'⟩⟨right_p, right_p'⟩, by one Gram per (example,
+        expert) group of pairs or a Gram over all of an example's pairs masked to those sharing an expert, whichever
+        is smaller; or from the explicit G_i."""
+        grouped = None if materialise else self.grouped_by_expert()
+        steps = None if grouped is None else self.experts * grouped[0].shape[1] ** 2
+        if grouped is not None and self.gram_is_cheaper(steps):
+            left, right = grouped
+            squared = (
+                dots(gram(left, left), gram(right, right)).view(self.batch_size, self.experts).sum(dim=1)
+            )
+            return squared if into is None else into.add_(squared.to(into))
         if materialise or not self.gram_is_cheaper():
             floats = self.experts * self.left.shape[2] * self.right.shape[2]
             norms = [
@@ -138,6 +163,7 @@ class RoutedOuterProductSum:
         left = wide(self.left).to(right.dtype).reshape(-1, rows)
         right, expert = right.reshape(-1, cols), self.expert.reshape(-1)
         order = torch.argsort(expert, stable=True)
+        expert = expert.clamp(min=0)  # padding pairs: zero factors, any expert
         counts = torch.bincount(expert, minlength=self.experts).tolist()
         target = torch.zeros((self.experts, rows, cols), dtype=right.dtype, device=right.device)
         for e, (a, b) in enumerate(zip(left[order].split(counts), right[order].split(counts), strict=True)):
@@ -238,9 +264,10 @@ def routed_experts_rule(
     per_example = None if rows is None or rows.per_example is None else rows.per_example * k
     pairs = ExampleRows(example, batch_size, k if rows is None else per_example)
     x = hidden.detach().to(d_up.dtype)[token]
-    expert = index.reshape(-1).masked_fill(~valid, 0)
+    expert = index.reshape(-1).masked_fill(~valid, -1)
     d_up, acts, d_out, x = (t.masked_fill(~valid[:, None], 0.0) for t in (d_up, acts, d_out, x))
-    d_up, acts, d_out, x, expert = pairs.as_examples(d_up, acts, d_out, x, expert)
+    d_up, acts, d_out, x, shifted = pairs.as_examples(d_up, acts, d_out, x, expert + 1)
+    expert = shifted - 1  # the pairs that pad an example's (zeros) and the sentinel's: -1
     experts = module.num_experts
     up = "gate_up_proj" if module.has_gate else "up_proj"
     if module.is_transposed:  # W (E, in, out): G[e] = Σ input ⊗ output gradient
@@ -254,6 +281,7 @@ def routed_experts_rule(
             "down_proj": RoutedOuterProductSum(d_out, acts, expert, experts),
         }
     if module.has_bias:
-        found[f"{up}_bias"] = OuterProductSum(expert, d_up, experts)
-        found["down_proj_bias"] = OuterProductSum(expert, d_out, experts)
+        ids = expert.clamp(min=0)  # the padding pairs' factors are zero
+        found[f"{up}_bias"] = OuterProductSum(ids, d_up, experts)
+        found["down_proj_bias"] = OuterProductSum(ids, d_out, experts)
     return found

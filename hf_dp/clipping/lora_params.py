@@ -81,6 +81,7 @@ def _per_pair(factor: torch.Tensor, along: torch.Tensor, expert: torch.Tensor) -
     """factor_{e_p} along_p per pair: (B, P, d) @ factor (E, d, r) gathered at each pair's expert, (B, P, r)."""
     experts, d, r = factor.shape
     every = wide(along) @ factor.to(wide(along).dtype).permute(1, 0, 2).reshape(d, experts * r)
+    expert = expert.clamp(min=0)  # a padding pair (-1) has zero factors
     return every.view(*along.shape[:2], experts, r).gather(2, expert[:, :, None, None].expand(-1, -1, 1, r))[
         :, :, 0
     ]
