@@ -232,8 +232,12 @@ def _pair_gradients(
     d_up = d_out.new_zeros(count * k, up.shape[2] if module.is_transposed else up.shape[1])
     acts = d_out.new_zeros(count * k, down_weight.shape[1] if module.is_transposed else down_weight.shape[2])
     x = hidden.detach().to(dtype)
-    for e in torch.unique(expert[valid]).tolist():
-        pairs = (expert == e).nonzero().squeeze(1)
+    # the pairs grouped by expert (the sentinel's last), each group's size in one host read
+    order = torch.argsort(expert, stable=True)
+    sizes = torch.bincount(expert[valid], minlength=module.num_experts).tolist()
+    for e, pairs in enumerate(order[: sum(sizes)].split(sizes)):
+        if not pairs.numel():
+            continue
         with torch.enable_grad():
             h = _linear(x[token[pairs]], up[e].detach().to(dtype), module.is_transposed)
             if up_bias is not None:
