@@ -415,7 +415,8 @@ def run_exactness(config: Config, record: Record) -> None:
 def wide_factors_check(config: Config) -> dict[str, Any]:
     """The per-example arithmetic of low-precision factors (``OuterProductSum``) against float64 on the same
     values: the largest relative error of ‖G_i‖² (Gram, materialised), ⟨G_i, G'_i⟩, G_i and Σ_i c_i G_i."""
-    from hf_dp.clipping.per_example import OuterProductSum, wide_bmm
+    from hf_dp.clipping.per_example import OuterProductSum
+    from hf_dp.clipping.wide_gemm import wide_bmm
 
     batch, steps, rows, cols = (4, 256, 512, 384) if not config.smoke else (2, 16, 24, 16)
     generator = torch.Generator(device=config.device).manual_seed(SEED)

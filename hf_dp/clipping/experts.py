@@ -23,17 +23,13 @@ from torch import nn
 
 from hf_dp.clipping.per_example import (
     _MATERIALISE_OVERHEAD_STEPS,
-    LOW_PRECISION,
     Folded,
     Materialised,
     OuterProductSum,
     _chunks,
-    dots,
-    gram,
-    wide,
-    wide_bmm,
 )
 from hf_dp.clipping.rows import ExampleRows
+from hf_dp.clipping.wide_gemm import LOW_PRECISION, dots, gram, wide, wide_bmm
 
 if TYPE_CHECKING:
     from hf_dp.clipping.fallback import ModuleCall

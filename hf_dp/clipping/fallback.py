@@ -19,8 +19,9 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from hf_dp.clipping.per_example import Materialised, PerExampleGradient, wide
+from hf_dp.clipping.per_example import Materialised, PerExampleGradient
 from hf_dp.clipping.rows import ExampleRows
+from hf_dp.clipping.wide_gemm import wide
 
 Received = Callable[[tuple, dict, list[torch.Tensor | None]], None]
 

@@ -19,7 +19,8 @@ from torch import nn
 from hf_dp.clipping.errors import UnsupportedModuleError
 from hf_dp.clipping.experts import RoutedOuterProductSum, is_routed_experts, routed_experts_rule
 from hf_dp.clipping.fallback import functorch_per_example_grads
-from hf_dp.clipping.per_example import Materialised, wide
+from hf_dp.clipping.per_example import Materialised
+from hf_dp.clipping.wide_gemm import wide
 
 if TYPE_CHECKING:
     from hf_dp.clipping.fallback import ModuleCall

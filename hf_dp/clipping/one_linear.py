@@ -20,8 +20,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from hf_dp.clipping.per_example import Materialised, OuterProductSum, wide
+from hf_dp.clipping.per_example import Materialised, OuterProductSum
 from hf_dp.clipping.reads import reads_values
+from hf_dp.clipping.wide_gemm import wide
 
 if TYPE_CHECKING:
     from hf_dp.clipping.fallback import ModuleCall

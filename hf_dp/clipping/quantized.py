@@ -29,7 +29,7 @@ import sys
 from torch import nn
 
 from hf_dp.clipping.hooks import UnsupportedModuleError
-from hf_dp.clipping.per_example import LOW_PRECISION
+from hf_dp.clipping.wide_gemm import LOW_PRECISION
 
 
 class QuantizedBaseError(UnsupportedModuleError):

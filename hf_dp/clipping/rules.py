@@ -22,7 +22,8 @@ from hf_dp.clipping.experts import is_routed_experts, routed_experts_rule
 from hf_dp.clipping.fallback import ModuleCall, functorch_per_example_grads
 from hf_dp.clipping.lora_params import claims_nested, parameter_lora_rule
 from hf_dp.clipping.one_linear import one_linear_rule, reads_one_linear
-from hf_dp.clipping.per_example import LOW_PRECISION, Materialised, OuterProductSum, PerExampleGradient, wide
+from hf_dp.clipping.per_example import Materialised, OuterProductSum, PerExampleGradient
+from hf_dp.clipping.wide_gemm import LOW_PRECISION, wide
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
 # a module's whole call (fallback.ModuleCall) -> per-example gradients of the parameters it covers

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hf_dp.clipping.per_example import Materialised, PerExampleGradient, wide
+from hf_dp.clipping.per_example import Materialised, PerExampleGradient
+from hf_dp.clipping.wide_gemm import wide
 
 
 @dataclass(eq=False)

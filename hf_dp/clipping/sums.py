@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.geometry import ClippingFn, clip_factors
-from hf_dp.clipping.per_example import LOW_PRECISION, Dropped, Folded, PerExampleGradient, Weighted
+from hf_dp.clipping.per_example import Dropped, Folded, PerExampleGradient, Weighted
+from hf_dp.clipping.wide_gemm import LOW_PRECISION
 
 # per parameter id: the parameter and its weighted per-example parts (uses, evaluations)
 Terms = dict[int, tuple[nn.Parameter, list[Weighted]]]

@@ -34,18 +34,17 @@ from hf_dp.clipping.hooks import (
 )
 from hf_dp.clipping.layerwise import LayerPoints
 from hf_dp.clipping.per_example import (
-    LOW_PRECISION,
     Materialised,
     OuterProductSum,
     PerExampleGradient,
     combined_squared_norm,
-    gram,
 )
 from hf_dp.clipping.rows import ExampleRows, RowTracking
 from hf_dp.clipping.rules import parameter_at
 from hf_dp.clipping.tail import Tail, TailFinder, keep_form
 from hf_dp.clipping.tap_uses import OtherUses
 from hf_dp.clipping.units import PrivacyUnits, regroup_for_rule
+from hf_dp.clipping.wide_gemm import LOW_PRECISION, gram
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,7 @@ def test_three_bf16_pieces_sum_to_the_float32_operand_exactly():
     """The clipped sum's weighted side goes to CUDA's bf16 tensor cores as three bf16 pieces: 8 + 8 + 8
     significand bits hold a float32 value exactly while the third piece is a normal number (|x| ≥ 2^-110, about
     1e-33); two pieces would leave ~2^-17."""
-    from hf_dp.clipping.per_example import bf16_pieces
+    from hf_dp.clipping.wide_gemm import bf16_pieces
 
     torch.manual_seed(2)
     signs = torch.randint(0, 2, (200_000,)) * 2 - 1
