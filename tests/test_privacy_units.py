@@ -67,6 +67,20 @@ def strategy_step(
     return {n: p.grad.double() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def units_of_rows_step(strategy_name: str, model: nn.Module, batch: dict) -> tuple[dict, dict, float]:
+    """UNIT_OF_ROW's units of the batch's six rows through a strategy, and brute force per unit (each unit's rows
+    alone), both at the clip norm returned, half the smallest unit norm: every unit clipped."""
+    members = [[r for r in range(6) if UNIT_OF_ROW[r] == u] for u in range(3)]
+    _, norms = oracle.per_unit(model, [oracle.rows(batch, m) for m in members], 1e9)
+    max_norm = 0.5 * norms.min().item()
+    reference, _ = oracle.per_unit(model, [oracle.rows(batch, m) for m in members], max_norm)
+    units = PrivacyUnits.of_rows(UNIT_OF_ROW)
+    ours = strategy_step(
+        strategy_name, model, lambda m: units.mean_over_rows(per_example_loss(m, batch)), units, max_norm
+    )
+    return ours, reference, max_norm
+
+
 @pytest.mark.parametrize(
     "strategy_name", ["ghost", "per_sample", "in_backward", "checkpointing", "checkpointing_deep", "two_pass"]
 )
@@ -78,14 +92,7 @@ def test_units_of_rows_are_clipped_as_one(name: str, strategy_name: str) -> None
     if strategy_name.startswith("checkpointing"):
         unwrap_model(model).activation_checkpointing_enable({"use_reentrant": False})
     batch = make_batch()
-    members = [[r for r in range(6) if UNIT_OF_ROW[r] == u] for u in range(3)]
-    _, norms = oracle.per_unit(model, [oracle.rows(batch, m) for m in members], 1e9)
-    max_norm = 0.5 * norms.min().item()
-    reference, _ = oracle.per_unit(model, [oracle.rows(batch, m) for m in members], max_norm)
-    units = PrivacyUnits.of_rows(UNIT_OF_ROW)
-    ours = strategy_step(
-        strategy_name, model, lambda m: units.mean_over_rows(per_example_loss(m, batch)), units, max_norm
-    )
+    ours, reference, max_norm = units_of_rows_step(strategy_name, model, batch)
     assert_close(ours, reference, rtol=1e-9, floor=1e-6)
     # not the per-row clipping it replaces
     per_row, _ = oracle.per_example(model, batch, max_norm)
@@ -318,15 +325,7 @@ def test_moe_units_of_rows_are_clipped_as_one(strategy_name: str) -> None:
     model = _mixtral().double().train()
     if strategy_name == "checkpointing":
         model.activation_checkpointing_enable({"use_reentrant": False})
-    batch = models.token_batch(6)
-    members = [[r for r in range(6) if UNIT_OF_ROW[r] == u] for u in range(3)]
-    _, norms = oracle.per_unit(model, [oracle.rows(batch, m) for m in members], 1e9)
-    max_norm = 0.5 * norms.min().item()
-    reference, _ = oracle.per_unit(model, [oracle.rows(batch, m) for m in members], max_norm)
-    units = PrivacyUnits.of_rows(UNIT_OF_ROW)
-    ours = strategy_step(
-        strategy_name, model, lambda m: units.mean_over_rows(per_example_loss(m, batch)), units, max_norm
-    )
+    ours, reference, _ = units_of_rows_step(strategy_name, model, models.token_batch(6))
     assert_close(ours, reference, rtol=MOE_RTOL, floor=1e-6)
 
 
