@@ -25,7 +25,6 @@ from hf_dp.clipping.fallback import ModuleCall
 from hf_dp.clipping.geometry import ClipScale
 from hf_dp.clipping.hooks import (
     Layers,
-    UnsupportedModuleError,
     batch_rows,
     check_batch_dimension,
     check_shared_use,
@@ -262,13 +261,7 @@ class Recording:
     ) -> dict[str, PerExampleGradient]:
         count, rows = self.rows, call.rows
         if self.units is not None:  # each row's unit: the call's per-unit gradients
-            count, rows = self.units.count, self.units.rows_by_unit(call.rows)
-            if rows is None:
-                raise UnsupportedModuleError(
-                    f"{self.layers.where(call.module)} has no layer rule and sees whole packed rows, which its call "
-                    "rule or the torch.func fallback cannot split into their records: register a layer rule for it "
-                    "with hf_dp.clipping.rules.register_rule, or freeze it"
-                )
+            count, rows = self.units.count, self.units.rows_of_call(call.rows, self.layers.where(call.module))
         if call.module not in _LOGGED_FALLBACKS and call_rule_for(call.module) is None:
             _LOGGED_FALLBACKS.add(call.module)
             vmapped = self.rows if rows is None else rows.count

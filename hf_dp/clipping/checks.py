@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Tolerance:
     """A relative error allowed between two computations: ``float32`` when all ran in float32 or wider,
-    ``low_precision`` when one ran in bf16/fp16, ``float64`` (where set) when every dtype involved is float64,
+    ``low_precision`` when one ran in bf16/fp16 (said, or a bf16/fp16 dtype among those involved), ``float64`` (where set) when every dtype involved is float64,
     and at least ``eps_multiple`` machine epsilons of the dtypes involved."""
 
     float32: float
@@ -36,6 +36,7 @@ class Tolerance:
     float64: float | None = None
 
     def at(self, low_precision: bool, dtypes: Sequence[torch.dtype] = ()) -> float:
+        low_precision = low_precision or any(d in (torch.bfloat16, torch.float16) for d in dtypes)
         chosen = self.low_precision if low_precision else self.float32
         if self.float64 is not None and dtypes and all(d == torch.float64 for d in dtypes):
             chosen = self.float64
@@ -180,9 +181,9 @@ def check_examples_alone(
         for m, training in modes.items():
             m.training = training
         replay_rng(state)
-    # bf16/fp16 weights run the forward in low precision as autocast does
-    low_precision = low_precision or any(p.dtype in (torch.bfloat16, torch.float16) for p in base.parameters())
-    tolerance = TOLERANCES.examples_alone.at(low_precision, [in_batch.dtype] + [p.dtype for p in params])
+    # bf16/fp16 weights run the forward as autocast does (quantized bases hold integer weights: not dtypes of it)
+    weights = {p.dtype for p in base.parameters() if p.is_floating_point()}
+    tolerance = TOLERANCES.examples_alone.at(low_precision, [in_batch.dtype, *weights])
     differ = [
         (row, ours, theirs)
         for row, ours_pair, theirs_pair in zip(alone.rows, found, reference, strict=True)

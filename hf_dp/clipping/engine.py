@@ -99,11 +99,16 @@ class ClippingEngine:
         micro-batch; None when every module has a rule."""
         kinds: dict[tuple[str, int], list[nn.Module]] = {}
         for module, rule in self.layers.rules.items():
-            if rule is None and (call_rule_for(module) is None or wraps_fallback(module)):
-                # a LoRA wrapper's fallback materialises the wrapped module's parameters W' = W + s·B A
-                params = wrapped(module).parameters(recurse=False) if wraps_fallback(module) else self.layers.of(module)
-                floats = sum(p.numel() for p in params)
-                kinds.setdefault((type(module).__name__, floats), []).append(module)
+            if rule is not None:
+                continue
+            if wraps_fallback(module):
+                # a LoRA wrapper's fallback materialises the wrapped module's W' = W + s·B A
+                params = list(wrapped(module).parameters(recurse=False))
+            elif call_rule_for(module) is None:
+                params = self.layers.of(module)
+            else:
+                continue
+            kinds.setdefault((type(module).__name__, sum(p.numel() for p in params)), []).append(module)
         if not kinds:
             return None
         listed = "; ".join(

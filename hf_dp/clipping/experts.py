@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_dp.clipping.per_example import (
-    _MATERIALISE_OVERHEAD_STEPS,
+    MATERIALISE_OVERHEAD_STEPS,
     Folded,
     Materialised,
     OuterProductSum,
-    _chunks,
+    example_chunks,
 )
 from hf_dp.clipping.rows import ExampleRows
 from hf_dp.clipping.wide_gemm import LOW_PRECISION, dots, gram, wide, wide_bmm
@@ -65,7 +65,7 @@ class RoutedOuterProductSum:
         every expert's block written and read back)."""
         rows, cols, pairs = self.left.shape[2], self.right.shape[2], self.left.shape[1]
         steps = pairs * pairs if steps is None else steps
-        return steps * (rows + cols) <= (pairs + _MATERIALISE_OVERHEAD_STEPS * self.experts) * rows * cols
+        return steps * (rows + cols) <= (pairs + MATERIALISE_OVERHEAD_STEPS * self.experts) * rows * cols
 
     def grouped_by_expert(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Each example's pairs grouped by expert, (B·E, m, rows) and (B·E, m, cols) with m the fullest group's size
@@ -98,7 +98,7 @@ class RoutedOuterProductSum:
             floats = self.experts * self.left.shape[2] * self.right.shape[2]
             norms = [
                 dots(grads, grads, None if into is None else into[a:b])
-                for a, b in _chunks(self.batch_size, floats)
+                for a, b in example_chunks(self.batch_size, floats)
                 for grads in (self.materialise(a, b),)
             ]
             return into if into is not None else torch.cat(norms)
@@ -155,7 +155,8 @@ class RoutedOuterProductSum:
         read of the per-expert counts) and one GEMM per expert on its own pairs, w folded into the right side, in
         float32 or wider (``folded`` unused: no two uses share a scaled side)."""
         rows, cols = self.left.shape[2], self.right.shape[2]
-        right = wide(self.right) * weights.to(wide(self.right).dtype)[:, None, None]
+        right = wide(self.right)
+        right = right * weights.to(right.dtype)[:, None, None]
         left = wide(self.left).to(right.dtype).reshape(-1, rows)
         right, expert = right.reshape(-1, cols), self.expert.reshape(-1)
         order = torch.argsort(expert, stable=True)
@@ -180,7 +181,7 @@ def is_routed_experts(module: nn.Module) -> bool:
     known = implementation in _GENERIC_FORWARDS or (
         implementation == "eager" and type(module).__name__ in _EAGER_ROUTED_SUM
     )
-    up = "gate_up_proj" if module.has_gate else "up_proj"
+    up = _up_name(module)
     layout = [up, "down_proj", *([f"{up}_bias", "down_proj_bias"] if module.has_bias else [])]
     params = dict(module.named_parameters(recurse=False))
     return (
@@ -191,6 +192,11 @@ def is_routed_experts(module: nn.Module) -> bool:
         and params[up].dim() == 3
         and params["down_proj"].dim() == 3
     )
+
+
+def _up_name(module: nn.Module) -> str:
+    """The up projection's parameter: ``gate_up_proj`` (gate and up fused) or ``up_proj`` (no gate)."""
+    return "gate_up_proj" if module.has_gate else "up_proj"
 
 
 def _call_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -212,17 +218,17 @@ def _pair_gradients(
     index: torch.Tensor,
     weights: torch.Tensor,
     grad_out: torch.Tensor,
+    token: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per routed pair p = (t, k), flattened t-major: (δ_p at the up projection's output, the down projection's
     input a_p, its output's gradient w_p ∂y_t, and the valid-pair mask), each pair back-propagated through its own
     expert's slice (of ``values``, the module's parameters by name), gate and routing weight as the forward computed
-    them (a bf16/fp16 ∂y: in that precision)."""
+    them (a bf16/fp16 ∂y: in that precision); ``token``: each pair's row."""
     count, k = index.shape
     dtype = grad_out.dtype if grad_out.dtype in LOW_PRECISION else hidden.dtype
-    name = "gate_up_proj" if module.has_gate else "up_proj"
+    name = _up_name(module)
     up, up_bias, down_weight = values[name], values.get(f"{name}_bias"), values["down_proj"]
     expert = index.reshape(-1)
-    token = torch.arange(count, device=index.device).repeat_interleave(k)
     d_out = (grad_out[token] * weights.reshape(-1, 1).to(grad_out.dtype)).to(dtype)
     valid = expert < module.num_experts  # expert parallelism's sentinel: no expert here
     d_up = d_out.new_zeros(count * k, up.shape[2] if module.is_transposed else up.shape[1])
@@ -257,9 +263,11 @@ def routed_experts_rule(
     hidden, index, weights = _call_inputs(call.args, call.kwargs)
     grad_out = call.grad_outputs[0] if call.grad_outputs[0] is not None else torch.zeros_like(hidden)
     own = {name: param.detach() for name, param in module.named_parameters(recurse=False)}
-    d_up, acts, d_out, valid = _pair_gradients(module, own | (values or {}), hidden, index, weights, grad_out)
     k = index.shape[1]
     token = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(k)
+    d_up, acts, d_out, valid = _pair_gradients(
+        module, own | (values or {}), hidden, index, weights, grad_out, token
+    )
     example = token if rows is None else rows.example[token]
     per_example = None if rows is None or rows.per_example is None else rows.per_example * k
     pairs = ExampleRows(example, batch_size, k if rows is None else per_example)
@@ -268,8 +276,7 @@ def routed_experts_rule(
     d_up, acts, d_out, x = (t.masked_fill(~valid[:, None], 0.0) for t in (d_up, acts, d_out, x))
     d_up, acts, d_out, x, shifted = pairs.as_examples(d_up, acts, d_out, x, expert + 1)
     expert = shifted - 1  # the pairs that pad an example's (zeros) and the sentinel's: -1
-    experts = module.num_experts
-    up = "gate_up_proj" if module.has_gate else "up_proj"
+    experts, up = module.num_experts, _up_name(module)
     if module.is_transposed:  # W (E, in, out): G[e] = Σ input ⊗ output gradient
         found = {
             up: RoutedOuterProductSum(x, d_up, expert, experts),

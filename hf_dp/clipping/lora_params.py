@@ -70,12 +70,11 @@ def _adapter(wrapper: nn.Module) -> str:
 
 def _factors(wrapper: nn.Module, adapter: str) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(L (E, d0, r), R (E, r, d1), s) with W' = W + s·L_e R_e, detached (E = 1 for a 2-D parameter)."""
+    if wrapper.num_experts == 1:
+        a, b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
+        return b.detach()[None], a.detach()[None], wrapper.scaling[adapter]
     with torch.no_grad():
-        if wrapper.num_experts == 1:
-            a, b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
-            return b.detach()[None], a.detach()[None], wrapper.scaling[adapter]
-        lhs, rhs, scaling = wrapper.get_delta_factors(adapter)
-        return lhs.detach(), rhs.detach(), scaling
+        return wrapper.get_delta_factors(adapter)
 
 
 def _per_pair(factor: torch.Tensor, along: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
@@ -129,29 +128,25 @@ def parameter_lora_rule(call: ModuleCall) -> dict[str, PerExampleGradient]:
     trained parameters), from G_i(W') of the wrapped module at its re-parametrised values W'."""
     wrappers, base, base_prefix = _chain(call.module)
     values = {name: param.detach() for name, param in base.named_parameters(recurse=False)}
-    factors = {}
+    adapters = []
     for prefix, inner in wrappers:
         adapter = _adapter(inner)
         lhs, rhs, scaling = _factors(inner, adapter)
         name = inner.parameter_name
-        delta = scaling * torch.bmm(lhs, rhs.to(lhs)).reshape(values[name].shape)
-        values[name] = values[name] + delta.to(values[name].dtype)
-        factors[prefix, adapter] = (
-            name,
-            lhs,
-            rhs,
-            scaling,
-            getattr(inner, "_did_swap_in_out_features", True),
-        )
-    names = list(values)
+        delta = scaling * torch.bmm(lhs, rhs.to(lhs))
+        values[name] = values[name] + delta.reshape(values[name].shape).to(values[name])
+        # a 2-D weight's B A is B_e A_e with E = 1, the layout peft swaps in and out for
+        swapped = getattr(inner, "_did_swap_in_out_features", True) or lhs.shape[0] == 1
+        adapters.append((prefix, adapter, name, lhs, rhs, scaling, swapped))
     wrapped_call = replace(call, module=base)
     if is_routed_experts(base):
         at_values = routed_experts_rule(wrapped_call, values)
-    else:
-        at_values = functorch_per_example_grads(wrapped_call, names, values)
+    else:  # only W' of the adapted parameters and the module's own trained ones
+        trained = [name for name, param in base.named_parameters(recurse=False) if param.requires_grad]
+        needed = sorted({inner.parameter_name for _, inner in wrappers} | set(trained))
+        at_values = functorch_per_example_grads(wrapped_call, needed, values)
     found: dict[str, PerExampleGradient] = {f"{base_prefix}{name}": part for name, part in at_values.items()}
-    for (prefix, adapter), (name, lhs, rhs, scaling, swapped) in factors.items():
-        swapped = swapped or lhs.shape[0] == 1
+    for prefix, adapter, name, lhs, rhs, scaling, swapped in adapters:
         a, b = _lora_parts(at_values[name], lhs, rhs, scaling, swapped)
         found[f"{prefix}lora_A.{adapter}.weight"], found[f"{prefix}lora_B.{adapter}.weight"] = a, b
     return found

@@ -20,9 +20,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from hf_dp.clipping.per_example import Materialised, OuterProductSum
+from hf_dp.clipping.per_example import linear_parts
 from hf_dp.clipping.reads import reads_values
-from hf_dp.clipping.wide_gemm import wide
 
 if TYPE_CHECKING:
     from hf_dp.clipping.fallback import ModuleCall
@@ -99,13 +98,4 @@ def one_linear_rule(call: ModuleCall) -> dict[str, PerExampleGradient]:
     grad_z = torch.zeros_like(leaf) if grads is None else grads
     if rows is not None:
         x, grad_z = rows.as_examples(x, grad_z)
-    x, grad_z = (
-        wide(x.reshape(x.shape[0], -1, x.shape[-1])),
-        wide(grad_z.reshape(x.shape[0], -1, grad_z.shape[-1])),
-    )
-    found: dict[str, PerExampleGradient] = {
-        "weight": OuterProductSum(grad_z, x.to(grad_z.dtype), module.weight.shape[0])
-    }
-    if bias is not None:
-        found["bias"] = Materialised(grad_z.sum(dim=1))
-    return found
+    return linear_parts(x, grad_z, module.weight.shape[0], bias is not None)

@@ -25,6 +25,7 @@ from hf_dp.clipping.geometry import ClipScale, FactoredScale, dense_scale, unsha
 from hf_dp.clipping.wide_gemm import (
     dots,
     gram,
+    matmul_factors,
     on_tensor_cores,
     weighted_outer_sum_bf16x3,
     wide,
@@ -41,7 +42,9 @@ LossFn = Callable[[torch.nn.Module], torch.Tensor]
 _CHUNK_FLOATS = 64 * 1024 * 1024
 # Writing and reading back an explicit G_i costs like this many more positions of its GEMM (2 CPU cores, Llama
 # shapes at T 512: a 32000×512 head 0.24 s explicit vs 0.18 s by the Gram; a 512×512 layer 4.2 vs 6.8 ms).
-_MATERIALISE_OVERHEAD_STEPS = 256
+MATERIALISE_OVERHEAD_STEPS = 256
+
+
 @dataclass
 class OuterProductSum:
     """G_i = Σ_t left_{i,t} ⊗ right_{i,t}, shaped like the parameter (rows × cols).
@@ -87,14 +90,14 @@ class OuterProductSum:
         rows, cols = self.left.shape[2], self.right.shape[2]
         steps = self.left.shape[1]
         if other is None:
-            return steps * steps * (rows + cols) <= (steps + _MATERIALISE_OVERHEAD_STEPS) * rows * cols
+            return steps * steps * (rows + cols) <= (steps + MATERIALISE_OVERHEAD_STEPS) * rows * cols
         other_steps = other.left.shape[1]
         return steps * other_steps * (rows + cols) <= (steps + other_steps) * rows * cols
 
     def squared_norm(self, materialise: bool, into: torch.Tensor | None = None) -> torch.Tensor:
         """‖G_i‖² per example, by the Gram or from the explicit G_i (``into``: added to it, ``dots``)."""
         if materialise or not self.gram_is_cheaper():
-            bounds = _chunks(self.batch_size, self.rows * self.right.shape[2])
+            bounds = example_chunks(self.batch_size, self.rows * self.right.shape[2])
             parts = [into if into is None else into[a:b] for a, b in bounds]
             chunks = [dots(g, g, part) for g, part in zip(self.materialise_chunks(), parts, strict=True)]
             if into is not None:
@@ -116,7 +119,7 @@ class OuterProductSum:
 
     def materialise_chunks(self) -> Iterator[torch.Tensor]:
         """Yield the explicit per-example gradients (b, rows, cols) a few examples at a time."""
-        for start, stop in _chunks(self.batch_size, self.rows * self.right.shape[2]):
+        for start, stop in example_chunks(self.batch_size, self.rows * self.right.shape[2]):
             yield self.materialise(start, stop)
 
     def scaled(self, scale: ClipScale) -> OuterProductSum | None:
@@ -157,11 +160,7 @@ class OuterProductSum:
         already holds scaled (uses sharing their input), at float32's accuracy or wider: the weights are clip
         factors, which bf16 would round up as often as down. bf16 factors on CUDA take three tensor-core GEMMs
         (``bf16_pieces``), the rest one GEMM of the factors widened."""
-        if (
-            not self.is_index
-            and self.left.dtype == torch.bfloat16
-            and on_tensor_cores(self.left, self.right)
-        ):
+        if not self.is_index and self.left.dtype == torch.bfloat16 and on_tensor_cores(self.left, self.right):
             fresh = weighted_outer_sum_bf16x3(self.left, self.right, weights).view(like.shape).to(like.dtype)
             return fresh if grad is None else grad.add_(fresh)
         left, right = wide(self.left), wide(self.right)
@@ -186,6 +185,18 @@ class OuterProductSum:
             return grad
         fresh = (left.T @ right).view(like.shape).to(like.dtype)
         return fresh if grad is None else grad.add_(fresh)
+
+
+def linear_parts(
+    x: torch.Tensor, grad_out: torch.Tensor, out_features: int, bias: bool
+) -> dict[str, PerExampleGradient]:
+    """y = x Wᵀ + b, x and ∂y laid out (B, …, d) per example:  G_i(W) = Σ_t ∂y_t ⊗ x_t,  G_i(b) = Σ_t ∂y_t, the
+    factors in the precision the layer's weight gradient multiplied them (``matmul_factors``)."""
+    a, g = matmul_factors(x, grad_out)
+    parts: dict[str, PerExampleGradient] = {"weight": OuterProductSum(left=g, right=a, rows=out_features)}
+    if bias:
+        parts["bias"] = Materialised(g.sum(dim=1, dtype=torch.promote_types(g.dtype, torch.float32)))
+    return parts
 
 
 class Folded:
@@ -298,7 +309,7 @@ def clipped_total(
     return total
 
 
-def _chunks(batch: int, floats_per_example: int) -> Iterator[tuple[int, int]]:
+def example_chunks(batch: int, floats_per_example: int) -> Iterator[tuple[int, int]]:
     step = max(1, _CHUNK_FLOATS // max(1, floats_per_example))
     for start in range(0, batch, step):
         yield start, min(batch, start + step)
@@ -356,7 +367,7 @@ def _explicit_squared_norm(
 ) -> torch.Tensor:
     """‖s ⊙ Σ_k w_k G^k_i‖² from the explicit per-example gradients, a few examples at a time."""
     norms = []
-    for start, stop in _chunks(terms[0][1].batch_size, shape.numel()):
+    for start, stop in example_chunks(terms[0][1].batch_size, shape.numel()):
         (weight, part), rest = terms[0], terms[1:]
         grads = weight * part.materialise(start, stop).reshape(-1, *shape)
         for weight, part in rest:

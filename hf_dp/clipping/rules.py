@@ -22,42 +22,22 @@ from hf_dp.clipping.experts import is_routed_experts, routed_experts_rule
 from hf_dp.clipping.fallback import ModuleCall, functorch_per_example_grads
 from hf_dp.clipping.lora_params import claims_nested, parameter_lora_rule
 from hf_dp.clipping.one_linear import one_linear_rule, reads_one_linear
-from hf_dp.clipping.per_example import Materialised, OuterProductSum, PerExampleGradient
-from hf_dp.clipping.wide_gemm import LOW_PRECISION, wide
+from hf_dp.clipping.per_example import Materialised, OuterProductSum, PerExampleGradient, linear_parts
+from hf_dp.clipping.wide_gemm import matmul_factors, wide
 
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, PerExampleGradient]]
 # a module's whole call (fallback.ModuleCall) -> per-example gradients of the parameters it covers
 CallRule = Callable[[ModuleCall], dict[str, PerExampleGradient]]
 
 
-def _as_sequence(x: torch.Tensor) -> torch.Tensor:
-    """(B, ..., d) -> (B, T, d) with every middle dimension folded into T; (B, d) -> (B, 1, d)."""
-    return x.reshape(x.shape[0], -1, x.shape[-1])
-
-
-def _matmul_factors(x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, ∂y) as (B, T, d) in the precision the layer's weight gradient multiplied them: a bf16/fp16 ∂y means
-    the layer ran in bf16/fp16 (autocast casts x, or the weights are low precision), else float32 or wider."""
-    a, g = _as_sequence(x), _as_sequence(grad_out)
-    if g.dtype in LOW_PRECISION:
-        return a.to(g.dtype), g
-    return wide(a), wide(g)
-
-
 def linear_rule(module: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, PerExampleGradient]:
     """y = x Wᵀ + b:  G_i(W) = Σ_t ∂y_t ⊗ x_t,  G_i(b) = Σ_t ∂y_t."""
-    a, g = _matmul_factors(x, grad_out)
-    parts: dict[str, PerExampleGradient] = {
-        "weight": OuterProductSum(left=g, right=a, rows=module.out_features)
-    }
-    if module.bias is not None:
-        parts["bias"] = Materialised(g.sum(dim=1, dtype=torch.promote_types(g.dtype, torch.float32)))
-    return parts
+    return linear_parts(x, grad_out, module.out_features, module.bias is not None)
 
 
 def conv1d_rule(module: Conv1D, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, PerExampleGradient]:
     """HF Conv1D is y = x W + b with W of shape (in, out):  G_i(W) = Σ_t x_t ⊗ ∂y_t."""
-    a, g = _matmul_factors(x, grad_out)
+    a, g = matmul_factors(x, grad_out)
     bias = Materialised(g.sum(dim=1, dtype=torch.promote_types(g.dtype, torch.float32)))
     return {"weight": OuterProductSum(left=a, right=g, rows=module.nx), "bias": bias}
 
@@ -211,6 +191,14 @@ def is_rms_norm(module: nn.Module) -> bool:
     )
 
 
+def parameter_at(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter a module holds under ``name``, its own (``weight``) or a submodule's (``lora_A.default.weight``),
+    as the module holds it now (FSDP2 swaps in unsharded parameters)."""
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module
+
+
 _RULES: dict[type, Rule] = {}
 _MATCHERS: list[tuple[Callable[[nn.Module], bool], Rule]] = []
 
@@ -249,14 +237,6 @@ def rule_for(module: nn.Module) -> Rule | None:
 
 
 _CALL_RULES: list[tuple[Callable[[nn.Module], bool], CallRule]] = []
-
-
-def parameter_at(module: nn.Module, name: str) -> torch.Tensor:
-    """The parameter a module holds under ``name``, its own (``weight``) or a submodule's (``lora_A.default.weight``),
-    as the module holds it now (FSDP2 swaps in unsharded parameters)."""
-    for part in name.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def register_call_rule(when: Callable[[nn.Module], bool]):

@@ -104,13 +104,7 @@ class OtherUses:
         units = self.collector.units
         count = self.collector.rows if units is None else units.count
         if units is not None:  # each row's unit: the call's per-unit gradients
-            rows = units.rows_by_unit(rows)
-            if rows is None:
-                raise UnsupportedModuleError(
-                    f"{self.collector.layers.where(module)} has no layer rule and sees whole packed rows, which its "
-                    "call rule or the torch.func fallback cannot split into their records: register a layer rule "
-                    "for it, or freeze it"
-                )
+            rows = units.rows_of_call(rows, self.collector.layers.where(module))
         if (
             not self.collector.counting
         ):  # a checkpoint's recomputation: the first forward's tap receives the gradients

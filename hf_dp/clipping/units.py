@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_dp.clipping.errors import UnsupportedModuleError
 from hf_dp.clipping.rows import ExampleRows
 
 
@@ -118,6 +119,18 @@ class PrivacyUnits:
         if rows is None or rows.per_example != self.unit_of_token.shape[1]:
             return None
         return ExampleRows(self.unit_of_token.flatten().clamp(min=0), self.count, None)
+
+    def rows_of_call(self, rows: ExampleRows | None, where: str) -> ExampleRows:
+        """``rows_by_unit`` for a module without a layer rule (its call rule or the torch.func fallback), refused in
+        one line where a row's unit is not known."""
+        by_unit = self.rows_by_unit(rows)
+        if by_unit is None:
+            raise UnsupportedModuleError(
+                f"{where} has no layer rule and sees whole packed rows, which its call rule or the torch.func "
+                "fallback cannot split into their records: register a layer rule for it with "
+                "hf_dp.clipping.rules.register_rule, or freeze it"
+            )
+        return by_unit
 
     def unit_of_row(self) -> torch.Tensor:
         if not self.per_row:

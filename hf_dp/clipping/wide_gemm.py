@@ -22,6 +22,16 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) or not x.is_floating_point() else x.float()
 
 
+def matmul_factors(x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, ∂y) as (B, T, d), every middle dimension folded into T, in the precision the layer's weight gradient
+    multiplied them: a bf16/fp16 ∂y means the layer ran in bf16/fp16 (autocast casts x, or the weights are low
+    precision), else float32 or wider."""
+    a, g = x.reshape(x.shape[0], -1, x.shape[-1]), grad_out.reshape(grad_out.shape[0], -1, grad_out.shape[-1])
+    if g.dtype in LOW_PRECISION:
+        return a.to(g.dtype), g
+    return wide(a), wide(g)
+
+
 @cache
 def _cuda_has_wide_gemm() -> bool:
     """Whether this torch multiplies bf16 matrices into a float32 output on CUDA (``mm``/``bmm(..., out_dtype=)``)."""
