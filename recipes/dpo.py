@@ -26,7 +26,7 @@ argument (TRL's ``DPOConfig`` and hf_dp's ``DPTrainingArguments``) is accepted; 
 defaults (``RECIPE_DEFAULTS``, sized to finish in about a minute on 2 CPU cores) and sets ε = 8 unless
 ``--target_epsilon``, ``--noise_multiplier`` or ``--disable_dp`` is given. Loss and ε are printed as training
 goes; the last line reads ``E2E DPO: dev reward accuracy … (loss …) at epsilon … (delta …, N steps)``, and
-``--results_json`` (default ``benchmarks/results/dpo_e2e.json``) keeps the settings and results.
+``--results_json`` keeps the settings and results.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from transformers import HfArgumentParser, set_seed  # noqa: E402
 from hf_dp.trl import DPDPOConfig, DPDPOTrainer  # noqa: E402
 from recipes.common import (  # noqa: E402
     COMMON_DEFAULTS,
-    REPO,
     add_no_lora_flag,
     causal_lm_path,
     parse_recipe_args,
@@ -88,7 +87,6 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "activation_checkpointing": False,
 }
 DEFAULT_EPSILON = 8.0
-DEFAULT_RESULTS = str(REPO / "benchmarks" / "results" / "dpo_e2e.json")
 
 
 @dataclass
@@ -99,7 +97,7 @@ class DataArguments:
     )
     max_eval_samples: int = field(default=16, metadata={"help": "Held-out pairs from the first N dev MRs."})
     results_json: str | None = field(
-        default=DEFAULT_RESULTS, metadata={"help": "Write settings and results here ('' to skip)."}
+        default=None, metadata={"help": "Write settings and results here."}
     )
 
 
@@ -176,7 +174,7 @@ def run(argv: list[str] | None = None) -> tuple[DPDPOTrainer, dict[str, Any]]:
         },
     }
     headline = f"E2E DPO: dev reward accuracy {accuracy:.4f} (loss {eval_loss:.4f})"
-    report_run(trainer, record, data_args.results_json or None, headline)
+    report_run(trainer, record, data_args.results_json, headline)
     return trainer, record
 
 

@@ -30,7 +30,7 @@ argument (TRL's ``SFTConfig`` and hf_dp's ``DPTrainingArguments``) is accepted; 
 defaults (``RECIPE_DEFAULTS``: sized to finish in a minute or two on 2 CPU cores) and sets ε = 8 unless
 ``--target_epsilon``, ``--noise_multiplier`` or ``--disable_dp`` is given. Loss and ε are printed as training
 goes; the last line reads ``E2E chat SFT: dev loss … at epsilon … (delta …, N steps)``, and ``--results_json``
-(default ``benchmarks/results/sft_e2e.json``) keeps the settings and results.
+keeps the settings and results.
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ from hf_dp.trl import DPSFTConfig, DPSFTTrainer  # noqa: E402
 from recipes.common import (  # noqa: E402
     COMMON_DEFAULTS,
     PRIVACY_KEYS,
-    REPO,
     LoraArguments,
     add_no_lora_flag,
     causal_lm_path,
@@ -98,7 +97,6 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "activation_checkpointing": False,
 }
 DEFAULT_EPSILON = 8.0
-DEFAULT_RESULTS = str(REPO / "benchmarks" / "results" / "sft_e2e.json")
 TINY_LLAMA = {
     "num_hidden_layers": 2,
     "hidden_size": 64,
@@ -176,7 +174,7 @@ class DataArguments:
     max_eval_samples: int = field(default=64, metadata={"help": "Held-out loss on the first N dev rows."})
     max_new_tokens: int = field(default=32, metadata={"help": "Length of the greedy sample."})
     results_json: str | None = field(
-        default=DEFAULT_RESULTS, metadata={"help": "Write settings and results here ('' to skip)."}
+        default=None, metadata={"help": "Write settings and results here."}
     )
     save_model: bool = field(
         default=False,
@@ -331,7 +329,7 @@ def run(argv: list[str] | None = None) -> tuple[DPSFTTrainer, dict[str, Any]]:
             "training": training_settings(args, RECIPE_DEFAULTS),
         },
     }
-    report_run(trainer, record, data_args.results_json or None, f"E2E chat SFT: dev loss {eval_loss:.4f}")
+    report_run(trainer, record, data_args.results_json, f"E2E chat SFT: dev loss {eval_loss:.4f}")
     return trainer, record
 
 

@@ -31,7 +31,8 @@ with its references (5,097 entries), as the official DART evaluation does.
 Evaluation: beam search (``--num_beams``, ``--max_new_tokens``, ``--no_repeat_ngram_size``), then
 multi-reference BLEU (sacrebleu, 0-100), NIST (nltk, 13a tokens), METEOR 1.5 and CIDEr-D (pycocoevalcap on
 PTB-tokenised lower-cased text, as the E2E and COCO scripts do; needs Java) and ROUGE-L F (rouge-score,
-best reference, 0-1); ``--metrics bleu,nist,rouge_l`` skips the two that need Java. Loss and ε are printed
+best reference, 0-1); ``--metrics bleu,nist,rouge_l`` skips the two that need Java;
+``--evaluate_before_training`` also scores the model as loaded (the pretrained base: LoRA's B starts at zero). Loss and ε are printed
 while training; one metrics line at the end; ``--results_json`` and ``--predictions_file`` keep them.
 """
 
@@ -158,6 +159,10 @@ class DataArguments:
     )
     predictions_file: str | None = field(default=None, metadata={"help": "Write the generated texts here."})
     results_json: str | None = field(default=None, metadata={"help": "Write settings and results here."})
+    evaluate_before_training: bool = field(
+        default=False,
+        metadata={"help": "Also score the model as loaded, before training (recorded as before_training)."},
+    )
 
 
 @dataclass
@@ -481,6 +486,17 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     tokenizer = load_tokenizer(model_args)
     set_seed(training_args.seed)  # the same seed gives the same initial weights (new heads included)
     model = build_model(model_args, tokenizer, training_args)
+    names = [m.strip() for m in data_args.metrics.split(",") if m.strip()]
+    references = [g.references for g in eval_groups]
+    before = None
+    if data_args.evaluate_before_training:  # LoRA's B starts at zero: the base model's own texts
+        before = text_metrics(
+            generate(model, tokenizer, [g.table for g in eval_groups], data_args), references, names
+        )
+        print(
+            f"{DISPLAY[data_args.dataset.lower()]} {split} before training: {format_metrics(before)}",
+            flush=True,
+        )
     model.train()
     pairs = training_pairs(train_groups, data_args.max_train_samples)
     train = Dataset.from_dict({"table": [p[0] for p in pairs], "text": [p[1] for p in pairs]}).map(
@@ -510,8 +526,7 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     train_output = trainer.train()
     train_seconds = time.time() - started
     hypotheses = generate(trainer.model, tokenizer, [g.table for g in eval_groups], data_args)
-    names = [m.strip() for m in data_args.metrics.split(",") if m.strip()]
-    metrics = text_metrics(hypotheses, [g.references for g in eval_groups], names)
+    metrics = text_metrics(hypotheses, references, names)
     if model_args.save_model:
         trainer.save_model()
     if data_args.predictions_file:
@@ -523,6 +538,7 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
         "model_name_or_path": model_args.model_name_or_path,
         "pretrained": model_args.model_name_or_path is not None,
         **metrics,
+        **({"before_training": before} if before is not None else {}),
         "eval_tables": len(eval_groups),
         **privacy_record(trainer, train_output, train_seconds),
         "total_seconds": round(time.time() - started, 1),

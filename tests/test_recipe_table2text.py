@@ -118,20 +118,25 @@ def test_e2e_end_to_end_prints_and_writes_metrics_and_epsilon(shared_data, tmp_p
          "--results_json", str(results)]
     )  # fmt: skip
     _check_run(record, capsys.readouterr().out, results, t2t.METRICS, epsilon_bound=3.0)
-    assert record["num_train_examples"] == 32
+    assert record["num_train_examples"] == 32 and "before_training" not in record
     assert record["examples"][0]["table"].startswith("name : Blue Spice")
 
 
 @pytest.mark.slow
 def test_dart_with_lora_dp_sgd_and_rdp(shared_data, tmp_path, capsys):
-    """DART, LoRA adapters only, DP-SGD, the RDP accountant and the metrics that need no Java."""
+    """DART, LoRA adapters only, DP-SGD, the RDP accountant and the metrics that need no Java; the model as loaded
+    scored too."""
     results = tmp_path / "dart.json"
     trainer, record = t2t.run(
         [*TOY, "--dataset", "dart", "--use_lora", "--dp_optimizer", "sgd", "--learning_rate", "0.5",
          "--accountant", "rdp", "--metrics", "bleu,nist,rouge_l", "--output_dir", str(tmp_path),
-         "--results_json", str(results)]
+         "--results_json", str(results), "--evaluate_before_training"]
     )  # fmt: skip
-    _check_run(record, capsys.readouterr().out, results, ("bleu", "nist", "rouge_l"), epsilon_bound=8.0)
+    out = capsys.readouterr().out
+    _check_run(record, out, results, ("bleu", "nist", "rouge_l"), epsilon_bound=8.0)
+    before = json.loads(results.read_text())["before_training"]
+    assert set(before) == {"bleu", "nist", "rouge_l"} and all(math.isfinite(v) and v >= 0 for v in before.values())
+    assert f"DART test before training: BLEU {before['bleu']:.2f}" in out
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert trainer.args.dp_optimizer == "sgd" and "betas" not in trainer.optimizer.param_groups[0]

@@ -52,8 +52,9 @@ from hf_dp.clipping.units import PrivacyUnits
 __all__ = ["Batch", "Calibration", "ClippedStep", "MicroStep", "NonPrivate", "clipped_step"]
 
 # With the norms inside a backward, explicit per-example gradients replace the weighted pass when all B of them
-# take at most this share of the model's parameter count (LoRA adapters: ~1%; full fine-tuning never qualifies).
-KEPT_GRADIENTS_SHARE = 0.05
+# take at most this share of the model's parameter count, so the step holds at most half the weights again
+# (LoRA r 8-16 on every linear layer: 1-4% of the model per example; full fine-tuning never qualifies).
+KEPT_GRADIENTS_SHARE = 0.5
 # The weighted pass's tail reaches down over the last checkpointed layers while their B per-example gradients take
 # at most this share of the clipped weights (tail.py): the norm pass holds them where the stock backward holds the
 # weights' gradients, and the weighted pass adds them to ``.grad`` before its own backward allocates the rest.
