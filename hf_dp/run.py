@@ -294,7 +294,7 @@ class PrivateRun:
 
 def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     """The model's clipping engine with the run's clipping function, mode and groups; group-wise clipping is refused
-    in one line where the parameters are partitioned or sharded (ZeRO-3, FSDP2), and so is a module without a layer
+    in one line where the parameters are partitioned (ZeRO-3), and so is a module without a layer
     rule under ZeRO-3 (its call rule or the torch.func fallback re-runs it on weights ZeRO-3 keeps partitioned).
     The modules that take the torch.func fallback are logged once, with what they cost."""
     engine = ClippingEngine(
@@ -305,11 +305,11 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
         group_norms=args.clipping_group_norms,
         clip_norm=args.per_sample_max_grad_norm,
     )
-    if engine.groups is not None and (backend.fsdp or backend.zero_stage == 3):
+    if engine.groups is not None and backend.zero_stage == 3:
         engine.remove_hooks()
         raise ValueError(
-            f"clipping_groups={args.clipping_groups!r} runs on one process, with DDP and with DeepSpeed ZeRO-0/1/2, "
-            "not with ZeRO-3 or FSDP yet: use clipping_groups='all' there, or ZeRO-2"
+            f"clipping_groups={args.clipping_groups!r} runs on one process, with DDP, DeepSpeed ZeRO-0/1/2 and "
+            "FSDP2, not with ZeRO-3 yet: use clipping_groups='all' there, or ZeRO-2 or FSDP2"
         )
     without_rule = [module for module, rule in engine.layers.rules.items() if rule is None]
     if without_rule and backend.zero_stage == 3:

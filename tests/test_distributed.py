@@ -135,6 +135,12 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero1": ("torchrun", ("--zero", "1")),
     # group-wise clipping: each group's sum formed in the norm pass's backward, handed to ZeRO-2 as linear terms
     "zero2_groups": ("torchrun", ("--zero", "2", "--clipping_groups", "layer")),
+    # ... into the unsharded weights' .grad, reduce-scattered by FSDP2's end-of-backward callback
+    "fsdp2_groups": ("torchrun_fsdp", ("--fsdp", "--clipping_groups", "layer")),
+    "fsdp2_groups_checkpointing": (
+        "torchrun_fsdp",
+        ("--fsdp", "--clipping_groups", "layer", "--checkpointing", "non_reentrant"),
+    ),
     "zero2_bf16": ("torchrun", ("--zero", "2", "--bf16")),
     "zero2_disk": ("torchrun", ("--zero", "2", "--optimizer", "disk")),
     "zero3": ("torchrun", ("--zero", "3")),
@@ -166,7 +172,10 @@ JOBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "fsdp2_gpt2": ("torchrun_fsdp", ("--fsdp",)),
     "fsdp2_llama": ("torchrun_fsdp", ("--fsdp", "--model", "llama")),
     "fsdp2_mixtral": ("torchrun_fsdp", ("--fsdp", "--model", "mixtral")),
-    "fsdp2_checkpointing_mixtral": ("torchrun_fsdp", ("--fsdp", "--checkpointing", "non_reentrant", "--model", "mixtral")),
+    "fsdp2_checkpointing_mixtral": (
+        "torchrun_fsdp",
+        ("--fsdp", "--checkpointing", "non_reentrant", "--model", "mixtral"),
+    ),
     "fsdp2_checkpointing": ("torchrun_fsdp", ("--fsdp", "--checkpointing", "non_reentrant")),
     # the tail over both blocks of the tied GPT-2: the stopped forward reaches no unit's output (the embeddings
     # belong to the root), so none of FSDP2's pre-backward hooks queues its end-of-backward reduce-scatter
@@ -432,12 +441,17 @@ def test_two_processes_match_one_process_without_noise(runs, name, distributed_t
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "distributed_type", "stage"),
-    [("ddp_groups", "MULTI_CPU", None), ("zero2_groups", "DEEPSPEED", 2)],
+    [
+        ("ddp_groups", "MULTI_CPU", None),
+        ("zero2_groups", "DEEPSPEED", 2),
+        ("fsdp2_groups", "FSDP", None),
+        ("fsdp2_groups_checkpointing", "FSDP", None),
+    ],
 )
 def test_groupwise_clipping_on_two_processes_matches_one_process(runs, name, distributed_type, stage):
-    """clipping_groups="layer": the sums the norm pass's backward forms (with checkpointing under DDP), reduced by
-    DDP or handed to ZeRO-2 as terms linear in each parameter, take the one-process group-wise steps; and they
-    are not flat clipping's."""
+    """clipping_groups="layer": the sums the norm pass's backward forms (with checkpointing under DDP and FSDP2),
+    reduced by DDP, handed to ZeRO-2 as terms linear in each parameter or written into FSDP2's unsharded
+    gradients, take the one-process group-wise steps; and they are not flat clipping's."""
     reference, out = runs("reference_groups"), runs(name)
     run = assert_world(out, distributed_type, stage)
     assert run["norms_in_backward"] is True

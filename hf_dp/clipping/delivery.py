@@ -117,19 +117,27 @@ class AsLinearTerms:
 
 @dataclass(frozen=True)
 class IntoUnshardedGradients:
-    """W·Σ_i c_i G_i into the unsharded parameters' ``.grad`` (no weight is read: its storage may be freed), then
-    W·surrogate for the Trainer's backward, which first queues FSDP2's end-of-backward callback."""
+    """W·Σ_i c_i G_i (the parts', and the totals group-wise clipping formed) into the unsharded parameters'
+    ``.grad`` (no weight is read: its storage may be freed), then W·surrogate for the Trainer's backward, which
+    first queues FSDP2's end-of-backward callback (a surrogate-less sum back-propagates a zero leaf for it)."""
 
     model: nn.Module  # as FSDP2 wrapped it
     world_size: int
 
     def __call__(self, computed: Sum, factors: torch.Tensor, losses: torch.Tensor) -> MicroStep:
         surrogate = _surrogate(computed, losses)
+        if not surrogate.requires_grad:
+            surrogate = surrogate.detach().requires_grad_()
+        for param, total in computed.totals.items():
+            self._add(param, total)
         for param, weighted in computed.take_parts():
-            total = (clipped_total(param, weighted, factors, computed.drop) * self.world_size).to(param.dtype)
-            param.grad = total if param.grad is None else param.grad.add_(total)
+            self._add(param, clipped_total(param, weighted, factors, computed.drop))
         queue = _fsdp2_end_of_backward(self.model)
         return MicroStep(losses.detach(), _EndOfBackward.apply(surrogate * self.world_size, queue))
+
+    def _add(self, param: nn.Parameter, total: torch.Tensor) -> None:
+        total = (total * self.world_size).to(param.dtype)
+        param.grad = total if param.grad is None else param.grad.add_(total)
 
 
 def _fsdp2_end_of_backward(model: nn.Module) -> Callable[[], None]:

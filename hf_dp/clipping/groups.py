@@ -31,11 +31,15 @@ GROUPINGS = ("all", "layer", "parameter")
 @dataclass(frozen=True)
 class ClipGroups:
     """The groups' ``names``, each one's share C_g / C of the clip norm (Σ_g share² = 1) and each clipped
-    parameter's group (by id)."""
+    parameter's group, by the parameter's name (FSDP2 swaps the objects, not the names)."""
 
     names: tuple[str, ...]
     shares: tuple[float, ...]
-    of: dict[int, int]
+    of: dict[str, int]
+
+    def index(self, named: dict[int, str]) -> dict[int, int]:
+        """Each clipped parameter's group by the id of the object now named so (``named``: id → name)."""
+        return {pid: self.of[name] for pid, name in named.items() if name in self.of}
 
     def norms(self, clip_norm: float) -> list[float]:
         """C_g at the step's clip norm C."""
@@ -104,19 +108,20 @@ def clip_groups(
                 f"(the noise is sized for it), got {total:.6g}: rescale them"
             )
         shares = tuple(c / clip_norm for c in group_norms)
-    return ClipGroups(names, shares, {id(p): index[g] for (_, p), g in zip(named, group_of, strict=True)})
+    return ClipGroups(names, shares, {n: index[g] for (n, _), g in zip(named, group_of, strict=True)})
 
 
 class GroupSums:
     """Σ_i c_ig G_i of each group, formed as soon as every clipped parameter of the group has its per-example
     gradients (all its uses), from c_ig = clip(‖s ⊙ g_ig‖, C_g) · mask_i (0 where the norm is not finite; those
-    examples' rows are left out, 0 · inf being nan). ``finish`` after the backward forms the groups some of whose
+    examples' rows are left out, 0 · inf being nan). ``group_of``: each clipped parameter's group by the id of the
+    object its module holds before the forward. ``finish`` after the backward forms the groups some of whose
     parameters got no gradient, and returns the norms (U, G)."""
 
     def __init__(
         self,
         groups: ClipGroups,
-        params: Sequence[nn.Parameter],
+        group_of: dict[int, int],
         clip_norm: float,
         clip: Callable[[torch.Tensor, float], torch.Tensor],
         mask: torch.Tensor,
@@ -124,17 +129,19 @@ class GroupSums:
         loss_scale: float = 1.0,
     ) -> None:
         self.groups, self.norms_g, self.clip, self.mask = groups, groups.norms(clip_norm), clip, mask
-        self.loss_scale = loss_scale
+        self.group_of, self.loss_scale = group_of, loss_scale
         self.squared = torch.zeros(mask.shape[0], len(groups.names), dtype=dtype, device=mask.device)
         self.remaining = [0] * len(groups.names)
-        for param in params:
-            self.remaining[groups.of[id(param)]] += 1
+        for group in group_of.values():
+            self.remaining[group] += 1
         self.pending: list[list[tuple[nn.Parameter, list[PerExampleGradient]]]] = [[] for _ in groups.names]
         self.totals: dict[nn.Parameter, torch.Tensor] = {}
 
-    def add(self, param: nn.Parameter, parts: list[PerExampleGradient], squared: torch.Tensor) -> None:
-        """A parameter's per-example gradients (every use) and ‖s ⊙ G_i‖² (U,)."""
-        group = self.groups.of[id(param)]
+    def add(
+        self, group: int, param: nn.Parameter, parts: list[PerExampleGradient], squared: torch.Tensor
+    ) -> None:
+        """A parameter's per-example gradients (every use) and ‖s ⊙ G_i‖² (U,), into its ``group``; ``param``: the
+        object the backward saw (FSDP2's unsharded one), whose total is formed."""
         self.squared[:, group] += squared.to(self.squared)
         self.pending[group].append((param, parts))
         self.remaining[group] -= 1

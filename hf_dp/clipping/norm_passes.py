@@ -196,4 +196,8 @@ class TappedNorms:
         params = self.engine.parameters
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
         clip = functools.partial(clip_factors, fn=self.engine.sums.clipping_fn)
-        return GroupSums(self.engine.groups, params, plan.clip_norm, clip, batch.mask, dtype, self.loss_scale)
+        names = self.engine.layers.parameter_names()
+        group_of = self.engine.groups.index({id(p): names.get(id(p), "?") for p in params})
+        return GroupSums(
+            self.engine.groups, group_of, plan.clip_norm, clip, batch.mask, dtype, self.loss_scale
+        )

@@ -135,6 +135,13 @@ class NormCollector:
             for name in names
             if id(parameter_at(module, name)) in scales
         }
+        # each group by where its parameter is used, for the same reason
+        self._site_groups = {
+            (module, name): group_sums.group_of[id(parameter_at(module, name))]
+            for module, names in (self.owned.items() if group_sums is not None else ())
+            for name in names
+        }
+        self._group_of: dict[int, int] = {}  # by the backward's ids
         self.units = None if units is None or units.is_trivial else units  # norms per privacy unit (units.py)
         self.rows = count if units is None else units.rows
         self.on = True  # a Receiver (hooks.py) for the whole pass
@@ -280,6 +287,8 @@ class NormCollector:
                 self.layer_points.keep_norm_part(param, part)
             if (module, name) in self._site_scales:
                 self.scales[pid] = self._site_scales[module, name]
+            if (module, name) in self._site_groups:
+                self._group_of[pid] = self._site_groups[module, name]
             if self.options.probe:
                 projection = part.project(self.direction(param))
                 self.projections[pid] = self.projections.get(pid, 0) + projection
@@ -326,7 +335,8 @@ class NormCollector:
         terms = [(1.0, part) for part in parts]
         scale = self.scales.get(id(param))
         if self.group_sums is not None:
-            self.group_sums.add(param, parts, combined_squared_norm(terms, scale, shape, self.materialise))
+            squared = combined_squared_norm(terms, scale, shape, self.materialise)
+            self.group_sums.add(self._group_of[id(param)], param, parts, squared)
         else:
             combined_squared_norm(terms, scale, shape, self.materialise, into=self.squared)
 
