@@ -331,6 +331,7 @@ def run(cli: argparse.Namespace) -> None:
             "deepspeed": trainer.is_deepspeed_enabled,
             "zero_stage": trainer.dp.backend.zero_stage,
             "norms_in_backward": getattr(trainer.dp.clipping, "norms_in_backward", None),
+            "last_need": getattr(getattr(trainer.dp.clipping, "last_need", None), "value", None),
             **calibration_of(trainer.dp.clipping),
             "checkpointing": trainer.model.is_activation_checkpointing,
             "checkpoint_wrapped": any(

@@ -111,6 +111,7 @@ class Passes:
     norms: NormPass
     sum: SumPass
     delivery: Delivery
+    need: Need
     check: FirstStepCheck | None = None
 
 
@@ -129,6 +130,7 @@ class ClippedStep:
         # group-wise clipping forms its sums in the norm pass's backward (groups.py)
         self.norms_in_backward = backend.checkpointing or backend.fsdp or engine.groups is not None
         self.calibration: Calibration | None = None
+        self.last_need: Need | None = None  # what the last micro-batch took of the table (logs, tests)
         self.shifter = ParameterShifter()
         self._forced: dict[str, Any] = {}
         self._guard = None if backend.framework_owns_gradients else GradientGuard(lambda: engine.parameters)
@@ -176,6 +178,7 @@ class ClippedStep:
             self.norms_in_backward = True
             passes = select(self, plan, batch, model)
             found = passes.norms(losses_of, batch, plan)
+        self.last_need = passes.need
         losses = found.losses if found.finite_losses else None
         if found.group_totals is not None:  # group-wise: clipped and summed in the norm pass's backward
             factors = None
@@ -344,7 +347,7 @@ def select(step: ClippedStep, plan: StepPlan, batch: Batch, model: nn.Module) ->
         check = CheckedGroups(step.engine, step.module, by_grad=True)
     first = step.calibration is None
     norm_pass = _norm_pass(step, norm_kind, sum_pass.keeps, first, watch=sum_pass.back_propagates)
-    return Passes(norm_pass, sum_pass, _delivery(step, model), check)
+    return Passes(norm_pass, sum_pass, _delivery(step, model), need, check)
 
 
 @dataclass
