@@ -23,7 +23,7 @@ causal LM (e.g. the SFT recipe's saved model), ``--from_scratch`` for a tiny Lla
 a plain chat template. With ``--no_lora`` and without ``--precompute_ref_log_probs`` the reference is a frozen
 copy of the initial model. Every ``DPDPOConfig``
 argument (TRL's ``DPOConfig`` and hf_dp's ``DPTrainingArguments``) is accepted; the recipe changes some
-defaults (``RECIPE_DEFAULTS``, sized to finish in about a minute on 2 CPU cores) and sets ε = 8 unless
+defaults (``RECIPE_DEFAULTS``, sized to finish in a few minutes on 2 CPU cores) and sets ε = 8 unless
 ``--target_epsilon``, ``--noise_multiplier`` or ``--disable_dp`` is given. Loss and ε are printed as training
 goes; the last line reads ``E2E DPO: dev reward accuracy … (loss …) at epsilon … (delta …, N steps)``, and
 ``--results_json`` keeps the settings and results.

@@ -27,7 +27,7 @@ JSON file or inline JSON of ``LlamaConfig`` fields) with the real GPT-2 tokenize
 ``../shared/data/tokenizers/gpt2`` and a plain chat template with ``{% generation %}`` markers (LoRA stays on
 unless ``--no_lora``; from scratch, train it all, at a higher rate such as 1e-2). Every ``DPSFTConfig``
 argument (TRL's ``SFTConfig`` and hf_dp's ``DPTrainingArguments``) is accepted; the recipe changes some
-defaults (``RECIPE_DEFAULTS``: sized to finish in a minute or two on 2 CPU cores) and sets ε = 8 unless
+defaults (``RECIPE_DEFAULTS``: sized to finish in a few minutes on 2 CPU cores) and sets ε = 8 unless
 ``--target_epsilon``, ``--noise_multiplier`` or ``--disable_dp`` is given. Loss and ε are printed as training
 goes; the last line reads ``E2E chat SFT: dev loss … at epsilon … (delta …, N steps)``, and ``--results_json``
 keeps the settings and results.
