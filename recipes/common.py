@@ -5,6 +5,7 @@
   ``$HF_DP_CACHE`` (a plain ``from_pretrained`` folder), else its Hub name.
 - ``causal_lm_path(model_args)``: the generation recipes' model: ``--model_name_or_path``, else SmolLM2; None
   with ``--from_scratch``. ``add_no_lora_flag(parser)``: ``--no_lora`` beside ``--no_use_lora``.
+- ``load_causal_lm(path, **kwargs)``: ``from_pretrained``, SmolLM2's converted folder named by its Hub name.
 - ``shared_data_dir()``: ``../shared/data`` beside the project, where the offline data lives.
 - ``set_offline_defaults()``: ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` = 1 unless already set.
 - ``read_glue_tsv(path)``: a GLUE TSV as a list of dicts (``csv.QUOTE_NONE``, as GLUE requires).
@@ -104,6 +105,18 @@ def default_smollm2_path() -> str:
     if not target.is_dir():  # only a finished conversion is ever renamed to this name
         convert_smollm2_gguf(Path(spec.origin).parent / SMOLLM2_GGUF, target)
     return str(target)
+
+
+def load_causal_lm(path: str, **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)``. Loaded from SmolLM2's converted folder, the model
+    keeps SmolLM2's Hub name as its own (``name_or_path``), so a model card names it as the base model and peft's
+    adapters record it as theirs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if Path(path) == hf_dp_cache_dir() / SMOLLM2_FOLDER:
+        model.config._name_or_path = model.name_or_path = SMOLLM2_HUB_NAME
+    return model
 
 
 def convert_smollm2_gguf(gguf_path: Path, target: Path) -> None:

@@ -96,9 +96,7 @@ class DataArguments:
         default=1000, metadata={"help": "Pairs from the first N MRs of trainset.csv (0: all of them)."}
     )
     max_eval_samples: int = field(default=16, metadata={"help": "Held-out pairs from the first N dev MRs."})
-    results_json: str | None = field(
-        default=None, metadata={"help": "Write settings and results here."}
-    )
+    results_json: str | None = field(default=None, metadata={"help": "Write settings and results here."})
 
 
 def preference_pairs(rows: list[dict[str, str]], limit: int | None = None) -> list[dict[str, Any]]:

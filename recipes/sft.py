@@ -52,7 +52,6 @@ set_offline_defaults()
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
     HfArgumentParser,
     LlamaConfig,
     LlamaForCausalLM,
@@ -67,6 +66,7 @@ from recipes.common import (  # noqa: E402
     LoraArguments,
     add_no_lora_flag,
     causal_lm_path,
+    load_causal_lm,
     lora_default,
     parse_recipe_args,
     privacy_record,
@@ -173,9 +173,7 @@ class DataArguments:
     )
     max_eval_samples: int = field(default=64, metadata={"help": "Held-out loss on the first N dev rows."})
     max_new_tokens: int = field(default=32, metadata={"help": "Length of the greedy sample."})
-    results_json: str | None = field(
-        default=None, metadata={"help": "Write settings and results here."}
-    )
+    results_json: str | None = field(default=None, metadata={"help": "Write settings and results here."})
     save_model: bool = field(
         default=False,
         metadata={"help": "Save the model and tokenizer in output_dir (e.g. for recipes/dpo.py)."},
@@ -227,8 +225,7 @@ def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, 
     for adapters), or a tiny Llama from scratch sized to the tokenizer when it is None."""
     quantized = model_args.quantized_loading(args, pretrained=bool(model_args.model_name_or_path))
     if model_args.model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **quantized)
-        return model_args.prepared_base(model)
+        return model_args.prepared_base(load_causal_lm(model_args.model_name_or_path, **quantized))
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,

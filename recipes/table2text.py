@@ -58,7 +58,6 @@ set_offline_defaults()
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
     AutoTokenizer,
     GPT2Config,
     GPT2LMHeadModel,
@@ -77,6 +76,7 @@ from recipes.common import (  # noqa: E402
     LoraArguments,
     add_no_lora_flag,
     causal_lm_path,
+    load_causal_lm,
     lora_default,
     parse_recipe_args,
     privacy_record,
@@ -332,9 +332,7 @@ def build_model(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase, 
     GPT-2-shaped one from scratch when it is None; wrapped in LoRA unless ``--no_lora``."""
     quantized = model_args.quantized_loading(args, pretrained=bool(model_args.model_name_or_path))
     if model_args.model_name_or_path:
-        model = model_args.prepared_base(
-            AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **quantized)
-        )
+        model = model_args.prepared_base(load_causal_lm(model_args.model_name_or_path, **quantized))
     else:
         special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
         config = GPT2Config(

@@ -40,8 +40,12 @@ def first_loss(out: str) -> float:
 
 
 def check_pretrained_lora(trainer, record: dict, results: Path, folder: Path) -> None:
+    """Pretrained SmolLM2 with LoRA on every block's linear layers; its model card names SmolLM2 as the base."""
     written = json.loads(results.read_text())
     assert written["model_name_or_path"] == str(folder) == record["model_name_or_path"]
+    trainer.create_model_card()
+    card = (Path(trainer.args.output_dir) / "README.md").read_text()
+    assert f"base_model: {common.SMOLLM2_HUB_NAME}" in card and "## Differential privacy" in card
     assert written["pretrained"] is True and written["steps"] == 2
     assert written["settings"]["model"]["use_lora"] is True
     trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
