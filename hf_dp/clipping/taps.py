@@ -135,11 +135,11 @@ class NormCollector:
             for name in names
             if id(parameter_at(module, name)) in scales
         }
-        # each group by where its parameter is used, for the same reason
-        self._site_groups = {
-            (module, name): group_sums.group_of[id(parameter_at(module, name))]
-            for module, names in (self.owned.items() if group_sums is not None else ())
-            for name in names
+        # each group by the names of its parameter (tied: several), for the same reason
+        self._group_by_name = {
+            name: group_sums.group_of[id(p)]
+            for name, p in (layers.model.named_parameters(remove_duplicate=False) if group_sums else ())
+            if id(p) in group_sums.group_of
         }
         self._group_of: dict[int, int] = {}  # by the backward's ids
         self.units = None if units is None or units.is_trivial else units  # norms per privacy unit (units.py)
@@ -287,8 +287,9 @@ class NormCollector:
                 self.layer_points.keep_norm_part(param, part)
             if (module, name) in self._site_scales:
                 self.scales[pid] = self._site_scales[module, name]
-            if (module, name) in self._site_groups:
-                self._group_of[pid] = self._site_groups[module, name]
+            if self.group_sums is not None:
+                prefix = self.layers.module_names.get(module, "")
+                self._group_of[pid] = self._group_by_name[f"{prefix}.{name}" if prefix else name]
             if self.options.probe:
                 projection = part.project(self.direction(param))
                 self.projections[pid] = self.projections.get(pid, 0) + projection

@@ -320,11 +320,8 @@ def test_fp16_groupwise_clipping_matches_the_float64_brute_force(checkpointing: 
         model.activation_checkpointing_enable({"use_reentrant": False})
     engine = ClippingEngine(model, grouping="layer", clip_norm=max_norm)
     groups, group_norms = engine.groups, engine.groups.norms(max_norm)
-    by_name = {
-        name: (groups.names[groups.of[id(p)]], group_norms[groups.of[id(p)]])
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    }
+    group = {n: groups.of[engine.parameter_name(p)] for n, p in model.named_parameters() if p.requires_grad}
+    by_name = {name: (groups.names[g], group_norms[g]) for name, g in group.items()}
     reference, _ = oracle.per_example(reference_model, batch, max_norm, groups=by_name)
     strategy = clipped_step(engine, model, Backend(checkpointing=checkpointing, fp16_loss_scale=FP16.scale))
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy):
