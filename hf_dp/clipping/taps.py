@@ -98,6 +98,23 @@ def _tail_finder(owned: dict[nn.Module, list[str]], count: int, options: TapOpti
     )
 
 
+class UseSites:
+    """A clipped parameter's clip scale and group by the qualified names of its uses (a tied one has several): FSDP2
+    swaps a module's sharded parameter for an unsharded one (another object) during the forward and backward, so
+    the backward's ids are not the ids the step was given, while a use's module and name are stable."""
+
+    def __init__(self, layers: Layers, scales: dict[int, ClipScale], group_of: dict[int, int]) -> None:
+        self.module_names = layers.module_names
+        named = list(layers.model.named_parameters(remove_duplicate=False))
+        self.scales = {name: scales[id(p)] for name, p in named if id(p) in scales}
+        self.groups = {name: group_of[id(p)] for name, p in named if id(p) in group_of}
+
+    def name(self, module: nn.Module, name: str) -> str:
+        """The qualified name of ``module``'s parameter ``name`` (its own, or a nested one a fallback covers)."""
+        prefix = self.module_names.get(module, "")
+        return f"{prefix}.{name}" if prefix else name
+
+
 class NormCollector:
     """Σ over parameters of ‖s ⊙ G_i‖², filled by the taps during one backward of Σ_i L_i.
 
@@ -127,21 +144,8 @@ class NormCollector:
         params = layers.parameters
         device = params[0].device if params else torch.device("cpu")
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        # each scale by where its parameter is used: FSDP2 swaps the module's sharded parameter for an unsharded
-        # one (another object) during the forward and backward, so the backward's ids are not the scales' keys
-        self._site_scales = {
-            (module, name): scales[id(parameter_at(module, name))]
-            for module, names in self.owned.items()
-            for name in names
-            if id(parameter_at(module, name)) in scales
-        }
-        # each group by the names of its parameter (tied: several), for the same reason
-        self._group_by_name = {
-            name: group_sums.group_of[id(p)]
-            for name, p in (layers.model.named_parameters(remove_duplicate=False) if group_sums else ())
-            if id(p) in group_sums.group_of
-        }
-        self._group_of: dict[int, int] = {}  # by the backward's ids
+        self.sites = UseSites(layers, scales, group_sums.group_of if group_sums is not None else {})
+        self._group_of: dict[int, int] = {}  # each parameter's group by the backward's ids
         self.units = None if units is None or units.is_trivial else units  # norms per privacy unit (units.py)
         self.rows = count if units is None else units.rows
         self.on = True  # a Receiver (hooks.py) for the whole pass
@@ -285,11 +289,11 @@ class NormCollector:
             elif self.layer_points is not None and self.layer_points.holds_norm(module):
                 part = keep_form(part, param.shape)
                 self.layer_points.keep_norm_part(param, part)
-            if (module, name) in self._site_scales:
-                self.scales[pid] = self._site_scales[module, name]
-            if self.group_sums is not None:
-                prefix = self.layers.module_names.get(module, "")
-                self._group_of[pid] = self._group_by_name[f"{prefix}.{name}" if prefix else name]
+            site = self.sites.name(module, name)
+            if site in self.sites.scales:
+                self.scales[pid] = self.sites.scales[site]
+            if site in self.sites.groups:
+                self._group_of[pid] = self.sites.groups[site]
             if self.options.probe:
                 projection = part.project(self.direction(param))
                 self.projections[pid] = self.projections.get(pid, 0) + projection
