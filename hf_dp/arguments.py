@@ -243,8 +243,9 @@ class DPTrainingArguments(TrainingArguments):
         return True
 
     def _validate_schedule(self) -> None:
-        """Check that the run trains at all: ``learning_rate`` finite (nan or inf turns every weight into nan) and
-        ``max_steps`` not 0 (the Trainer would take no step, while σ is planned for ``num_train_epochs``)."""
+        """Check that the run trains at all: ``learning_rate`` finite (nan or inf turns every weight into nan),
+        ``max_steps`` not 0 nor ``num_train_epochs`` 0 (the Trainer would take no step, while σ is planned for
+        some), and a logical batch of at least one row."""
         if not math.isfinite(self.learning_rate):
             raise ValueError(
                 f"DPTrainingArguments: learning_rate={self.learning_rate} would turn every weight into nan; "
@@ -255,6 +256,16 @@ class DPTrainingArguments(TrainingArguments):
                 "DPTrainingArguments: max_steps=0 trains no step, while σ would be planned for num_train_epochs; "
                 "set max_steps >= 1, or leave it at -1 to train num_train_epochs"
             )
+        if self.max_steps < 0 and not self.num_train_epochs > 0:
+            raise ValueError(
+                f"DPTrainingArguments: num_train_epochs={self.num_train_epochs} trains no step; set num_train_epochs "
+                "> 0 or max_steps >= 1"
+            )
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"DPTrainingArguments: {name}={getattr(self, name)} makes an empty logical batch; set it >= 1"
+                )
 
     def _validate_privacy(self) -> None:
         def fail(message: str) -> None:

@@ -205,6 +205,11 @@ def per_example_loss(
     outputs = model(**inputs)
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
     if logits.dim() == 3 and labels.dim() == 2:
+        if logits.shape[1] != labels.shape[1]:
+            raise ValueError(
+                f"the model returns logits for {logits.shape[1]} positions per row and the batch has labels for "
+                f"{labels.shape[1]}: give labels for every position the model predicts"
+            )
         return token_loss_per_example(
             logits, labels, shift=is_causal_lm(model), label_smoothing=label_smoothing, units=units
         )

@@ -297,6 +297,7 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     in one line where the parameters are partitioned (ZeRO-3), and so is a module without a layer
     rule under ZeRO-3 (its call rule or the torch.func fallback re-runs it on weights ZeRO-3 keeps partitioned).
     The modules that take the torch.func fallback are logged once, with what they cost."""
+    refuse_peft_method(model, backend.checkpointing)
     engine = ClippingEngine(
         model,
         args.clipping_fn,
@@ -323,6 +324,35 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     if report is not None:
         logger.warning(report)
     return engine
+
+
+def refuse_peft_method(model: nn.Module, checkpointing: bool) -> None:
+    """The peft methods whose per-example gradients are not formed, refused in one line before training: prompt
+    tuning and p-tuning put virtual tokens before each row (the loss would pair logits with the wrong labels);
+    prefix tuning's key-value prefixes, shared by all examples, are not followed through a checkpoint's
+    recomputation; DoRA's column norms and BOFT's butterfly factors are computed from the adapters on tensors
+    shared by all examples, next to each example's input."""
+    config = getattr(model, "active_peft_config", None)
+    if config is None:
+        return
+    method = str(getattr(config.peft_type, "value", config.peft_type))
+    if getattr(config, "use_dora", False) or method == "BOFT":
+        raise ValueError(
+            f"peft's {'DoRA' if method == 'LORA' else method} forms the adapted weight from the adapters applied to "
+            "tensors shared by all examples, whose per-example gradients are not formed: use LoRA (use_dora=False)"
+        )
+    if not getattr(config, "is_prompt_learning", False):
+        return
+    if method != "PREFIX_TUNING":
+        raise ValueError(
+            f"peft's {method} puts virtual tokens before each row, which the per-example loss does not pair with "
+            "labels: use LoRA (or prefix tuning) for DP fine-tuning"
+        )
+    if checkpointing:
+        raise ValueError(
+            "peft's PREFIX_TUNING with activation checkpointing: its key-value prefixes, shared by all examples, are "
+            "not followed through a checkpoint's recomputation; turn gradient checkpointing off, or use LoRA"
+        )
 
 
 def refuse_shifted_evaluations(rule: str, clipping, engine: ClippingEngine | None, backend: Backend) -> None:

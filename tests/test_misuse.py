@@ -81,3 +81,18 @@ def test_max_steps_0_is_refused_and_minus_1_trains_the_epochs(tmp_path):
         make_args(tmp_path, max_steps=0, noise_multiplier=1.0)
     trainer = make_trainer(tmp_path, max_steps=-1, num_train_epochs=2, noise_multiplier=1.0)
     assert trainer.planned_steps == 2 * trainer.steps_per_epoch
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(max_steps=-1, num_train_epochs=0), r"num_train_epochs=0 trains no step"),
+        (dict(per_device_train_batch_size=0), r"per_device_train_batch_size=0 makes an empty logical batch"),
+        (dict(gradient_accumulation_steps=0), r"gradient_accumulation_steps=0 makes an empty logical batch"),
+    ],
+    ids=["epochs_0", "batch_0", "accumulation_0"],
+)
+def test_a_schedule_that_trains_nothing_is_refused(tmp_path, overrides, message):
+    # each ended in a ZeroDivisionError or "steps must be an integer >= 1" from the accountant
+    with pytest.raises(ValueError, match=message):
+        make_args(tmp_path, noise_multiplier=1.0, **overrides)

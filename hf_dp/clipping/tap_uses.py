@@ -54,7 +54,9 @@ class OtherUses:
         """A layer applied to an input without a batch dimension (shared.py): its per-example gradients are formed
         once the backward has brought each example's gradient back to it (``shared_parts``)."""
         check_shared_use(self.collector.layers, module, output, self.collector.units)
-        if isinstance(x, nn.Parameter):  # a norm of a parameter read outside its module (DeBERTa-v3's relative
+        if isinstance(
+            x, nn.Parameter
+        ):  # a norm of a parameter read outside its module (DeBERTa-v3's relative
             # embeddings): no layer call marks it, so neither the tail nor the layer-by-layer pass can follow it
             if self.collector.tail_finder is not None:
                 self.collector.tail_finder.unreachable()
@@ -78,6 +80,14 @@ class OtherUses:
 
     def loose_use(self, module: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
         check_shared_use(self.collector.layers, module, param, self.collector.units)
+        if (
+            is_checkpointing()
+        ):  # its recomputation reads the parameter itself, not the alias broadcast to the batch
+            raise UnsupportedModuleError(
+                f"{self.collector.layers.where(module)}.{name} is read outside the forward of the module that owns it, "
+                "inside an activation checkpoint, whose recomputation cannot follow that read: turn gradient "
+                "checkpointing off, or freeze it (peft's LoRA reads its weights through their modules)"
+            )
         # a checkpoint's recomputation reads the parameter itself: it must require grad there as the alias does
         # here, or the two forwards save different tensors (its .grad is set aside and put back: engine.frozen)
         param.requires_grad_(True)
@@ -132,7 +142,9 @@ class OtherUses:
             self.suspended = True  # the fallback re-runs the module (and its submodules): nothing to record
             try:
                 with torch.enable_grad():
-                    found = per_call_grads(ModuleCall(module, call_args, call_kwargs, grads, count, rows), names)
+                    found = per_call_grads(
+                        ModuleCall(module, call_args, call_kwargs, grads, count, rows), names
+                    )
             finally:
                 self.suspended = False
             self.collector.add_found(module, found, call, names)

@@ -1,0 +1,124 @@
+"""peft's other methods on a tiny Llama: each exact against brute force (float64, both clipping modes, some
+examples clipped), or refused in one line: before training where the method cannot work (prompt tuning and
+p-tuning, DoRA, BOFT; prefix tuning under checkpointing), at the first step where an adapter's parameter is read
+outside its module inside an activation checkpoint (IA3, VeRA, LoKr, AdaLoRA, HRA)."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+from torch import nn
+
+from hf_dp.backend import Backend
+from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.errors import UnsupportedModuleError
+from hf_dp.clipping.pipeline import clipped_step
+from tests import models, oracle
+from tests.test_checkpointing import checkpointed_steps
+from tests.test_engine import assert_close
+from tests.test_model_families import float64_throughout
+from tests.trainer_utils import make_trainer
+
+ATTENTION = ["q_proj", "v_proj"]
+EXACT = {
+    "ia3": lambda: peft.IA3Config(
+        target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
+    ),
+    "lokr": lambda: peft.LoKrConfig(r=2, alpha=4, target_modules=ATTENTION),
+    "vera": lambda: peft.VeraConfig(r=4, target_modules=ATTENTION),
+    "adalora": lambda: peft.AdaLoraConfig(r=2, target_modules=ATTENTION, total_step=10),
+    "oft": lambda: peft.OFTConfig(r=0, oft_block_size=4, target_modules=ATTENTION),
+    "hra": lambda: peft.HRAConfig(r=2, target_modules=ATTENTION),
+    "ln_tuning": lambda: peft.LNTuningConfig(target_modules=["input_layernorm"]),
+    "prefix_tuning": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+}
+CHECKPOINTED = (
+    "oft",
+    "ln_tuning",
+)  # the others read an adapter's parameter outside its module (refused below)
+
+
+def adapted(config: peft.PeftConfig, monkeypatch) -> nn.Module:
+    torch.manual_seed(0)
+    model = models.llama()
+    float64_throughout(model, monkeypatch)
+    model = peft.get_peft_model(model, config)
+    for param in model.parameters():
+        if param.requires_grad:
+            nn.init.normal_(param, std=0.1)  # several adapters start at zero or identity: trivial gradients
+    return model.to(torch.float64).train()
+
+
+@pytest.mark.parametrize(
+    ("method", "mode", "checkpointing"),
+    [(method, mode, False) for method in EXACT for mode in ("ghost", "per_sample")]
+    + [(method, "ghost", True) for method in CHECKPOINTED],
+)
+def test_a_dp_step_with_each_peft_method_equals_brute_force(method, mode, checkpointing, monkeypatch):
+    model = adapted(EXACT[method](), monkeypatch)
+    batch = models.token_batch()
+    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    max_norm = norms.median().item()  # some examples clipped, some not
+    reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
+    assert reference
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    step = clipped_step(ClippingEngine(model, mode=mode), model, Backend(checkpointing=checkpointing))
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+
+
+@pytest.mark.parametrize("method", ["ia3", "vera", "lokr", "adalora", "hra"])
+def test_an_adapter_read_outside_its_module_inside_a_checkpoint_is_refused(method, monkeypatch):
+    # its recomputation read the parameter itself where the first forward read it broadcast to the batch:
+    # torch's CheckpointError, 60 lines deep, at the first backward
+    model = adapted(EXACT[method](), monkeypatch)
+    model.gradient_checkpointing_enable({"use_reentrant": False})
+    step = clipped_step(ClippingEngine(model), model, Backend(checkpointing=True))
+    with pytest.raises(
+        UnsupportedModuleError,
+        match=r"read outside the forward of the module that owns it, inside an activation checkpoint",
+    ):
+        checkpointed_steps(model, models.token_batch(), 1.0, strategy=step, steps=1)
+
+
+@pytest.mark.parametrize(
+    ("config", "checkpointing", "message"),
+    [
+        (
+            peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+            False,
+            r"PROMPT_TUNING puts virtual tokens",
+        ),
+        (
+            peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=8),
+            False,
+            r"P_TUNING puts virtual tokens",
+        ),
+        (
+            peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+            True,
+            r"PREFIX_TUNING with activation checkpointing",
+        ),
+        (
+            peft.LoraConfig(r=2, target_modules=ATTENTION, use_dora=True),
+            False,
+            r"DoRA forms the adapted weight",
+        ),
+        (
+            peft.BOFTConfig(boft_block_size=4, target_modules=ATTENTION),
+            False,
+            r"BOFT forms the adapted weight",
+        ),
+    ],
+    ids=["prompt_tuning", "p_tuning", "prefix_tuning_checkpointed", "dora", "boft"],
+)
+def test_a_peft_method_without_per_example_gradients_is_refused_before_training(
+    tmp_path, config, checkpointing, message
+):
+    # before: a shape error in the loss (virtual tokens), "freeze lora_A" (DoRA), a bmm size error (BOFT), a
+    # CheckpointError (prefix tuning)
+    model = peft.get_peft_model(models.llama(), config)
+    with pytest.raises(ValueError, match=message):
+        make_trainer(tmp_path, model=model, noise_multiplier=1.0, gradient_checkpointing=checkpointing)
