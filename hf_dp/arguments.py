@@ -18,6 +18,7 @@ from hf_dp.accounting import AccountantName
 from hf_dp.clipping.geometry import CLIPPING_FNS, CLIPPING_MODES, ClippingFn, ClippingMode
 from hf_dp.clipping.loss_scale import DEFAULT_FP16_LOSS_SCALE, check_loss_scale
 from hf_dp.distributed import check_launched_world, join_process_group
+from hf_dp.mechanism import noise_mechanism_of
 from hf_dp.optim.registry import dp_optimizer_names, make_dp_optimizer
 
 ACCOUNTANTS = get_args(AccountantName)
@@ -337,8 +338,9 @@ class DPTrainingArguments(TrainingArguments):
             )
 
     def _validate_noise_mechanism(self, fail) -> None:
+        noise_mechanism_of(self.noise_mechanism)
         bands = str(self.num_bands).strip()
-        if bands != "auto" and not (bands.isdigit() and int(bands) >= 1):
+        if bands != "auto" and not (bands.isascii() and bands.isdigit() and int(bands) >= 1):
             fail(f"num_bands={self.num_bands!r} must be an integer >= 1 or 'auto'")
         self.num_bands = bands if bands == "auto" else int(bands)
         if self.noise_mechanism != "bandmf" and self.num_bands not in ("auto", 1):

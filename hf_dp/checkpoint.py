@@ -158,14 +158,25 @@ def load(folder: str, expected_plan: dict[str, Any], global_step: int) -> Privac
             path,
             f"corrupt or truncated privacy state ({type(error).__name__}: {error}); resume from an intact checkpoint",
         ) from None
+    bands = len(state.plan.get("strategy_coefs") or ())
+    if state.plan.get("private") and bands != len(expected_plan["strategy_coefs"]):
+        raise _fail(
+            path,
+            f"the checkpoint's noise has {bands} band(s) and this run's {len(expected_plan['strategy_coefs'])}: "
+            f"the correlated noise only continues with the same bands; set num_bands={bands}",
+        )
     for key in (
+        "private",
         "num_examples",
         "expected_batch_size",
         "sampling",
         "unit",
+        "privacy_unit_column",
         "accountant",
         "noise_mechanism",
         "strategy_coefs",
+        "secure_mode",
+        "dp_optimizer",
     ):
         if state.plan.get(key) != expected_plan[key]:
             raise _fail(

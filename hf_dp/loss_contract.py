@@ -100,7 +100,14 @@ def examples_alone(trainer: Any, alone: list | None, inputs: dict[str, Any]) -> 
 
     def loss_of(example: dict[str, Any]) -> Callable[[nn.Module], torch.Tensor]:
         example = trainer._prepare_inputs(example)
-        device = next(v.device for v in example.values() if isinstance(v, torch.Tensor))
+        tensors = [v for v in example.values() if isinstance(v, torch.Tensor)]
+        if not tensors:
+            kinds = ", ".join(f"{k}: {type(v).__name__}" for k, v in example.items())
+            raise ValueError(
+                f"the data collator returned no tensors ({kinds}): return torch tensors, e.g. with "
+                "DataCollatorWithPadding or a tokenizer's return_tensors='pt'"
+            )
+        device = tensors[0].device
         micro = MicroBatch.of(torch.ones(1), None, device)
         losses_of = micro.per_example_losses(trainer.compute_loss, example, source)
 

@@ -204,6 +204,11 @@ def per_example_loss(
         inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
     outputs = model(**inputs)
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    if labels.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"the batch has labels for {labels.shape[0]} rows and the model returns logits for {logits.shape[0]}: "
+            "the collator must give every row its labels"
+        )
     if logits.dim() == 3 and labels.dim() == 2:
         if logits.shape[1] != labels.shape[1]:
             raise ValueError(

@@ -96,6 +96,8 @@ def plan_privacy(args, dataset, unit: str = "example", num_units: int | None = N
             "DPTrainingArguments, or disable_dp=True for a non-private baseline"
         )
     num_examples = len(dataset) if num_units is None else num_units
+    if num_examples == 0:
+        raise ValueError("train_dataset is empty: give it the rows to train on")
     expected_batch_size = (
         args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     )
@@ -270,8 +272,11 @@ def plan_record(plan: PrivacyPlan, args) -> dict[str, Any]:
         "delta": plan.delta,
         "sampling": sampling_name(args, plan.bands),
         "unit": plan.unit,
+        "privacy_unit_column": args.privacy_unit_column,
         "accountant": args.accountant,
         "private": plan.private,
+        "secure_mode": args.secure_mode,
+        "dp_optimizer": args.dp_optimizer,
         "noise_mechanism": plan.noise_mechanism,
         "strategy_coefs": list(plan.strategy.coefs),
     }

@@ -5,9 +5,11 @@ packed records). The guarantee is stated per unit (privacy.UNITS); clipping boun
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hf_dp.clipping.units import PrivacyUnits
@@ -63,7 +65,13 @@ def dataset_units(args, dataset, row_unit: str, trainer_name: str) -> DatasetUni
 def require_unit_ids(column: str, values: list[Any]) -> None:
     """Check that every row of ``privacy_unit_column`` names its user. A missing id (None, or NaN, which equals
     nothing, not even itself) is refused: None rows would all form one unit and NaN rows one unit each, so a
-    real user's rows would span several units and the guarantee would not cover that user."""
+    real user's rows would span several units and the guarantee would not cover that user. A list is no id."""
+    unhashable = next((i for i, value in enumerate(values) if not _is_id(value)), None)
+    if unhashable is not None:
+        raise ValueError(
+            f"privacy_unit_column={column!r} holds a {type(values[unhashable]).__name__} in row {unhashable}, not a "
+            "user id: name a column of one id (int or str) per row"
+        )
     missing = [i for i, value in enumerate(values) if _is_missing(value)]
     if missing:
         raise ValueError(
@@ -71,6 +79,13 @@ def require_unit_ids(column: str, values: list[Any]) -> None:
             f"(None or NaN; first: row {missing[0]}), so a user's rows would span several units; give each of "
             "those rows its user's id or drop them"
         )
+
+
+def _is_id(value: Any) -> bool:
+    """One hashable value, or a 0-d tensor or array (a torch- or numpy-formatted column's), never several."""
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return value.ndim == 0
+    return isinstance(value, Hashable)
 
 
 def _is_missing(value: Any) -> bool:
@@ -89,6 +104,13 @@ def micro_batch_units(inputs: dict[str, Any], unit_of_row: torch.Tensor | None) 
     marker) or from position ids restarting at 0 AMONG ATTENDED TOKENS: padding, left or right, with any
     ``position_ids`` convention, is never taken for a record."""
     if unit_of_row is not None:
+        rows = next((v.shape[0] for v in inputs.values() if _is_2d(v)), len(unit_of_row))
+        if rows != len(unit_of_row):
+            raise ValueError(
+                f"privacy_unit_column: the collator made {rows} row(s) of {len(unit_of_row)} examples (packed, as "
+                "DataCollatorWithFlattening does), so no row has one user: use a padding collator with "
+                "privacy_unit_column"
+            )
         return PrivacyUnits.of_rows(unit_of_row)
     seq_idx, position_ids = inputs.get("seq_idx"), inputs.get("position_ids")
     marker = seq_idx if _is_2d(seq_idx) else position_ids if _is_2d(position_ids) else None

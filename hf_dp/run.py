@@ -284,7 +284,11 @@ class PrivateRun:
     def report(self, global_step: int) -> dict[str, Any]:
         """The guarantee as plain values: what the model card, the metrics and the logs state."""
         steps = self.mechanism.step if self.mechanism is not None and self.plan.private else global_step
-        randomness = "secure_mode" if self.args.secure_mode else self.secret.source
+        randomness = (
+            "secure_mode"
+            if self.args.secure_mode and self.secret.source == "os_entropy"
+            else self.secret.source
+        )
         report = privacy_report(self.plan, self.accountant, self.args, steps, randomness, self.update_rule)
         groups = self.engine.groups if self.engine is not None else None
         if groups is not None:

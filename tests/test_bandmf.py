@@ -363,13 +363,13 @@ def test_the_guarantee_names_the_mechanism_wherever_it_is_stated(tmp_path, caplo
     ],
 )
 def test_what_bandmf_cannot_account_is_refused_before_training(tmp_path, overrides, message):
-    args = make_args(
-        tmp_path,
-        noise_multiplier=1.0,
-        max_steps=16,
-        **{"noise_mechanism": "bandmf", "num_bands": "4", **overrides},
-    )
-    with pytest.raises(ValueError, match=message) as info:
+    with pytest.raises(ValueError, match=message) as info:  # by the arguments (a name) or the trainer (a plan)
+        args = make_args(
+            tmp_path,
+            noise_multiplier=1.0,
+            max_steps=16,
+            **{"noise_mechanism": "bandmf", "num_bands": "4", **overrides},
+        )
         NoiseProbeTrainer(model=nn.Linear(D_IN, D_OUT, bias=False), args=args, train_dataset=ZeroInputs(64))
     assert "\n" not in str(info.value)
 

@@ -6,13 +6,14 @@ import datasets
 import pandas
 import pytest
 import torch
+import transformers
 from trl import DPOTrainer, SFTTrainer
 
 from hf_dp import DPTrainerMixin
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.loss_contract import require_per_example
 from tests import models
-from tests.trainer_utils import TokenRows, make_args, make_trainer
+from tests.trainer_utils import TokenRows, make_args, make_trainer, pad_collate
 
 
 def test_a_model_with_no_trainable_parameters_is_refused(tmp_path):
@@ -96,3 +97,70 @@ def test_a_schedule_that_trains_nothing_is_refused(tmp_path, overrides, message)
     # each ended in a ZeroDivisionError or "steps must be an integer >= 1" from the accountant
     with pytest.raises(ValueError, match=message):
         make_args(tmp_path, noise_multiplier=1.0, **overrides)
+
+
+def test_an_empty_dataset_or_a_list_for_a_user_id_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match="train_dataset is empty"):  # was: lower per_device_train_batch_size
+        make_trainer(tmp_path, dataset=datasets.Dataset.from_dict({"input_ids": []}), noise_multiplier=1.0)
+    lists = datasets.Dataset.from_dict(
+        {"input_ids": TokenRows(32).rows, "user_id": [[i, i] for i in range(32)]}
+    )
+    with pytest.raises(
+        ValueError, match=r"privacy_unit_column='user_id' holds a list in row 0, not a user id"
+    ):
+        make_trainer(
+            tmp_path, dataset=lists, noise_multiplier=1.0, privacy_unit_column="user_id"
+        )  # TypeError
+    lists.set_format("torch")  # a tensor per row, each hashed by identity: a unit per row
+    with pytest.raises(ValueError, match=r"holds a Tensor in row 0, not a user id"):
+        make_trainer(tmp_path, dataset=lists, noise_multiplier=1.0, privacy_unit_column="user_id")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            dict(noise_mechanism="BandMF", num_bands="2"),
+            r"noise_mechanism='BandMF' is unknown",
+        ),  # was: drop num_bands
+        (
+            dict(noise_mechanism="bandmf", num_bands="²"),
+            r"num_bands='²' must be an integer >= 1",
+        ),  # int() failed
+    ],
+)
+def test_a_misspelt_noise_mechanism_or_band_count_is_named(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_args(tmp_path, noise_multiplier=1.0, **overrides)
+
+
+def test_a_collator_of_lists_or_of_rows_without_their_labels_is_named(tmp_path):
+    trainer = make_trainer(tmp_path, noise_multiplier=1.0)
+    trainer.data_collator = lambda rows: {k: v.tolist() for k, v in pad_collate(rows).items()}
+    with pytest.raises(ValueError, match=r"the data collator returned no tensors \(input_ids: list"):
+        trainer.train()  # was: a bare StopIteration
+    trainer = make_trainer(tmp_path, noise_multiplier=1.0)
+    trainer.data_collator = lambda rows: {**pad_collate(rows), "labels": pad_collate(rows)["labels"][:-1]}
+    with pytest.raises(
+        ValueError, match=r"the batch has labels for \d+ rows and the model returns logits for"
+    ):
+        trainer.train()  # was: a RuntimeError from the loss
+
+
+def test_user_units_with_a_collator_that_packs_examples_into_rows_is_refused(tmp_path):
+    rows = TokenRows(32).rows
+    data = datasets.Dataset.from_dict(
+        {"input_ids": rows, "labels": rows, "user_id": [i // 2 for i in range(32)]}
+    )
+    trainer = make_trainer(
+        tmp_path,
+        dataset=data,
+        noise_multiplier=1.0,
+        privacy_unit_column="user_id",
+        per_device_train_batch_size=2,
+    )
+    trainer.data_collator = transformers.DataCollatorWithFlattening()
+    with pytest.raises(
+        ValueError, match=r"privacy_unit_column: the collator made 1 row\(s\) of \d+ examples"
+    ):
+        trainer.train()  # was: a shape error deep in the clipping

@@ -8,6 +8,7 @@ import pickle
 import warnings
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from torch.utils.data import IterableDataset
@@ -104,13 +105,13 @@ def test_no_upload_and_no_saved_model_carries_the_secret(tmp_path, fake_hub, str
 
 
 def _checkpointed(tmp_path, **overrides):
-    settings = dict(noise_multiplier=1.0, max_steps=2, save_strategy="steps", save_steps=2, **overrides)
+    settings = {**dict(noise_multiplier=1.0, max_steps=2, save_strategy="steps", save_steps=2), **overrides}
     make_trainer(tmp_path, **settings).train()
     return tmp_path / "out" / "checkpoint-2"
 
 
 def _resume(tmp_path, folder, **overrides):
-    settings = dict(noise_multiplier=1.0, max_steps=4, **overrides)
+    settings = {**dict(noise_multiplier=1.0, max_steps=4), **overrides}
     trainer = make_trainer(tmp_path, **settings)
     trainer.train(resume_from_checkpoint=str(folder))
     return trainer
@@ -141,6 +142,74 @@ def test_resuming_with_another_population_or_sampling_is_refused(tmp_path, overr
         warnings.simplefilter("ignore")
         _resume(tmp_path, folder, **overrides)
     assert "\n" not in str(info.value)
+
+
+def _two_user_columns() -> datasets.Dataset:
+    """32 rows; user_id pairs rows 2k and 2k + 1, author_id pairs rows k and k + 16: 16 units either way."""
+    return datasets.Dataset.from_dict(
+        {
+            "input_ids": TokenRows(32).rows,
+            "user_id": [i // 2 for i in range(32)],
+            "author_id": [i % 16 for i in range(32)],
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "message"),
+    [
+        # each resumed, and reported one guarantee over two halves trained under different settings
+        (
+            {"insecure_dp_seed": 3},
+            {"secure_mode": True},
+            "secure_mode was False in the checkpoint but is True now",
+        ),
+        ({}, {"secure_mode": True}, "secure_mode was False in the checkpoint but is True now"),
+        (
+            {"privacy_unit_column": "user_id", "per_device_train_batch_size": 2},
+            {"privacy_unit_column": "author_id", "per_device_train_batch_size": 2},
+            "privacy_unit_column was 'user_id' in the checkpoint but is 'author_id' now",
+        ),
+        (
+            {},
+            {"dp_optimizer": "adamw"},
+            "dp_optimizer was 'sgd' in the checkpoint but is 'adamw' now",
+        ),  # KeyError
+        (
+            {"disable_dp": True, "noise_multiplier": None},
+            {},
+            "private was False in the checkpoint but is True now",
+        ),
+        (
+            {"noise_mechanism": "bandmf", "num_bands": "2"},
+            {"noise_mechanism": "bandmf", "num_bands": "1"},
+            r"noise has 2 band\(s\) and this run's 1: .* set num_bands=2",
+        ),
+    ],
+    ids=[
+        "insecure_then_secure",
+        "secure_later",
+        "another_unit_column",
+        "another_optimizer",
+        "private_later",
+        "bands",
+    ],
+)
+def test_resuming_under_other_privacy_settings_is_refused(tmp_path, before, after, message):
+    data = {"dataset": _two_user_columns()} if "privacy_unit_column" in before else {}
+    folder = _checkpointed(tmp_path, **data, **before)
+    with pytest.raises(ValueError, match=message) as info, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _resume(tmp_path, folder, **data, **after)
+    assert "\n" not in str(info.value)
+
+
+def test_a_resumed_insecure_run_is_reported_insecure(tmp_path):
+    folder = _checkpointed(tmp_path, insecure_dp_seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _resume(tmp_path, folder)  # the checkpoint's secret, derived from the seed, goes on
+    assert trainer.privacy_report()["noise_randomness"] == "insecure_dp_seed"
 
 
 def _edit(path: Path, change) -> None:

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointError
 
 from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.errors import UnsupportedModuleError
 from hf_dp.clipping.geometry import clip_factors
 from hf_dp.clipping.groups import GroupSums
 from hf_dp.clipping.layerwise import LayerPoints
@@ -173,10 +176,11 @@ class TappedNorms:
             losses = losses_of(self.module)
             self.engine.row_tracking.end_watch()
             collector.begin_backward()
-            if self.taps_only:
-                torch.autograd.grad(losses.sum(), collector.anchor, allow_unused=True)
-            else:
-                losses.sum().backward()
+            with recomputations_named(collector.others.read_in_checkpoints):
+                if self.taps_only:
+                    torch.autograd.grad(losses.sum(), collector.anchor, allow_unused=True)
+                else:
+                    losses.sum().backward()
         return FoundNorms(
             collector.norms(),
             losses,
@@ -201,3 +205,19 @@ class TappedNorms:
         return GroupSums(
             self.engine.groups, group_of, plan.clip_norm, clip, batch.mask, dtype, self.loss_scale
         )
+
+
+@contextlib.contextmanager
+def recomputations_named(read_in_checkpoints: list[str]) -> Iterator[None]:
+    """A checkpoint whose recomputation saves other tensors than its first forward did (a parameter read outside its
+    module there is broadcast to the batch in the first forward only: peft's IA3, VeRA, LoKr), refused in one line
+    naming those reads, not torch's CheckpointError."""
+    try:
+        yield
+    except CheckpointError as error:
+        reads = ", ".join(read_in_checkpoints) or "none found"
+        raise UnsupportedModuleError(
+            "an activation checkpoint recomputed other tensors than its forward saved, where trainable parameters "
+            f"are read outside the forward of the module that owns them ({reads}): turn gradient checkpointing off, "
+            "or freeze them"
+        ) from error

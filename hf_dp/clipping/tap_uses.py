@@ -34,6 +34,7 @@ class OtherUses:
         ] = {}  # per fallback module, the submodules' parameters it reads
         self._fallback_calls: set[nn.Module] = set()  # modules without a rule tapped in the first forward
         self.suspended = False  # a fallback is re-running a module in the backward
+        self.read_in_checkpoints: list[str] = []  # parameters read outside their module inside a checkpoint
         self._shared: list[
             tuple[SharedUse, int]
         ] = []  # layers on an input shared by all examples, their call
@@ -82,12 +83,8 @@ class OtherUses:
         check_shared_use(self.collector.layers, module, param, self.collector.units)
         if (
             is_checkpointing()
-        ):  # its recomputation reads the parameter itself, not the alias broadcast to the batch
-            raise UnsupportedModuleError(
-                f"{self.collector.layers.where(module)}.{name} is read outside the forward of the module that owns it, "
-                "inside an activation checkpoint, whose recomputation cannot follow that read: turn gradient "
-                "checkpointing off, or freeze it (peft's LoRA reads its weights through their modules)"
-            )
+        ):  # recomputed, it reads the parameter itself: named if the recomputation differs
+            self.read_in_checkpoints.append(f"{self.collector.layers.where(module)}.{name}")
         # a checkpoint's recomputation reads the parameter itself: it must require grad there as the alias does
         # here, or the two forwards save different tensors (its .grad is set aside and put back: engine.frozen)
         param.requires_grad_(True)
