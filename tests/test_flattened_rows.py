@@ -66,6 +66,32 @@ def mamba() -> nn.Module:
     return transformers.MambaForCausalLM(config)
 
 
+def zamba() -> nn.Module:
+    """Hybrid layers [0, 2] each hold a checkpointed Mamba decoder layer (checkpoints nested in checkpoints) and call
+    one attention block (its weights tied between them) on the hidden state concatenated with the embeddings."""
+    config = transformers.ZambaConfig(
+        vocab_size=models.VOCAB,
+        hidden_size=16,
+        num_hidden_layers=3,
+        layers_block_type=["hybrid", "linear_attention", "hybrid"],
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        attention_head_dim=16,
+        intermediate_size=32,
+        mamba_d_state=4,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+        n_mamba_heads=1,
+        attn_layer_period=1,
+        attn_layer_offset=0,
+        pad_token_id=models.PAD,
+        max_position_embeddings=32,
+        use_cache=False,
+    )
+    return transformers.ZambaForCausalLM(config)
+
+
 def qwen2_moe() -> nn.Module:
     config = transformers.Qwen2MoeConfig(
         **models.DECODER_SIZES,
@@ -88,10 +114,11 @@ FAMILIES = {
     # its mixer computes A, D and the time step in float32 (``A_log.float()``): brute force runs it per example,
     # the checkpointed weighted pass on the batch, and float32 rounds the two differently
     "mamba": (mamba, models.token_batch, torch.float64, 1e-6),
+    "zamba": (zamba, models.token_batch, torch.float64, 1e-6),  # Mamba's mixer, as above
 }
 # the families that support checkpointing (MPNet does not); the MoE routers take the torch.func fallback and the fused
 # experts their call rule, each inside the backward when the gradients of all their outputs arrive (fallback.py)
-CHECKPOINTED = ("opt", "bart", "t5", "mixtral", "qwen2_moe", "mamba")
+CHECKPOINTED = ("opt", "bart", "t5", "mixtral", "qwen2_moe", "mamba", "zamba")
 
 
 def _model_and_reference(family: str, monkeypatch):

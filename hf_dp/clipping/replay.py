@@ -8,9 +8,9 @@ the backward: recomputed from its input under the same random state and autocast
 reentrant checkpointing does after a forward that this skips. One forward of the body less per step.
 
 Applies to Hugging Face layers (``GradientCheckpointingLayer``, whose checkpoint function it swaps for the two
-passes) that return one tensor. The first step checks the result against the whole weighted pass (tail.py); through
-a framework, whose backward cannot run twice, it compares each layer's output in the whole weighted pass with the
-kept one (``comparing``).
+passes) that return one tensor, the outermost only (``outermost_checkpointed``). The first step checks the result
+against the whole weighted pass (tail.py); through a framework, whose backward cannot run twice, it compares each
+layer's output in the whole weighted pass with the kept one (``comparing``).
 """
 
 from __future__ import annotations
@@ -86,17 +86,26 @@ def _autocast_state(args: tuple) -> tuple[str, bool, torch.dtype]:
     return device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
 
 
+def outermost_checkpointed(model: nn.Module) -> list[nn.Module]:
+    """The model's checkpointed Hugging Face layers not inside another: a nested one (Zamba's hybrid layer holds a
+    Mamba decoder layer) runs within its parent's call, finishing before it, so it is replayed with its parent
+    (kept in order of completion, its output would be handed to the next layer called)."""
+    checkpointed = [
+        m
+        for m in model.modules()
+        if isinstance(m, GradientCheckpointingLayer)
+        and getattr(m, "gradient_checkpointing", False)
+        and "_gradient_checkpointing_func" in vars(m)
+    ]
+    inner = {id(m) for layer in checkpointed for m in layer.modules() if m is not layer}
+    return [m for m in checkpointed if id(m) not in inner]
+
+
 class LayerReplay:
     """The norm pass's checkpointed layer outputs, replayed in the weighted pass (see the module docstring)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.layers = [
-            m
-            for m in model.modules()
-            if isinstance(m, GradientCheckpointingLayer)
-            and getattr(m, "gradient_checkpointing", False)
-            and "_gradient_checkpointing_func" in vars(m)
-        ]
+        self.layers = outermost_checkpointed(model)
         self.kept: list[Kept] = []
         self.complete = True  # every call returned one tensor (else the weighted pass runs the layers)
         self.matched: bool | None = (
