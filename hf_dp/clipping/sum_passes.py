@@ -126,7 +126,9 @@ def _layers(found: FoundNorms, use: LayerUse) -> contextlib.AbstractContextManag
         return contextlib.nullcontext()
     if use == "replay":
         return replay.replaying()
-    return replay.comparing(TOLERANCES.tail.at(found.low_precision))
+    return replay.comparing(
+        TOLERANCES.tail.at(found.low_precision, [kept.output.dtype for kept in replay.kept])
+    )
 
 
 @dataclass(frozen=True)
