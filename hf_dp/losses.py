@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.bart.modeling_bart import shift_tokens_right
 
 from hf_dp.clipping.units import PrivacyUnits
 
@@ -186,6 +187,21 @@ def sequence_loss_per_example(
     return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(dim=1)
 
 
+def decoder_inputs_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """The decoder_input_ids an encoder-decoder model makes from its labels when given none: its own
+    ``prepare_decoder_input_ids_from_labels``, else the labels shifted right with decoder_start_token_id first and
+    -100 as pad_token_id (BART's, Blenderbot's and M2M100's ``shift_tokens_right``)."""
+    if hasattr(model, "prepare_decoder_input_ids_from_labels"):
+        return model.prepare_decoder_input_ids_from_labels(labels=labels)
+    start, pad = model.config.decoder_start_token_id, model.config.pad_token_id
+    if start is None or pad is None:
+        raise ValueError(
+            f"{type(model).__name__} needs decoder_input_ids: put them in the batch, or set the config's "
+            f"decoder_start_token_id ({start}) and pad_token_id ({pad}) to build them from the labels"
+        )
+    return shift_tokens_right(labels, pad, start)
+
+
 def per_example_loss(
     model: nn.Module, inputs: dict[str, Any], label_smoothing: float = 0.0, units: PrivacyUnits | None = None
 ) -> torch.Tensor:
@@ -199,9 +215,9 @@ def per_example_loss(
     if (
         getattr(base.config, "is_encoder_decoder", False)
         and "decoder_input_ids" not in inputs
-        and hasattr(base, "prepare_decoder_input_ids_from_labels")
+        and "decoder_inputs_embeds" not in inputs
     ):
-        inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
+        inputs["decoder_input_ids"] = decoder_inputs_from_labels(base, labels)
     outputs = model(**inputs)
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
     if labels.shape[0] != logits.shape[0]:

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from transformers.cache_utils import Cache
 
+from hf_dp.clipping.errors import UnsupportedModuleError
 from hf_dp.clipping.per_example import Materialised, PerExampleGradient
 from hf_dp.clipping.rows import ExampleRows
 from hf_dp.clipping.wide_gemm import wide
@@ -82,15 +84,37 @@ def tap_call(anchor: torch.Tensor, args: tuple, kwargs: dict, output, receive: R
     return tree_unflatten(out_flat, out_spec)
 
 
+# the kwargs of a transformers cache, its positions and its switch: replayed as absent (``without_cache``)
+CACHE_KWARGS = frozenset({"cache", "cache_params", "past_key_values", "past_key_value", "cache_position"})
+
+
+def without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call with no cache: a transformers ``Cache`` (or a kwarg that names one, or its positions) as None and
+    ``use_cache`` False. By the time the gradients arrive the forward has written this call's own states into the
+    cache, so it cannot be replayed; a training forward starts its cache empty, and an empty cache leaves the
+    output unchanged (one that held earlier tokens would fail the first step's check, checks.check_engine_sum)."""
+
+    def dropped(name: str | None, value: object) -> object:
+        if isinstance(value, Cache) or (name in CACHE_KWARGS and value is not None):
+            return None
+        return False if name == "use_cache" and value is not None else value
+
+    return tuple(dropped(None, a) for a in args), {k: dropped(k, v) for k, v in kwargs.items()}
+
+
 def functorch_per_example_grads(
     call: ModuleCall, param_names: list[str], values: dict[str, torch.Tensor] | None = None
 ) -> dict[str, PerExampleGradient]:
     """Fallback for modules without a rule: G_i = ∂⟨f(x_i; θ), ∂y_i⟩/∂θ, by vmap over examples (torch.func).
 
-    Exact for any module whose output for example i depends only on example i's inputs. With ``call.rows`` the
-    module takes flattened tokens (rows.py), so it is vmapped over rows (exact when each output row depends on its
-    input row only) and G_i = Σ_(rows r of i) G_r. ``values``: the parameters' values where they are not the
-    module's own (peft's LoRA on a parameter: W + s·B A).
+    Exact for any module whose output for example i depends only on example i's inputs: every tensor among its
+    arguments (nested in tuples, lists and dicts too) whose first dimension is the batch is split per example, and
+    a cache is left out (``without_cache``). An output of k·B rows with k > 1 (a router that flattens its (B, T, d)
+    input to B·T tokens) is taken example-major, example i's rows k·i to k·i + k - 1, as a reshape of the module's
+    own makes them (a module that orders them otherwise fails the first step's check). With ``call.rows`` the module
+    takes flattened tokens (rows.py), so it is vmapped over rows (exact when each output row depends on its input
+    row only) and G_i = Σ_(rows r of i) G_r. ``values``: the parameters' values where they are not the module's
+    own (peft's LoRA on a parameter: W + s·B A).
     """
     rows = call.rows
     if rows is not None:
@@ -98,36 +122,42 @@ def functorch_per_example_grads(
             replace(call, batch_size=rows.count, rows=None), param_names, values
         )
         return {name: Materialised(rows.sum_per_example(part.grads)) for name, part in per_row.items()}
-    module, args, kwargs, grad_outputs, batch_size = (
-        call.module,
-        call.args,
-        call.kwargs,
-        call.grad_outputs,
-        call.batch_size,
-    )
+    module, batch_size = call.module, call.batch_size
     values = values or {}
     # nested names: joined reads
     params = {n: values.get(n, p).detach() for n, p in module.named_parameters() if n in param_names}
-    is_batched = [isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch_size for a in args]
-    batched_kwargs = {
-        k: v
-        for k, v in kwargs.items()
+    flat, spec = tree_flatten(without_cache(call.args, call.kwargs))
+    batched = [
+        k
+        for k, v in enumerate(flat)
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch_size
-    }
-    static_kwargs = {k: v for k, v in kwargs.items() if k not in batched_kwargs}
-    used = [i for i, g in enumerate(grad_outputs) if g is not None]
+    ]
+    used = [i for i, g in enumerate(call.grad_outputs) if g is not None]
+    cotangents, token_rows = [], set()
+    for i in used:  # (B, ...) per example, or k·B rows as (B, k, ...)
+        g = call.grad_outputs[i]
+        if g.dim() == 0 or g.shape[0] % batch_size:
+            raise UnsupportedModuleError(
+                f"{type(module).__name__} has no per-example rule and returns an output of {tuple(g.shape)}, whose "
+                f"first dimension is not a multiple of the batch ({batch_size}), so the torch.func fallback cannot "
+                "tell its examples apart: register a rule for it (docs/clipping.md), or freeze it"
+            )
+        if g.shape[0] > batch_size:
+            token_rows.add(i)
+        cotangents.append(g.reshape(batch_size, -1, *g.shape[1:]) if i in token_rows else g)
 
-    def objective(p: dict, example_args: list, example_kwargs: dict, cotangents: list) -> torch.Tensor:
-        call_args = [a.unsqueeze(0) if b else a for a, b in zip(example_args, is_batched, strict=True)]
-        call_kwargs = {**static_kwargs, **{k: v.unsqueeze(0) for k, v in example_kwargs.items()}}
+    def objective(p: dict, example_leaves: list, example_cotangents: list) -> torch.Tensor:
+        leaves = list(flat)
+        for k, leaf in zip(batched, example_leaves, strict=True):
+            leaves[k] = leaf.unsqueeze(0)
+        call_args, call_kwargs = tree_unflatten(leaves, spec)
         out = functional_call(module, p, tuple(call_args), call_kwargs, strict=False)
-        outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, torch.Tensor)]
-        return sum(
-            (outs[i] * c.unsqueeze(0).to(outs[i].dtype)).sum() for i, c in zip(used, cotangents, strict=True)
-        )
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]  # as tap_call numbers them
+        total = 0
+        for i, c in zip(used, example_cotangents, strict=True):
+            c = c if i in token_rows else c.unsqueeze(0)
+            total = total + (outs[i] * c.to(outs[i].dtype)).sum()
+        return total
 
-    arg_dims = [0 if b else None for b in is_batched]
-    per_example = vmap(grad(objective), in_dims=(None, arg_dims, 0, 0))(
-        params, list(args), batched_kwargs, [grad_outputs[i] for i in used]
-    )
+    per_example = vmap(grad(objective), in_dims=(None, 0, 0))(params, [flat[k] for k in batched], cotangents)
     return {name: Materialised(wide(per_example[name])) for name in params}

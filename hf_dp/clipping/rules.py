@@ -177,14 +177,19 @@ def rms_norm_rule(
     return {"weight": Materialised((g * wide(x_hat)).reshape(g.shape[0], -1, g.shape[-1]).sum(dim=1))}
 
 
+# the HF RMSNorms not named so: T5's and its descendants' w ⊙ x / rms(x)
+T5_LAYER_NORMS = frozenset({"T5LayerNorm", "MT5LayerNorm", "UMT5LayerNorm", "LongT5LayerNorm"})
+
+
 def is_rms_norm(module: nn.Module) -> bool:
-    """torch's RMSNorm and the HF ones (LlamaRMSNorm, T5LayerNorm, ...): a single (d,) weight, no bias."""
+    """torch's RMSNorm and the HF ones (LlamaRMSNorm, T5LayerNorm, MT5LayerNorm, ...): a single (d,) weight, no
+    bias."""
     if isinstance(module, nn.RMSNorm):
         return module.weight is not None
     name = type(module).__name__
     params = dict(module.named_parameters(recurse=False))
     return (
-        (name.endswith("RMSNorm") or name == "T5LayerNorm")
+        (name.endswith("RMSNorm") or name in T5_LAYER_NORMS)
         and list(params) == ["weight"]
         and params["weight"].dim() == 1
         and not list(module.children())
