@@ -160,10 +160,10 @@ def _moe_off_the_fallback(monkeypatch) -> None:
     """From here on the torch.func fallback fails the test if an MoE layer's experts or router take it."""
     fallback = rules.functorch_per_example_grads
 
-    def refuse_moe(module, *args, **kwargs):
-        assert not is_routed_experts(module), "the experts took the torch.func fallback"
-        assert "Router" not in type(module).__name__, "the router took the torch.func fallback"
-        return fallback(module, *args, **kwargs)
+    def refuse_moe(call, *args, **kwargs):
+        assert not is_routed_experts(call.module), "the experts took the torch.func fallback"
+        assert "Router" not in type(call.module).__name__, "the router took the torch.func fallback"
+        return fallback(call, *args, **kwargs)
 
     monkeypatch.setattr(rules, "functorch_per_example_grads", refuse_moe)
 
