@@ -94,10 +94,10 @@ class MaskingCollator:
             real = len(examples)
             examples = examples if real else [self.dataset[0]]
             batch = dict(self.collator(examples))
-            batch[EXAMPLE_MASK_KEY] = torch.ones(real) if real else torch.zeros(1)
-            if self.alone_pending:
+            if self.alone_pending:  # cut from the model's inputs only, before the mask joins them
                 batch[ALONE_KEY] = self.alone(examples, batch)
                 self.alone_pending = False
+            batch[EXAMPLE_MASK_KEY] = torch.ones(real) if real else torch.zeros(1)
             return batch
         if not examples:
             batch = dict(self.collator([self.dataset[0][0]]))

@@ -212,6 +212,11 @@ def per_example_loss(
     if labels is None:
         raise ValueError("the batch has no 'labels': DP training needs labels to form a per-example loss")
     base = unwrap_model(model)
+    if getattr(base, "config", None) is None:
+        raise ValueError(
+            f"{type(base).__name__} is not a transformers model, so its per-example loss is unknown: override "
+            "compute_per_example_loss(model, inputs) to return one loss per example"
+        )
     if (
         getattr(base.config, "is_encoder_decoder", False)
         and "decoder_input_ids" not in inputs

@@ -9,9 +9,10 @@ import torch
 import transformers
 from trl import DPOTrainer, SFTTrainer
 
-from hf_dp import DPTrainerMixin
+from hf_dp import DPTrainer, DPTrainerMixin
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.loss_contract import require_per_example
+from hf_dp.losses import token_loss_per_example
 from tests import models
 from tests.trainer_utils import TokenRows, make_args, make_trainer, pad_collate
 
@@ -164,3 +165,32 @@ def test_user_units_with_a_collator_that_packs_examples_into_rows_is_refused(tmp
         ValueError, match=r"privacy_unit_column: the collator made 1 row\(s\) of \d+ examples"
     ):
         trainer.train()  # was: a shape error deep in the clipping
+
+
+class PlainLM(torch.nn.Module):
+    """A language model that is not a transformers model: no config, its own forward's keyword arguments only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(models.VOCAB, 8), torch.nn.Linear(8, models.VOCAB)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return {"logits": self.head(self.embed(input_ids))}
+
+
+class PlainLMTrainer(DPTrainer):
+    def compute_per_example_loss(self, model, inputs):
+        logits = model(**{k: v for k, v in inputs.items() if k != "labels"})["logits"]
+        return token_loss_per_example(logits, inputs["labels"], shift=True)
+
+
+def test_a_model_that_is_not_a_transformers_model_needs_its_per_example_loss(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"PlainLM is not a transformers model.*override compute_per_example_loss"
+    ):
+        make_trainer(tmp_path, model=PlainLM(), noise_multiplier=1.0).train()  # was: AttributeError 'config'
+    # the override gets the model's inputs only (the first step's examples alone carried hf_dp's mask key into
+    # a forward without **kwargs: TypeError)
+    trainer = make_trainer(tmp_path, model=PlainLM(), trainer_class=PlainLMTrainer, noise_multiplier=1.0)
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.dp.examples_checked

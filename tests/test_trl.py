@@ -531,3 +531,34 @@ def test_dpo_pair_losses_average_to_trls_loss(case: dict, dpo_trainers) -> None:
     assert ours.shape == (4,)
     torch.testing.assert_close(ours.mean(), theirs, rtol=2e-5, atol=2e-6)
     assert ours.std() > 1e-4  # the pairs' losses differ: a real per-pair vector, not the mean repeated
+
+
+def test_preference_pairs_without_signal_are_named_not_blamed_on_a_module(tmp_path) -> None:
+    # every pair's chosen equal to its rejected: the gradient is 0 up to rounding, and the first step's sum check
+    # compared rounding with rounding, refusing embed_tokens's "rule"
+    tokenizer = word_tokenizer()
+    model = tiny_llama(tokenizer)
+    pairs = Dataset.from_list([{**r, "rejected": r["chosen"]} for r in preference_dataset(32)])
+    args = DPDPOConfig(
+        output_dir=str(tmp_path),
+        noise_multiplier=1.0,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        gradient_checkpointing=False,
+    )
+    trainer = DPDPOTrainer(
+        model=model,
+        ref_model=copy.deepcopy(model),
+        args=args,
+        train_dataset=pairs,
+        processing_class=tokenizer,
+    )
+    with pytest.raises(
+        ValueError, match=r"gradient is zero up to rounding .* chosen and rejected are the same"
+    ):
+        trainer.train()

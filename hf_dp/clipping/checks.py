@@ -338,6 +338,14 @@ def check_engine_sum(
         ref = torch.zeros_like(param) if ref is None else ref
         error = (ours - ref.float()).norm().item()
         if error > tolerance * max(ref.norm().item(), 1e-3 * largest, 1e-12):
+            weights_scale = max(p.detach().float().norm().item() for p, _ in parts.values())
+            if largest <= 1e-6 * weights_scale:  # rounding against rounding: nothing to check
+                raise ValueError(
+                    f"the first micro-batch's gradient is zero up to rounding (largest {largest:.2g} against weights "
+                    f"of norm {weights_scale:.3g}), so the first step cannot check the per-example gradients: its "
+                    "examples carry no signal (a preference pair whose chosen and rejected are the same?); check the "
+                    "training data"
+                )
             raise UnsupportedModuleError(
                 f"parameter {names.get(pid, '?')} gets gradient from outside the forward of the module that owns "
                 f"it, or that module's rule does not match its forward or credits rows to the wrong examples (engine {ours.norm().item():.4g} vs "
