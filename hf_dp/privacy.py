@@ -97,7 +97,10 @@ def plan_privacy(args, dataset, unit: str = "example", num_units: int | None = N
         )
     num_examples = len(dataset) if num_units is None else num_units
     if num_examples == 0:
-        raise ValueError("train_dataset is empty: give it the rows to train on")
+        raise ValueError(
+            "train_dataset is empty (or every row was dropped in preprocessing: TRL drops the rows max_length leaves "
+            "without a trained token): give it rows to train on"
+        )
     expected_batch_size = (
         args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     )

@@ -31,6 +31,13 @@ from hf_dp.data import split_dp_keys
 from hf_dp.dpo_losses import BATCH_LOSS_TYPES, F_SCORES, PAIR_LOSSES, PER_PAIR_LOSS_TYPES, PairTerms
 from hf_dp.losses import IGNORE_INDEX, shifted_labels
 from hf_dp.trainer import DPTrainerMixin
+from hf_dp.trl_checks import (
+    refuse_moe_model,
+    refuse_pairs_without_rejected,
+    refuse_unknown_text_field,
+    refuse_unloadable_reference,
+    require,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,28 +173,6 @@ class DPDPOConfig(DPTrainingArguments, DPOConfig):
         _refuse_router_aux_loss(self)
 
 
-def _refuse_moe_model(model: Any, args: Any) -> None:
-    """A Mixture-of-Experts model whose config adds its load-balancing loss (TRL's default takes the model's coef)."""
-    if isinstance(model, str) or not hasattr(model, "config"):
-        return
-    text_config = model.config.get_text_config()
-    coef = args.router_aux_loss_coef
-    coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
-    if hasattr(text_config, "output_router_logits") and coef:
-        raise ValueError(
-            f"{type(model).__name__} adds its MoE load-balancing loss (router_aux_loss_coef={coef}), computed over "
-            "all tokens of the batch, so one example's loss depends on the others; set router_aux_loss_coef=0.0"
-        )
-
-
-def _require(args: Any, config: type, trainer: str) -> None:
-    if not isinstance(args, config):
-        raise TypeError(
-            f"{trainer} needs a {config.__name__} (from hf_dp.trl: TRL's config with the DP fields), got "
-            f"{type(args).__name__}"
-        )
-
-
 # ---- the trainers -------------------------------------------------------------------------------------
 
 
@@ -220,14 +205,15 @@ class DPSFTTrainer(DPTrainerMixin, SFTTrainer):
     """
 
     def __init__(self, model: Any, args: DPSFTConfig | None = None, *more: Any, **kwargs: Any) -> None:
-        _require(args, DPSFTConfig, type(self).__name__)
-        _refuse_moe_model(model, args)
+        require(args, DPSFTConfig, type(self).__name__)
+        refuse_moe_model(model, args)
         self._packing_logged = False
         super().__init__(model, args, *more, **kwargs)
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         """TRL's preparation (tokenised, labelled, truncated to max_length), never packed for training: under DP the
         sampled records are packed per micro-batch by the padding-free collator."""
+        refuse_unknown_text_field(dataset, args, formatting_func, dataset_name)
         if packing and dataset_name == "train":
             packing = False
             if not self._packing_logged:
@@ -292,9 +278,14 @@ class DPDPOTrainer(DPTrainerMixin, DPOTrainer):
     privacy_unit = "pair"
 
     def __init__(self, model: Any, ref_model: Any = None, args: DPDPOConfig | None = None, *more, **kwargs):
-        _require(args, DPDPOConfig, type(self).__name__)
-        _refuse_moe_model(model, args)
+        require(args, DPDPOConfig, type(self).__name__)
+        refuse_moe_model(model, args)
+        refuse_unloadable_reference(model, ref_model, args, kwargs.get("peft_config"))
         super().__init__(model, ref_model, args, *more, **kwargs)
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        refuse_pairs_without_rejected(dataset, dataset_name)
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
 
     def privacy_units(self, inputs: dict[str, Any], unit_of_row: torch.Tensor | None) -> PrivacyUnits:
         """Pair b is rows b (chosen) and B + b (rejected) of the concatenated forward."""

@@ -562,3 +562,35 @@ def test_preference_pairs_without_signal_are_named_not_blamed_on_a_module(tmp_pa
         ValueError, match=r"gradient is zero up to rounding .* chosen and rejected are the same"
     ):
         trainer.train()
+
+
+def test_datasets_and_references_trl_would_fail_on_deep_inside_are_named(tmp_path) -> None:
+    tokenizer = word_tokenizer()
+    common = dict(output_dir=str(tmp_path), noise_multiplier=1.0, use_cpu=True, report_to="none", bf16=False)
+    texts = Dataset.from_dict({"body": [f"{mr} {text}" for mr, text in sentences(8)]})
+    with pytest.raises(
+        ValueError, match=r"train_dataset has no column dataset_text_field='text' \(it has \['body'\]\)"
+    ):
+        DPSFTTrainer(
+            tiny_llama(tokenizer), DPSFTConfig(**common), train_dataset=texts, processing_class=tokenizer
+        )
+    unpaired = preference_dataset(8).remove_columns(["rejected"])
+    model = tiny_llama(tokenizer)
+    with pytest.raises(ValueError, match=r"train_dataset has no 'rejected' column"):
+        DPDPOTrainer(
+            model,
+            copy.deepcopy(model),
+            DPDPOConfig(**common),
+            train_dataset=unpaired,
+            processing_class=tokenizer,
+        )
+    with pytest.raises(
+        ValueError, match=r"ref_model=None: .* pass ref_model=copy.deepcopy\(model\)"
+    ):  # was OSError
+        DPDPOTrainer(
+            model,
+            None,
+            DPDPOConfig(**common),
+            train_dataset=preference_dataset(8),
+            processing_class=tokenizer,
+        )
