@@ -158,6 +158,12 @@ def load(folder: str, expected_plan: dict[str, Any], global_step: int) -> Privac
             path,
             f"corrupt or truncated privacy state ({type(error).__name__}: {error}); resume from an intact checkpoint",
         ) from None
+    if state.plan.get("save_only_model"):
+        raise _fail(
+            path,
+            "saved with save_only_model=True, without the optimizer's state, so the run cannot go on as it was (the "
+            "update rule's moments would restart); resume from a checkpoint saved with save_only_model=False",
+        )
     bands = len(state.plan.get("strategy_coefs") or ())
     if state.plan.get("private") and bands != len(expected_plan["strategy_coefs"]):
         raise _fail(

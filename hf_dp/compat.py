@@ -161,7 +161,7 @@ FIELD_POLICIES: dict[str, FieldPolicy] = {
     "batch_eval_metrics": _honoured(_EVAL),
     # checkpoints and the Hub
     "save_only_model": _honoured(
-        "the privacy state is still saved, but without the optimizer you cannot resume"
+        "the privacy state is still saved; without the optimizer's a resume from it is refused in one line"
     ),
     "save_strategy": _honoured("every checkpoint carries the privacy state"),
     "save_steps": _honoured("every checkpoint carries the privacy state"),

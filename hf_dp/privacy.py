@@ -280,6 +280,7 @@ def plan_record(plan: PrivacyPlan, args) -> dict[str, Any]:
         "private": plan.private,
         "secure_mode": args.secure_mode,
         "dp_optimizer": args.dp_optimizer,
+        "save_only_model": args.save_only_model,
         "noise_mechanism": plan.noise_mechanism,
         "strategy_coefs": list(plan.strategy.coefs),
     }

@@ -180,6 +180,7 @@ def _two_user_columns() -> datasets.Dataset:
             {},
             "private was False in the checkpoint but is True now",
         ),
+        ({"save_only_model": True}, {}, "saved with save_only_model=True, without the optimizer's state"),
         (
             {"noise_mechanism": "bandmf", "num_bands": "2"},
             {"noise_mechanism": "bandmf", "num_bands": "1"},
@@ -192,6 +193,7 @@ def _two_user_columns() -> datasets.Dataset:
         "another_unit_column",
         "another_optimizer",
         "private_later",
+        "model_only",
         "bands",
     ],
 )
