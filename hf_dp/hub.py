@@ -135,10 +135,16 @@ def privacy_section(report: dict[str, Any], dataset: str | list[str] | None = No
             f"{report['sampling']} of {batch} examples, accounted AS IF Poisson-sampled with rate "
             f"q = {rate}, which they were not"
         )
+    phases = report["noise_phases"]
+    sigma = (
+        f"{report['noise_multiplier']:.4g}"
+        if len({s for s, _ in phases}) < 2
+        else ", then ".join(f"{s:.4g} for {n} accounted steps" for s, n in phases)
+    )
     noise = (
-        f"Gaussian noise multiplier σ = {report['noise_multiplier']:.4g}, independent across steps"
+        f"Gaussian noise multiplier σ = {sigma}, independent across steps"
         if report["num_bands"] == 1
-        else f"Gaussian noise multiplier σ = {report['noise_multiplier']:.4g}, correlated across steps by a "
+        else f"Gaussian noise multiplier σ = {sigma}, correlated across steps by a "
         f"{report['num_bands']}-banded Toeplitz strategy (DP-BandMF, largest column norm 1)"
     )
     kwargs = f" ({report['optimizer_kwargs']})" if report["optimizer_kwargs"] else ""

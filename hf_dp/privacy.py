@@ -220,6 +220,9 @@ def privacy_report(
         "target_epsilon": args.target_epsilon,
         "accountant": args.accountant,
         "noise_multiplier": plan.noise_multiplier,
+        "noise_phases": [
+            [sigma, steps] for sigma, _, steps in accountant.history
+        ],  # σ changed on a resume: several
         "max_grad_norm": plan.clip_norm,
         "sample_rate": plan.sample_rate,
         "sampling": sampling_name(args, plan.bands),

@@ -97,6 +97,7 @@ def test_a_missing_card_is_created_with_the_guarantee(tmp_path):
         "clipping_mode": "per_sample", "clipping_fn": "automatic", "disable_dp": False, "unit": "example",
         "noise_randomness": "os_entropy", "allow_large_delta": False, "noise_mechanism": "independent",
         "num_bands": 1, "strategy_coefs": [1.0], "accounting": "independent Gaussian noise, accounted as DP-SGD",
+        "noise_phases": [[1.1, 300]],
     }  # fmt: skip
     readme = tmp_path / "README.md"
     add_privacy_to_model_card(str(readme), report, ["e2e_nlg", "dart"])

@@ -22,6 +22,7 @@ from hf_dp.checkpoint_files import (
     is_private_file,
     noise_state_file,
 )
+from hf_dp.hub import privacy_section
 from hf_dp.state_files import decode_state, encode_state, write_safetensors
 from tests import models
 from tests.test_hub import fake_hub  # noqa: F401  (the local Hub endpoint fixture)
@@ -204,6 +205,18 @@ def test_resuming_under_other_privacy_settings_is_refused(tmp_path, before, afte
         warnings.simplefilter("ignore")
         _resume(tmp_path, folder, **data, **after)
     assert "\n" not in str(info.value)
+
+
+def test_a_resume_at_another_sigma_states_both_in_the_card(tmp_path):
+    folder = _checkpointed(tmp_path)  # σ = 1 for 2 steps
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _resume(tmp_path, folder, noise_multiplier=3.0)
+    report = trainer.privacy_report()
+    assert report["noise_phases"] == [[1.0, 2], [3.0, 2]]
+    assert "σ = 1 for 2 accounted steps, then 3 for 2 accounted steps" in privacy_section(
+        report
+    )  # was "σ = 3"
 
 
 def test_a_resumed_insecure_run_is_reported_insecure(tmp_path):
