@@ -67,6 +67,7 @@ def privacy_metadata(report: dict[str, Any], dataset: str | list[str] | None = N
             "target_epsilon": report["target_epsilon"],
             "accountant": report["accountant"],
             "noise_multiplier": report["noise_multiplier"],
+            "noise_phases": report["noise_phases"],
             "max_grad_norm": report["max_grad_norm"],
             "sample_rate": report["sample_rate"],
             "sampling": report["sampling"],
