@@ -279,7 +279,14 @@ class DPTrainingArguments(TrainingArguments):
         if self.accountant not in ACCOUNTANTS:
             fail(f"accountant={self.accountant!r} is unknown; use one of {ACCOUNTANTS}")
         self._validate_noise_mechanism(fail)
+        norms = self.clipping_group_norms
+        if norms is not None and not (
+            isinstance(norms, list | tuple) and all(isinstance(c, int | float) for c in norms)
+        ):
+            fail(f"clipping_group_norms={norms!r} must be a list of numbers, one C_g per group")
         if self.disable_dp:
+            if self.clipping_groups != "all" or norms is not None:
+                fail("disable_dp=True clips nothing; drop clipping_groups and clipping_group_norms")
             if self.target_epsilon is not None or self.noise_multiplier is not None:
                 fail("disable_dp=True trains without privacy; drop target_epsilon and noise_multiplier")
             if self.noise_mechanism != "independent":

@@ -230,3 +230,48 @@ def test_groupwise_rows_credited_to_the_wrong_example_are_refused(monkeypatch, z
     mask = torch.ones(batch["input_ids"].shape[0])
     with pytest.raises(UnsupportedModuleError, match="credited to the wrong examples"):
         step_sums(step, model, lambda module: per_example_loss(module, batch), mask, StepPlan(1e9))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # each trained with fewer groups than asked, or was refused naming the wrong thing
+        (
+            {"clipping_groups": "transformer,transformer.h.0,lm_head"},
+            r"prefix 'transformer.h.0' takes no trainable",
+        ),
+        (
+            {"clipping_groups": "encoder.layers,transformer,lm_head"},
+            r"prefix 'encoder.layers' takes no trainable",
+        ),
+        (
+            {"clipping_groups": "all,layer"},
+            r"'all' is a keyword \(all, layer, parameter\) among the prefixes",
+        ),
+        (
+            {"clipping_groups": "layer", "clipping_group_norms": [0.0, 1.0, 0.5, 0.5, 0.5]},
+            r"must all be positive, got 0.0",
+        ),
+        ({"clipping_groups": "layer", "clipping_group_norms": "0.35,0.35"}, r"must be a list of numbers"),
+        (
+            {"disable_dp": True, "noise_multiplier": None, "clipping_groups": "layer"},
+            r"disable_dp=True clips nothing",
+        ),
+    ],
+    ids=["shadowed", "absent", "keyword_among_prefixes", "zero_norm", "norms_as_text", "without_dp"],
+)
+def test_groups_asked_for_but_not_formed_are_refused_in_one_line(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        make_trainer(tmp_path, **{"noise_multiplier": 1.0, **overrides})
+
+
+def test_a_tied_weight_falls_under_a_prefix_of_any_of_its_names(tmp_path):
+    # GPT-2's tied embedding is transformer.wte.weight in named_parameters() and lm_head.weight to the engine
+    trainer = make_trainer(
+        tmp_path,
+        noise_multiplier=1.0,
+        clipping_groups="transformer.wte,transformer.wpe,transformer.h,transformer.ln_f",
+    )
+    assert trainer.privacy_report()["clipping_groups"].startswith("group-wise: 4 groups")
+    layered = make_trainer(tmp_path, noise_multiplier=1.0, clipping_groups=" Layer, ")  # a keyword, any case
+    assert layered.privacy_report()["clipping_groups"].startswith("group-wise: 5 groups")

@@ -81,8 +81,10 @@ class Recording:
         rows: int,
         units: PrivacyUnits | None,
         tracking: RowTracking,
+        low_precision_base: bool = False,
     ) -> None:
         self.layers, self.materialise, self.tracking = layers, materialise, tracking
+        self.low_precision_base = low_precision_base  # the frozen base rounds the gradients in bf16/fp16
         self.rows = rows
         self.units = None if units is None or units.is_trivial else units  # None: each row is its own unit
         self.on = True
@@ -224,6 +226,7 @@ class Recording:
                     parts.setdefault(id(param), (param, []))[1].append(found[name])
             if weights is not None:
                 dtypes = [o.dtype for o in outputs if o.is_floating_point()]
+                dtypes += [torch.bfloat16] if self.low_precision_base else []
                 check_engine_sum(parts, reference, self.layers.parameter_names(), weights.float(), dtypes)
         return EvaluationGradients(parts, per_example_loss.shape[0])
 

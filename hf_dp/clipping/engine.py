@@ -28,6 +28,7 @@ from hf_dp.clipping.rules import call_rule_for, parameter_at, rule_for
 from hf_dp.clipping.sums import SumWriter, Terms
 from hf_dp.clipping.taps import NormCollector, TapOptions
 from hf_dp.clipping.units import PrivacyUnits
+from hf_dp.clipping.wide_gemm import LOW_PRECISION
 
 __all__ = ["ClippingEngine", "EvaluationGradients", "UnsupportedModuleError"]
 
@@ -68,7 +69,11 @@ class ClippingEngine:
         """``grouping``, ``group_norms``: group-wise clipping (groups.py; ``clip_norm`` C, which the groups'
         norms share)."""
         self.model = model
-        self.low_precision_base = check_quantized_base(model)  # a quantised layer computes in bf16/fp16
+        # the base computes in bf16/fp16 (a quantised layer's compute dtype, or its weights): its backward rounds
+        # there, though trainable adapters and their outputs are float32
+        self.low_precision_base = check_quantized_base(model) | any(
+            p.dtype in LOW_PRECISION for p in model.parameters()
+        )
         self.materialise = mode == "per_sample"
         self.layers = Layers(model, assign_parameters(model, allow_functorch_fallback))
         self.row_tracking = RowTracking()  # flattened tokens: each row's example, carried through the forward
@@ -79,8 +84,18 @@ class ClippingEngine:
         self._recording: Recording | None = None  # the last micro-batch's book-keeping forward
         self._hooks = ForwardHooks(list(self.layers.owned))
         names = self.layers.parameter_names()
+        every_name: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            every_name.setdefault(id(param), []).append(name)
         self.groups: ClipGroups | None = clip_groups(
-            [(names.get(id(p), "?"), p) for p in self.parameters], grouping, group_norms, clip_norm
+            [(names.get(id(p), "?"), p) for p in self.parameters],
+            grouping,
+            group_norms,
+            clip_norm,
+            {
+                names.get(id(p), "?"): every_name.get(id(p)) or [names.get(id(p), "?")]
+                for p in self.parameters
+            },
         )
 
     @property
@@ -186,7 +201,9 @@ class ClippingEngine:
         ``watch``: once the row tracker has stopped, still refuse a loose parameter read (reads.LooseWatch), for a
         sum pass that back-propagates the model (sum_passes.WholeSum, BodySum), through which its gradient would
         pass uncounted; the sums formed from the taps leave it out."""
-        recording = Recording(self.layers, self.materialise, batch_size, units, self.row_tracking)
+        recording = Recording(
+            self.layers, self.materialise, batch_size, units, self.row_tracking, self.low_precision_base
+        )
         self._recording = recording
         self._hooks.receiver = recording
         try:

@@ -61,14 +61,32 @@ def _layer_group(name: str) -> str:
     return ".".join(segments[:-1]) or name
 
 
-def _prefix_group(name: str, prefixes: Sequence[str]) -> str:
+def _prefix_group(names: Sequence[str], prefixes: Sequence[str]) -> str:
+    """The first prefix that any of the parameter's ``names`` falls under (a tied weight has several)."""
     for prefix in prefixes:
-        if name == prefix or name.startswith(prefix + "."):
+        if any(name == prefix or name.startswith(prefix + ".") for name in names):
             return prefix
     raise ValueError(
-        f"clipping_groups: parameter {name} falls under none of the prefixes {list(prefixes)}: add a prefix for it "
-        "or freeze it"
+        f"clipping_groups: parameter {' = '.join(names)} falls under none of the prefixes {list(prefixes)}: add a "
+        "prefix for it or freeze it"
     )
+
+
+def _grouping(grouping: str | Sequence[str]) -> str | list[str]:
+    """A keyword (any case, spaces or a trailing comma around it) or module-name prefixes; a keyword among
+    prefixes is refused in one line."""
+    if isinstance(grouping, str):
+        parts = [p.strip() for p in grouping.split(",") if p.strip()]
+        if len(parts) == 1 and parts[0].lower() in GROUPINGS:
+            return parts[0].lower()
+        grouping = parts
+    keywords = [p for p in grouping if p.lower() in GROUPINGS]
+    if keywords:
+        raise ValueError(
+            f"clipping_groups: {keywords[0]!r} is a keyword ({', '.join(GROUPINGS)}) among the prefixes "
+            f"{list(grouping)}: give the keyword alone, or module-name prefixes only"
+        )
+    return list(grouping)
 
 
 def clip_groups(
@@ -76,13 +94,13 @@ def clip_groups(
     grouping: str | Sequence[str],
     group_norms: Sequence[float] | None,
     clip_norm: float,
+    aliases: dict[str, Sequence[str]] | None = None,
 ) -> ClipGroups | None:
     """The groups of the clipped parameters ``named`` (None: ``"all"``, flat clipping); ``group_norms``: explicit
-    C_g in the groups' order (first appearance), whose root sum of squares must be C, else C / sqrt(G) each."""
-    if isinstance(grouping, str):
-        grouping = (
-            grouping if grouping in GROUPINGS else [p.strip() for p in grouping.split(",") if p.strip()]
-        )
+    C_g in the groups' order (first appearance), whose root sum of squares must be C, else C / sqrt(G) each;
+    ``aliases``: every name of a tied parameter, by its name in ``named`` (prefixes match any). A prefix that takes
+    no clipped parameter is refused."""
+    grouping = _grouping(grouping)
     if grouping == "all":
         return None
     if grouping == "parameter":
@@ -90,7 +108,14 @@ def clip_groups(
     elif grouping == "layer":
         group_of = [_layer_group(name) for name, _ in named]
     else:
-        group_of = [_prefix_group(name, list(grouping)) for name, _ in named]
+        aliases = aliases or {}
+        group_of = [_prefix_group(aliases.get(name, (name,)), grouping) for name, _ in named]
+        empty = [prefix for prefix in grouping if prefix not in group_of]
+        if empty:
+            raise ValueError(
+                f"clipping_groups: prefix {empty[0]!r} takes no trainable parameter (none under it, all frozen, or "
+                "all taken by an earlier prefix): drop it, or put the narrower prefix first"
+            )
     names = tuple(dict.fromkeys(group_of))
     index = {name: k for k, name in enumerate(names)}
     if group_norms is None:
@@ -101,8 +126,11 @@ def clip_groups(
                 f"clipping_group_norms has {len(group_norms)} values for {len(names)} groups ({', '.join(names)}): "
                 "give one per group, in this order"
             )
+        not_positive = [c for c in group_norms if not c > 0]
+        if not_positive:
+            raise ValueError(f"clipping_group_norms must all be positive, got {not_positive[0]}")
         total = math.sqrt(sum(c * c for c in group_norms))
-        if not math.isclose(total, clip_norm, rel_tol=1e-6) or min(group_norms) <= 0:
+        if not math.isclose(total, clip_norm, rel_tol=1e-6):
             raise ValueError(
                 f"clipping_group_norms must be positive with sqrt(Σ C_g²) = per_sample_max_grad_norm = {clip_norm:g} "
                 f"(the noise is sized for it), got {total:.6g}: rescale them"
