@@ -2,7 +2,8 @@
 and shared experts), embeddings that compute the rows they look up (OPT's and BART's learned positions) and layers
 applied to an input shared by all examples (T5's and MPNet's relative attention bias): one DP step, clipping
 active, equals the brute-force clipped sum (one backward per example, tests/oracle.py), with book-keeping and,
-where every trainable layer has a rule and the family supports it, with activation checkpointing. Rows put there
+where every trainable layer has a rule and the family supports it, with activation checkpointing. Longformer's and
+LED's self-attention project time-major (T, B, d) inputs, their batch dimension 1. Rows put there
 by an operation the tracker does not follow are refused, and rows credited to the wrong example are caught by the
 first step's weighted check (clipping/rows.py, clipping/shared.py, checks.check_engine_sum)."""
 
@@ -103,12 +104,46 @@ def qwen2_moe() -> nn.Module:
     return transformers.Qwen2MoeForCausalLM(config)
 
 
+def longformer() -> nn.Module:
+    """Its self-attention projects the hidden states time-major, (T, B, d), and its global query a (G, B, d) tensor
+    written from them (the batch's longest padded to G: zero rows)."""
+    config = transformers.LongformerConfig(
+        **models._ENCODER, num_labels=3, pad_token_id=1, max_position_embeddings=40, attention_window=4
+    )
+    return transformers.LongformerForSequenceClassification(config)
+
+
+def led() -> nn.Module:
+    sizes = {
+        "encoder_layers": 1,
+        "decoder_layers": 1,
+        "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2,
+    }
+    sizes |= {"encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "dropout": 0.0, "attention_window": 4}
+    sizes |= {"max_encoder_position_embeddings": 32, "max_decoder_position_embeddings": 32}
+    config = transformers.LEDConfig(vocab_size=models.VOCAB, d_model=16, pad_token_id=models.PAD, **sizes)
+    return transformers.LEDForConditionalGeneration(config)
+
+
+def led_batch() -> dict[str, torch.Tensor]:
+    """Global attention on each source's first token, and on a second one in example 1: the batch pads the others'
+    global tokens to two (``max_num_global_attn_indices``), which brute force, one example at a time, does not."""
+    batch = models.seq2seq_batch()
+    global_attention = torch.zeros_like(batch["input_ids"])
+    global_attention[:, 0] = 1
+    global_attention[1, 3] = 1
+    return batch | {"global_attention_mask": global_attention}
+
+
 # name: (builder, batch, dtype, rtol); MoE in float32: its grouped GEMM takes no float64
 FAMILIES = {
     "opt": (opt, models.token_batch, torch.float64, 1e-9),
     "bart": (bart, models.seq2seq_batch, torch.float64, 1e-9),
     "t5": (lambda: models.t5(freeze_relative_bias=False), models.seq2seq_batch, torch.float64, 1e-9),
     "mpnet": (mpnet, lambda: models.classification_batch(3, pad=1), torch.float64, 1e-9),
+    "longformer": (longformer, lambda: models.classification_batch(3, pad=1), torch.float64, 1e-9),
+    "led": (led, led_batch, torch.float64, 1e-9),
     "mixtral": (models.mixtral, models.token_batch, torch.float32, 1e-4),
     "qwen2_moe": (qwen2_moe, models.token_batch, torch.float32, 1e-4),
     # its mixer computes A, D and the time step in float32 (``A_log.float()``): brute force runs it per example,
@@ -118,7 +153,7 @@ FAMILIES = {
 }
 # the families that support checkpointing (MPNet does not); the MoE routers take the torch.func fallback and the fused
 # experts their call rule, each inside the backward when the gradients of all their outputs arrive (fallback.py)
-CHECKPOINTED = ("opt", "bart", "t5", "mixtral", "qwen2_moe", "mamba", "zamba")
+CHECKPOINTED = ("opt", "bart", "t5", "longformer", "led", "mixtral", "qwen2_moe", "mamba", "zamba")
 
 
 def _model_and_reference(family: str, monkeypatch):
@@ -162,8 +197,9 @@ def test_tracking_stops_after_a_first_step_without_flattened_rows() -> None:
 
 
 class _TimeMajor(nn.Module):
-    """A block that flattens its tokens time-major ((T, B) order) before a linear layer: the tracker does not follow
-    ``transpose``, so the linear layer's rows have no known example."""
+    """A block that flattens its tokens time-major ((T, B) order) before a linear layer: the tracker follows the
+    transpose (a time-major (T, B, d) tensor) but not a reshape that merges T and B, so the linear layer's rows have
+    no known example."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -226,6 +262,22 @@ def test_rows_credited_to_the_wrong_example_are_caught_by_the_first_step(monkeyp
         step = clipped_step(ClippingEngine(model), model, backend)
         with pytest.raises(UnsupportedModuleError, match="credited to the wrong examples"):
             checkpointed_steps(model, models.token_batch(), 1e9, strategy=step, steps=1)
+
+
+def test_time_major_rows_credited_to_the_wrong_examples_are_caught_by_the_first_step(monkeypatch) -> None:
+    """Mutation: a time-major input's examples reversed when laid out for the rule (Longformer's self-attention):
+    the weighted check of the first step refuses."""
+    laid_out = rows_module.ExampleRows.as_examples
+
+    def reversed_examples(self, *tensors):
+        found = laid_out(self, *tensors)
+        return [t.flip(0) for t in found] if self.time_major else found
+
+    monkeypatch.setattr(rows_module.ExampleRows, "as_examples", reversed_examples)
+    model = longformer().double().train()
+    step = clipped_step(ClippingEngine(model), model, Backend())
+    with pytest.raises(UnsupportedModuleError, match="credits rows to the wrong examples"):
+        checkpointed_steps(model, models.classification_batch(3, pad=1), 1.0, strategy=step, steps=1)
 
 
 def test_a_shared_input_in_a_reentrant_checkpoint_is_refused_in_one_line() -> None:

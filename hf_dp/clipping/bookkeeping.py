@@ -109,7 +109,7 @@ class Recording:
         if not any(o.requires_grad for o in outputs):
             return None
         rows = batch_rows(self.layers, module, x, self.rows, self.tracking)
-        if self._materialises_in_backward(module, x, output):
+        if self._materialises_in_backward(module, x, output, rows):
             if self._anchor is None:
                 self._anchor = torch.zeros((), device=output.device, requires_grad=True)
             tapped = tap(output, self._anchor, functools.partial(self._materialise, rows=rows), module, x)
@@ -150,11 +150,18 @@ class Recording:
     def joins(self, module: nn.Module, name: str) -> None:
         self._joined.setdefault(module, set()).add(name)
 
-    def _materialises_in_backward(self, module: nn.Module, x: torch.Tensor | None, output) -> bool:
+    def _materialises_in_backward(
+        self, module: nn.Module, x: torch.Tensor | None, output, rows: ExampleRows | None = None
+    ) -> bool:
         """B explicit per-example gradients of the module take fewer floats than its output gradient (a
-        linear layer: T > d_in), which book-keeping would keep to the end of the backward."""
+        linear layer: T > d_in), which book-keeping would keep to the end of the backward. Always on a time-major
+        input (rows.py): Longformer scales its query projections' outputs in place (``query_vectors /= √d``), and
+        the gradient towards a recorded output would be the one towards the scaled tensor, where the tap's fresh
+        output (hooks.tap) keeps the scaling out of ∂L/∂y."""
         if self.layers.rules[module] is None or x is None or not isinstance(output, torch.Tensor):
             return False
+        if rows is not None and rows.time_major:
+            return True
         params = self.layers.of(module)
         if any(
             hasattr(p, "ds_shape") for p in params

@@ -276,6 +276,11 @@ register_call_rule(reads_one_linear)(one_linear_rule)
 def per_call_grads(call: ModuleCall, param_names: list[str]) -> dict[str, PerExampleGradient]:
     """The per-example gradients of a module without a layer rule, from its whole call: its call rule where one
     is registered and covers ``param_names``, else the torch.func fallback."""
+    if call.rows is not None and call.rows.time_major:
+        raise UnsupportedModuleError(
+            f"{type(call.module).__name__} has no layer rule and takes a time-major (T, B, ...) input, which its call "
+            "rule and the torch.func fallback do not split per example: register a layer rule for it, or freeze it"
+        )
     rule = call_rule_for(call.module)
     if rule is not None:
         found = rule(call)

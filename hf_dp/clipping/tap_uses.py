@@ -153,7 +153,7 @@ class OtherUses:
         checkpoint's recomputation (the backward runs untracked), where the module's single use recomputes it."""
         if not self.collector.counting and module in self._flattened:
             found = self._flattened[module]
-            if x is not None and x.dim() > 0 and x.shape[0] == found.count:
+            if x is not None and found.holds(x):
                 return found
         rows = batch_rows(self.collector.layers, module, x, self.collector.rows, self.collector.tracking)
         if rows is not None and self.collector.counting:

@@ -113,6 +113,8 @@ class PrivacyUnits:
         micro-batch's own rows): a unit of whole rows by its rows' examples; a packed record by its token, for the
         rows of a row-major reshape of the (R, W) tokens (a padding token, which no loss reads and so gets no
         gradient, is put in unit 0). None where a row's unit is not known: a module that sees whole packed rows."""
+        if rows is not None and rows.time_major:
+            return None
         if self.per_row:
             example = torch.arange(self.rows, device=self.slots.device) if rows is None else rows.example
             return ExampleRows(self.unit_of_row()[example], self.count, None)
@@ -173,7 +175,14 @@ def regroup_for_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's input and output gradient with flattened rows laid out by example (``rows``, rows.py) and each
     unit's tokens gathered into one example (None: unchanged); rows picked by routing: laid out by their unit."""
-    if rows is not None:
+    if rows is not None and rows.time_major:  # (T, B, …) as (B, T, …), whose dimension 1 is no token position
+        if units is not None and not units.per_row:
+            raise UnitLayoutError(
+                f"{where} takes a time-major input, whose rows are not the packed records' token positions, so its "
+                "per-unit gradients cannot be formed; freeze it"
+            )
+        x, grad_out = rows.as_examples(x, grad_out)
+    elif rows is not None:
         if units is not None and rows.per_example is None:
             by_unit = units.rows_by_unit(rows)  # whole-row units: each routed row's example's
             if by_unit is None:
