@@ -12,7 +12,7 @@ from torch import nn
 from hf_dp.clipping import one_linear, rules
 from hf_dp.clipping.fallback import ModuleCall
 from hf_dp.clipping.one_linear import one_linear_rule, reads_one_linear
-from hf_dp.clipping.rows import ExampleRows
+from hf_dp.clipping.row_maps import ExampleRows
 
 
 class Router(nn.Module):

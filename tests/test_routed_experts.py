@@ -16,7 +16,7 @@ from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.experts import RoutedOuterProductSum, is_routed_experts, routed_experts_rule
 from hf_dp.clipping.fallback import ModuleCall
 from hf_dp.clipping.pipeline import clipped_step
-from hf_dp.clipping.rows import ExampleRows
+from hf_dp.clipping.row_maps import ExampleRows
 from tests import models, oracle
 from tests.test_checkpointing import ONE_PROCESS, ZERO2, checkpointed_steps
 from tests.test_engine import assert_close

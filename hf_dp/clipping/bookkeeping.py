@@ -34,7 +34,8 @@ from hf_dp.clipping.hooks import (
     tensor_outputs,
 )
 from hf_dp.clipping.per_example import PerExampleGradient, combined_squared_norm
-from hf_dp.clipping.rows import ExampleRows, RowTracking
+from hf_dp.clipping.row_maps import ExampleRows
+from hf_dp.clipping.rows import RowTracking
 from hf_dp.clipping.rules import call_rule_for, per_call_grads
 from hf_dp.clipping.shared import SharedUse, anchored
 from hf_dp.clipping.sums import Terms

@@ -28,7 +28,7 @@ from hf_dp.clipping.per_example import (
     OuterProductSum,
     example_chunks,
 )
-from hf_dp.clipping.rows import ExampleRows
+from hf_dp.clipping.row_maps import ExampleRows
 from hf_dp.clipping.wide_gemm import LOW_PRECISION, dots, gram, wide, wide_bmm
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache
 
 from hf_dp.clipping.errors import UnsupportedModuleError
 from hf_dp.clipping.per_example import Materialised, PerExampleGradient
-from hf_dp.clipping.rows import ExampleRows
+from hf_dp.clipping.row_maps import ExampleRows
 from hf_dp.clipping.wide_gemm import wide
 
 Received = Callable[[tuple, dict, list[torch.Tensor | None]], None]

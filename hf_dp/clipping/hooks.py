@@ -18,7 +18,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from hf_dp.clipping.lora_params import claims_nested
-from hf_dp.clipping.rows import ExampleRows, RowTracking
+from hf_dp.clipping.row_maps import ExampleRows
+from hf_dp.clipping.rows import RowTracking
 from hf_dp.clipping.rules import (
     Rule,
     UnsupportedModuleError,

@@ -9,21 +9,15 @@ along rows index the map; ``cat`` along rows concatenates maps; row-wise operati
 ``linear``, norms, activations, dropout, reductions and softmax over other dimensions) keep it. Any other
 operation drops it, so a layer fed rows of unknown origin is refused, never mislabelled.
 
-A time-major tensor (T, B, …) (Longformer's and LED's self-attention project ``hidden_states.transpose(0, 1)``)
-has the batch as its dimension 1: a transpose or permute that moves a batch-major tensor's dimension 0 to 1 makes
-one, a reshape that keeps dimensions 0 and 1 and a row-wise operation over the others keep it, and one that moves
-dimension 1 back to 0 gives the batch's own rows. Indexing it with a pair of index tensors gives rows of the
-examples the second one names; writing such rows into a tensor of zeros (``new_zeros``) at positions whose second
-index is each row's own example makes another time-major tensor (Longformer's global query, the batch's global
-tokens padded to the most any example has: zero rows). A layer's rule sees such an input and its output gradient
-transposed back, (B, T, …), so it sums over T as over a batch-major input's tokens.
+A time-major tensor (T, B, …) (Longformer's and LED's self-attention) has the batch as its dimension 1
+(time_major.py); a layer's rule sees such an input and its output gradient transposed back, (B, T, …). The map
+and the operations it reads are in row_maps.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,100 +27,24 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from hf_dp.clipping.errors import UnsupportedModuleError
 from hf_dp.clipping.reads import Loose, LooseWatch, reads_values
+from hf_dp.clipping.row_maps import (
+    OVER_A_DIMENSION,
+    RESHAPES,
+    ROW_WISE,
+    SPLITS,
+    TRANSPOSES,
+    ZEROS,
+    ExampleRows,
+    dim_of,
+    tensor_leaves,
+)
 from hf_dp.clipping.shared import SharedUse, broadcast
+from hf_dp.clipping.time_major import TimeMajorRows
 
 Tensor = torch.Tensor
 
 
-@dataclass(frozen=True)
-class ExampleRows:
-    """``example[r]``: the example of row r; ``per_example``: k when row r belongs to example r // k (a reshape of
-    the batch), None when rows were picked (routing) and an example may own any number of them."""
-
-    example: torch.Tensor
-    rows: int  # B
-    per_example: int | None
-    time_major: bool = False  # a (T, B, …) tensor: example i's rows are [:, i] (``example``: arange(B))
-
-    @property
-    def count(self) -> int:
-        return self.example.shape[0]
-
-    def as_examples(self, *tensors: Tensor) -> list[Tensor]:
-        """Each (N, …) tensor as (B, n, …) with example i's rows in its slice (zero rows where an example owns fewer
-        than n): every layer rule sums over the middle dimension, to which zero rows add nothing. A time-major
-        (T, B, …) tensor as (B, T, …)."""
-        if self.time_major:
-            return [t.transpose(0, 1) for t in tensors]
-        if self.per_example is not None:
-            return [t.reshape(self.rows, self.per_example, *t.shape[1:]) for t in tensors]
-        owned = torch.bincount(self.example, minlength=self.rows)
-        slot = torch.arange(self.count, device=self.example.device)
-        order = torch.argsort(self.example, stable=True)
-        starts = torch.cumsum(owned, 0) - owned
-        position = torch.empty_like(slot)
-        position[order] = slot - starts[self.example[order]]
-        width = int(owned.max()) if self.count else 0
-        laid_out = []
-        for t in tensors:
-            dense = t.new_zeros((self.rows, width, *t.shape[1:]))
-            dense[self.example, position] = t
-            laid_out.append(dense)
-        return laid_out
-
-    def holds(self, x: Tensor) -> bool:
-        """Whether ``x`` has this map's layout (a checkpoint's recomputation of the input it was tracked on)."""
-        if self.time_major:
-            return x.dim() > 1 and x.shape[1] == self.rows
-        return x.dim() > 0 and x.shape[0] == self.count
-
-    def sum_per_example(self, per_row: Tensor) -> Tensor:
-        """(N, …) per-row values summed into (B, …) per example."""
-        return per_row.new_zeros((self.rows, *per_row.shape[1:])).index_add_(0, self.example, per_row)
-
-
-# fmt: off
-_RESHAPES = {Tensor.reshape, Tensor.view, torch.reshape, Tensor.flatten, torch.flatten, Tensor.view_as}
-_ROW_WISE = {
-    F.linear, F.layer_norm, F.rms_norm, F.dropout, F.gelu, F.relu, F.silu, F.mish, F.tanh, F.sigmoid,
-    F.softplus, torch.add, torch.sub, torch.mul, torch.div, torch.tanh, torch.sigmoid, torch.rsqrt, torch.exp,
-    torch.where, torch.pow, torch.clamp, torch.erf, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__,
-    Tensor.__sub__, Tensor.__rsub__, Tensor.__isub__, Tensor.__mul__, Tensor.__rmul__, Tensor.__imul__,
-    Tensor.__truediv__, Tensor.__itruediv__, Tensor.__neg__, Tensor.__pow__, Tensor.add, Tensor.add_,
-    Tensor.sub, Tensor.mul, Tensor.mul_, Tensor.div, Tensor.div_, Tensor.pow, Tensor.rsqrt, Tensor.sqrt,
-    Tensor.exp, Tensor.tanh, Tensor.sigmoid, Tensor.clamp, Tensor.to, Tensor.float, Tensor.half,
-    Tensor.bfloat16, Tensor.double, Tensor.type, Tensor.type_as, Tensor.contiguous, Tensor.clone,
-    Tensor.masked_fill, Tensor.float_power,
-}
-_OVER_A_DIMENSION = {  # row-wise when the dimension they reduce or normalise over is not the rows'
-    torch.softmax, F.softmax, F.log_softmax, Tensor.softmax, Tensor.log_softmax, torch.mean, torch.sum,
-    Tensor.mean, Tensor.sum, Tensor.amax, Tensor.norm, Tensor.var,
-}
-_SPLITS = {torch.split, torch.chunk, Tensor.split, Tensor.chunk}
-_TRANSPOSES = {
-    Tensor.transpose, torch.transpose, Tensor.swapaxes, torch.swapaxes, Tensor.swapdims, torch.swapdims,
-    Tensor.permute, torch.permute,
-}
-_ZEROS = {Tensor.new_zeros, torch.zeros, torch.zeros_like}
-# fmt: on
-
-
-def _dim_of(func, args: tuple, kwargs: dict) -> object:
-    dim = kwargs.get("dim", args[1] if len(args) > 1 and func not in _SPLITS else None)
-    if func in _SPLITS:
-        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
-    return dim
-
-
-def _leaves(value) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in _leaves(v)]
-    return []
-
-
-class RowTracker(TorchFunctionMode):
+class RowTracker(TimeMajorRows, TorchFunctionMode):
     """The row → example maps of the tensors one recorded forward makes (``rows_of``); ``seen`` turns true when a
     layer asked for one (the engine then keeps tracking on later steps)."""
 
@@ -192,7 +110,7 @@ class RowTracker(TorchFunctionMode):
         """An operation on tensors made from a shared output: where one meets the batch (its result has the batch's
         rows, another input does too, or it expands to them), it gets the shared tensor broadcast to the batch
         explicitly (shared.broadcast); otherwise its result is made from the same shared uses."""
-        leaves = _leaves(args) + _leaves(list(kwargs.values()))
+        leaves = tensor_leaves(args) + tensor_leaves(list(kwargs.values()))
         uses = [use for t in leaves for use in self._shared.get(t, [])]
         if not uses:
             out = func(*args, **kwargs)
@@ -209,7 +127,7 @@ class RowTracker(TorchFunctionMode):
         rank = self._meets_batch(func, args, leaves)
         if rank is None:
             out = func(*args, **kwargs)
-            for t in _leaves(out):
+            for t in tensor_leaves(out):
                 self._shared[t] = list(dict.fromkeys(uses))
             return out
 
@@ -292,7 +210,7 @@ class RowTracker(TorchFunctionMode):
             found = self._maps.get(out)
             if mapped is None and found is not None and found.time_major:
                 del self._maps[out]
-        if func in _ZEROS and isinstance(out, Tensor):
+        if func in ZEROS and isinstance(out, Tensor):
             self._zeros[out] = True
         if (
             mapped is not None
@@ -300,129 +218,27 @@ class RowTracker(TorchFunctionMode):
             and not (mapped.per_example == 1 and not mapped.time_major and out.shape[0] == self.rows)
         ):
             self._maps[out] = mapped
-        elif isinstance(out, tuple | list) and func in _SPLITS and mapped is not None:
+        elif isinstance(out, tuple | list) and func in SPLITS and mapped is not None:
             for part in out:
                 self._maps[part] = mapped
 
     def _propagate(self, func, args: tuple, kwargs: dict, out) -> ExampleRows | None:
         if not args or not isinstance(args[0], Tensor) and func is not torch.cat:
             return None
-        if func in _TRANSPOSES:
+        if func in TRANSPOSES:
             return self._transposed(func, args, kwargs, out)
-        inputs = [args[0]] if func is F.linear else _leaves(args) + _leaves(list(kwargs.values()))
+        inputs = [args[0]] if func is F.linear else tensor_leaves(args) + tensor_leaves(list(kwargs.values()))
         if any(self._maps.get(t) is not None and self._maps[t].time_major for t in inputs):
             return self._from_time_major(func, args, kwargs, inputs, out)
-        if func in _RESHAPES:
+        if func in RESHAPES:
             return self._reshaped(args[0], out)
         if func is Tensor.__getitem__ or func is torch.index_select or func is Tensor.index_select:
             return self._indexed(func, args, kwargs, out)
         if func is torch.cat:
             return self._concatenated(args, kwargs, out)
-        if func in _ROW_WISE or func in _OVER_A_DIMENSION or func in _SPLITS:
+        if func in ROW_WISE or func in OVER_A_DIMENSION or func in SPLITS:
             return self._row_wise(func, args, kwargs, out)
         return None
-
-    def _time_major_rows(self, like: Tensor) -> ExampleRows:
-        return ExampleRows(torch.arange(self.rows, device=like.device), self.rows, None, time_major=True)
-
-    def _transposed(self, func, args: tuple, kwargs: dict, out) -> ExampleRows | None:
-        """A batch-major tensor's dimension 0 moved to 1 (time-major), or a time-major one's 1 moved back to 0."""
-        source = args[0]
-        if not isinstance(out, Tensor) or source.dim() < 2:
-            return None
-        found = self._maps.get(source)
-        if found is None and source.shape[0] == self.rows:
-            batch = 0  # the batch's own rows
-        elif found is not None and found.time_major:
-            batch = 1
-        else:
-            return None
-        n = source.dim()
-        if func in (Tensor.permute, torch.permute):
-            dims = kwargs.get("dims", args[1] if len(args) == 2 else args[1:])
-            order = [int(d) % n for d in (dims if isinstance(dims, tuple | list | torch.Size) else (dims,))]
-        else:
-            first = kwargs.get("dim0", args[1] if len(args) > 1 else None)
-            second = kwargs.get("dim1", args[2] if len(args) > 2 else None)
-            if not isinstance(first, int) or not isinstance(second, int):
-                return None
-            order = list(range(n))
-            order[first % n], order[second % n] = order[second % n], order[first % n]
-        if sorted(order) != list(range(n)) or out.dim() != n:
-            return None
-        moved = order.index(batch)
-        if moved == 0:
-            return ExampleRows(torch.arange(self.rows, device=out.device), self.rows, 1)
-        return self._time_major_rows(out) if moved == 1 else None
-
-    def _from_time_major(
-        self, func, args: tuple, kwargs: dict, inputs: list[Tensor], out
-    ) -> ExampleRows | None:
-        """An operation on a time-major tensor: kept time-major by a reshape that keeps dimensions 0 and 1 and by
-        a row-wise operation whose other operands are time-major or do not reach dimension 1; indexed by a pair of
-        index tensors, rows of the examples the second names. Anything else: no map."""
-        source = args[0]
-        if func in _RESHAPES:
-            keeps = isinstance(out, Tensor) and out.dim() >= 2 and out.shape[:2] == source.shape[:2]
-            return self._time_major_rows(out) if keeps and self._is_time_major(source) else None
-        if func is Tensor.__getitem__:
-            index = args[1]
-            if (
-                self._is_time_major(source)
-                and isinstance(out, Tensor)
-                and _index_pair(index)
-                and out.dim() > 0
-                and out.shape[0] == index[1].shape[0]
-            ):
-                return ExampleRows(index[1] % self.rows, self.rows, None)
-            return None
-        if func not in _ROW_WISE and func not in _OVER_A_DIMENSION and func not in _SPLITS:
-            return None
-        outs = _leaves(out)
-        if not outs or any(o.dim() < 2 or o.shape[:2] != outs[0].shape[:2] for o in outs):
-            return None
-        if func in _OVER_A_DIMENSION or func in _SPLITS:
-            dim, ndim = _dim_of(func, args, kwargs), source.dim()
-            dims = dim if isinstance(dim, tuple | list) else (dim,)
-            if dim is None or any(not isinstance(d, int) or d % ndim in (0, 1) for d in dims):
-                return None
-        for t in inputs:
-            if self._is_time_major(t):
-                if t.dim() != outs[0].dim() or t.shape[:2] != outs[0].shape[:2]:
-                    return None
-                continue
-            reach = t.dim() - outs[0].dim() + 1  # the operand's dimension broadcast against dimension 1
-            if self._maps.get(t) is not None or (reach >= 0 and t.shape[reach] != 1):
-                return None
-        return self._time_major_rows(outs[0])
-
-    def _is_time_major(self, t: Tensor) -> bool:
-        found = self._maps.get(t)
-        return found is not None and found.time_major
-
-    def _written(self, target, index, value) -> None:
-        """``target[index] = value``: a tensor of zeros, or a time-major one, stays time-major (or becomes it) when
-        each written row goes to its own example's position along dimension 1; otherwise a time-major map is
-        dropped."""
-        if not isinstance(target, Tensor):
-            return
-        zeros = self._zeros.pop(target, None) is not None
-        if not (zeros or self._is_time_major(target)):
-            return
-        found = self._maps.get(value) if isinstance(value, Tensor) else None
-        if (
-            found is not None
-            and not found.time_major
-            and target.dim() >= 2
-            and target.shape[1] == self.rows
-            and _index_pair(index)
-            and value.dim() > 0
-            and value.shape[0] == found.count == index[1].shape[0]
-            and torch.equal(found.example, index[1] % self.rows)
-        ):
-            self._maps[target] = self._time_major_rows(target)
-        else:
-            self._maps.pop(target, None)
 
     def _reshaped(self, source: Tensor, out) -> ExampleRows | None:
         mapped = self._of(source)
@@ -439,14 +255,14 @@ class RowTracker(TorchFunctionMode):
         return None
 
     def _row_wise(self, func, args: tuple, kwargs: dict, out) -> ExampleRows | None:
-        if func in _OVER_A_DIMENSION or func in _SPLITS:
-            dim, ndim = _dim_of(func, args, kwargs), args[0].dim()
+        if func in OVER_A_DIMENSION or func in SPLITS:
+            dim, ndim = dim_of(func, args, kwargs), args[0].dim()
             dims = dim if isinstance(dim, tuple | list) else (dim,)
             if dim is None or any(
                 d is None or d % ndim == 0 for d in dims if isinstance(d, int) or d is None
             ):
                 return None
-        inputs = _leaves(args) + _leaves(list(kwargs.values()))
+        inputs = tensor_leaves(args) + tensor_leaves(list(kwargs.values()))
         maps = [m for m in (self._maps.get(t) for t in inputs) if m is not None]
         if not maps or any(m is not maps[0] for m in maps[1:]):
             return None
@@ -457,7 +273,7 @@ class RowTracker(TorchFunctionMode):
             for t in inputs
         ):
             return None
-        outs = _leaves(out)
+        outs = tensor_leaves(out)
         if not outs or any(o.dim() == 0 or o.shape[0] != n for o in outs):
             return None
         return maps[0]
@@ -490,19 +306,6 @@ class RowTracker(TorchFunctionMode):
         if any(m is None for m in maps):
             return None
         return ExampleRows(torch.cat([m.example for m in maps]), self.rows, None)
-
-
-def _index_pair(index) -> bool:
-    """``index`` is two integer index tensors of one length: advanced indexing of dimensions 0 and 1."""
-    return (
-        isinstance(index, tuple)
-        and len(index) == 2
-        and all(
-            isinstance(i, Tensor) and i.dim() == 1 and not i.is_floating_point() and i.dtype != torch.bool
-            for i in index
-        )
-        and index[0].shape == index[1].shape
-    )
 
 
 class RowTracking:

@@ -15,7 +15,7 @@ from torch import nn
 from hf_dp.clipping.fallback import ModuleCall, tap_call
 from hf_dp.clipping.hooks import UnsupportedModuleError, batch_rows, check_shared_use, is_checkpointing
 from hf_dp.clipping.per_example import PerExampleGradient
-from hf_dp.clipping.rows import ExampleRows
+from hf_dp.clipping.row_maps import ExampleRows
 from hf_dp.clipping.rules import per_call_grads
 from hf_dp.clipping.shared import SharedUse, anchored
 

@@ -39,7 +39,8 @@ from hf_dp.clipping.per_example import (
     PerExampleGradient,
     combined_squared_norm,
 )
-from hf_dp.clipping.rows import ExampleRows, RowTracking
+from hf_dp.clipping.row_maps import ExampleRows
+from hf_dp.clipping.rows import RowTracking
 from hf_dp.clipping.rules import parameter_at
 from hf_dp.clipping.tail import Tail, TailFinder, keep_form
 from hf_dp.clipping.tap_uses import OtherUses

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_dp.clipping.errors import UnsupportedModuleError
-from hf_dp.clipping.rows import ExampleRows
+from hf_dp.clipping.row_maps import ExampleRows
 
 
 class UnitLayoutError(ValueError):
