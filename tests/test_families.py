@@ -35,6 +35,19 @@ def _decoder(config_class: str, model_class: str, fields: dict) -> nn.Module:
     return getattr(T, model_class)(getattr(T, config_class)(**models.DECODER_SIZES, **fields))
 
 
+def _roberta_like(config_class: type, model_class: type) -> nn.Module:
+    """A RoBERTa-shaped classifier: padding id 1, positions counted past it."""
+    config = config_class(
+        **models._ENCODER,
+        num_labels=3,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        max_position_embeddings=40,
+    )
+    return model_class(config)
+
+
 def _classes(batch=None):
     return batch or (lambda: models.classification_batch(3))
 
@@ -292,16 +305,7 @@ FAMILIES = {
         "rules",
     ),
     "xlm_roberta": (
-        lambda: T.XLMRobertaForSequenceClassification(
-            T.XLMRobertaConfig(
-                **models._ENCODER,
-                num_labels=3,
-                pad_token_id=1,
-                bos_token_id=0,
-                eos_token_id=2,
-                max_position_embeddings=40,
-            )
-        ),
+        lambda: _roberta_like(T.XLMRobertaConfig, T.XLMRobertaForSequenceClassification),
         _classes(lambda: models.classification_batch(3, pad=1)),
         torch.float64,
         "rules",
@@ -563,16 +567,7 @@ FAMILIES = {
         "rules",
     ),
     "camembert": (
-        lambda: T.CamembertForSequenceClassification(
-            T.CamembertConfig(
-                **models._ENCODER,
-                num_labels=3,
-                pad_token_id=1,
-                bos_token_id=0,
-                eos_token_id=2,
-                max_position_embeddings=40,
-            )
-        ),
+        lambda: _roberta_like(T.CamembertConfig, T.CamembertForSequenceClassification),
         _classes(lambda: models.classification_batch(3, pad=1)),
         torch.float64,
         "rules",
