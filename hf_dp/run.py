@@ -38,6 +38,7 @@ from hf_dp.clipping.plan import StepPlanner
 from hf_dp.cpu_heap import keep_freed_memory
 from hf_dp.data import EpochDataLoader, dp_dataloader
 from hf_dp.distributed import lost_process, reshard_after_forward_only
+from hf_dp.inputs_fit import check_inputs_fit
 from hf_dp.loss_contract import MicroBatch
 from hf_dp.mechanism import GaussianMechanism, noise_mechanism_of
 from hf_dp.optim.registry import make_dp_optimizer, shifted_evaluations
@@ -77,6 +78,7 @@ class PrivateRun:
         self.optimizer: torch.optim.Optimizer | None = None  # the DP update rule, before accelerate wraps it
         self.update_rule: UpdateRule = (args.dp_optimizer, dict(args.dp_optimizer_kwargs))
         self.records_checked = False  # packed records were checked not to read each other
+        self.inputs_checked = False  # the first micro-batch was checked to fit the model
         self.examples_checked = False  # examples were checked to give the same loss in a batch as alone
         self._accounted = False  # this logical batch's release is in the ledger
         self._trained = False
@@ -206,11 +208,17 @@ class PrivateRun:
         )
         optimizer.register_step_pre_hook(lambda opt, *_: self.release(opt))
 
-    def clip(self, losses_of, micro: MicroBatch, model: nn.Module, base: nn.Module) -> torch.Tensor:
+    def clip(
+        self, losses_of, micro: MicroBatch, model: nn.Module, base: nn.Module, inputs: dict[str, Any]
+    ) -> torch.Tensor:
         """One micro-batch's clipped sum under the logical batch's plan (opened here at its first micro-batch);
         returns what the Trainer's backward must back-propagate (a zero when ``.grad`` already holds the sum).
         ``base``: the transformers model under its wrappers, whose input embeddings the records check perturbs.
+        ``inputs``: the micro-batch, checked once to fit the model (token ids, positions, labels).
         ``micro.alone``: some of its examples alone, checked once to give the losses they give in it."""
+        if not self.inputs_checked:
+            check_inputs_fit(base, inputs)
+            self.inputs_checked = True
         checked = False
         if micro.alone is not None and not self.examples_checked:
             low_precision = bool(self.args.bf16 or self.args.fp16)

@@ -166,7 +166,7 @@ class DPTrainerMixin:
     def _clipped_step(self, model: nn.Module, inputs: dict[str, Any], micro: MicroBatch) -> torch.Tensor:
         """The clipped step on this micro-batch; returns what the parent's training_step back-propagates."""
         losses_of = micro.per_example_losses(self.compute_loss, inputs, f"{type(self).__name__}.compute_loss")
-        return self.dp.clip(losses_of, micro, model, unwrap_model(self.model))
+        return self.dp.clip(losses_of, micro, model, unwrap_model(self.model), inputs)
 
     def train_one_step(self, micro_batches: list[dict[str, Any]]) -> float:
         """One logical batch outside ``Trainer.train`` (benchmarks, audits): every micro-batch's clipped step, the
