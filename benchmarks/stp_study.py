@@ -1,6 +1,6 @@
 """The scale-then-privatize study where it was made (Ganesh, McMahan, Thakurta; ../shared/spec/CORRELATED-NOISE.md):
 DP-Adam and scale-then-privatize (STP), each with independent noise and with BandMF (``num_bands="auto"``), for
-thousands of steps at ε = 8 on SST-2 (all-MiniLM-L6-v2, recipes/glue.py's defaults otherwise), paired seeds: each
+thousands of steps at ε = 8 on SST-2 (DP-BiTFiT on all-MiniLM-L6-v2, recipes/glue.py's defaults otherwise), paired seeds: each
 seed's four arms draw the same batches and the same noise streams (``insecure_dp_seed``, an experiment's only use
 of it). It reports SST-2 dev accuracy per arm, its mean and spread over seeds, and which ordering holds.
 
@@ -77,7 +77,8 @@ def arm_args(
 ) -> list:
     name, optimizer, mechanism = arm
     args = [
-        "--task_name", "sst2", "--model_name_or_path", model, "--data_dir", data, "--target_epsilon", "8",
+        "--task_name", "sst2", "--model_name_or_path", model, "--trainable", "bitfit", "--data_dir", data,
+        "--target_epsilon", "8",
         "--max_steps", str(cli.steps), "--dp_optimizer", optimizer, "--noise_mechanism", mechanism,
         "--insecure_dp_seed", str(seed), "--seed", str(seed), "--logging_steps", str(max(1, cli.steps // 10)),
         "--output_dir", str(out / f"{name}_{seed}"), "--results_json", str(out / f"{name}_{seed}.json"),

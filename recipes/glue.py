@@ -51,6 +51,7 @@ from transformers import (  # noqa: E402
     AutoTokenizer,
     DataCollatorWithPadding,
     HfArgumentParser,
+    default_data_collator,
 )
 
 from hf_dp import DPTrainer, DPTrainingArguments, make_dp_optimizer  # noqa: E402
@@ -60,6 +61,7 @@ from recipes.common import (  # noqa: E402
     SORT_BY_LENGTH_HELP,
     LoraArguments,
     default_minilm_path,
+    default_mpnet_path,
     lora_default,
     parse_recipe_args,
     privacy_record,
@@ -69,6 +71,7 @@ from recipes.common import (  # noqa: E402
     shared_data_dir,
     sort_by_length,
 )
+from recipes.linear_probe import LinearProbe, LinearProbeConfig, encoder_dtype, probe_datasets  # noqa: E402
 
 # Compared on held-out SST-2 train rows (--holdout 1000), never on dev; benchmarks/results/glue_sst2_tuning.json.
 # At ε = 8 and 100 steps x 512, DP-BiTFiT (biases, LayerNorms, classifier; Bu et al. 2022) on MEAN-pooled
@@ -90,16 +93,29 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "per_sample_max_grad_norm": 1.0,
     "logging_steps": 10,
 }
-# QNLI's own defaults, chosen on 1000 held-out QNLI train rows (glue_qnli_tuning.json), never on dev: pairs
-# need 128 tokens; at equal compute more steps beat a larger batch (256 x 100: 0.626, 512 x 50: 0.57); one lr
-# (the 2e-2 head tied at 100 steps but left the held-out loss at 1.2, overconfident); 250 steps reached 0.683.
+# Each task's own defaults. SST-2: the private linear probe on all-mpnet-base-v2 (PROBE_DEFAULTS). QNLI: chosen on
+# 1000 held-out QNLI train rows (glue_qnli_tuning.json), never on dev: pairs need 128 tokens; at equal compute more
+# steps beat a larger batch (256 x 100: 0.626, 512 x 50: 0.57); one lr (the 2e-2 head tied at 100 steps but left
+# the held-out loss at 1.2, overconfident); 250 steps reached 0.683.
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sst2": {"trainable": "probe"},
     "qnli": {
         "max_seq_length": 128,
         "gradient_accumulation_steps": 4,
         "max_steps": 250,
         "head_learning_rate": 0.0,
     },
+}
+# --trainable probe, compared on held-out SST-2 train rows (--holdout 1000), never on dev
+# (benchmarks/results/glue_sst2_probe_tuning.json): AdamW on the unit-norm features; batch, steps and lr below.
+PROBE_DEFAULTS: dict[str, Any] = {
+    "per_device_train_batch_size": 1024,
+    "gradient_accumulation_steps": 2,
+    "per_device_eval_batch_size": 1024,
+    "max_steps": 500,
+    "learning_rate": 0.3,
+    "head_learning_rate": 0.0,
+    "logging_steps": 50,
 }
 DEFAULT_EPSILON = 8.0
 
@@ -153,7 +169,9 @@ class ModelArguments(LoraArguments):
     trainable: str = field(
         default="bitfit",
         metadata={
-            "help": "'all': full fine-tuning; 'bitfit': biases, LayerNorms, pooler and classifier (DP-BiTFiT); "
+            "help": "'probe' (SST-2's default): a linear classifier on the frozen encoder's pooled features, "
+            "encoded once (recipes/linear_probe.py; default model all-mpnet-base-v2); "
+            "'all': full fine-tuning; 'bitfit': biases, LayerNorms, pooler and classifier (DP-BiTFiT); "
             "'lora': peft LoRA adapters + classifier (same as --use_lora); 'head': pooler and classifier only; "
             "'top<K>' (e.g. top2): the last K transformer layers, pooler and classifier (the backward pass runs "
             "through those K layers only)."
@@ -176,6 +194,13 @@ class ModelArguments(LoraArguments):
         metadata={
             "help": "Learning rate of the classification head (and pooler); the rest uses --learning_rate. "
             "0 or negative: --learning_rate for all."
+        },
+    )
+    encoder_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "--trainable probe: the dtype the frozen encoder computes the features in: auto (the default: "
+            "bfloat16 where the CPU or GPU computes it natively, else float32), float32 or bfloat16."
         },
     )
     save_model: bool = field(default=False, metadata={"help": "Save the final model in output_dir."})
@@ -363,7 +388,7 @@ def select_trainable(model: torch.nn.Module, model_args: ModelArguments, num_lab
     frozen: softmax is invariant to the score q·b_k they add to every key, so their gradient is zero up to
     rounding (which group-wise clipping's check against autograd would flag).
     """
-    mode = "lora" if model_args.use_lora else model_args.trainable
+    mode = trained_part(model_args)
     if mode == "all":
         return model
     if mode == "lora":
@@ -413,36 +438,94 @@ def accuracy(prediction) -> dict[str, float]:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, DPTrainingArguments]:
-    """The recipe's arguments: the user's values over the task's defaults (TASK_DEFAULTS) over RECIPE_DEFAULTS."""
+    """The recipe's arguments: the user's values over the probe's defaults (PROBE_DEFAULTS, when the probe is what
+    trains) over the task's (TASK_DEFAULTS) over RECIPE_DEFAULTS."""
     parser = HfArgumentParser((ModelArguments, DataArguments, DPTrainingArguments))
-    model_args, data_args, training_args = parse_recipe_args(parser, RECIPE_DEFAULTS, DEFAULT_EPSILON, argv)
-    task_key, _ = task_for(data_args.task_name)
-    if task_key not in TASK_DEFAULTS:
-        return model_args, data_args, training_args
-    defaults = {**RECIPE_DEFAULTS, **TASK_DEFAULTS[task_key]}
-    return parse_recipe_args(parser, defaults, DEFAULT_EPSILON, argv)
+    parsed = parse_recipe_args(parser, RECIPE_DEFAULTS, DEFAULT_EPSILON, argv)
+    defaults = {**RECIPE_DEFAULTS, **TASK_DEFAULTS.get(task_for(parsed[1].task_name)[0], {})}
+    parsed = parse_recipe_args(parser, defaults, DEFAULT_EPSILON, argv)
+    if trained_part(parsed[0]) == "probe":
+        defaults |= {**PROBE_DEFAULTS, "model_name_or_path": default_mpnet_path()}
+        parsed = parse_recipe_args(parser, defaults, DEFAULT_EPSILON, argv)
+    return parsed
 
 
-def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
-    """Parse ``argv`` (default: the command line), train, evaluate; return the trainer and the results record."""
-    model_args, data_args, training_args = parse_args(argv)
-    _, task = task_for(data_args.task_name)
-    train, evaluation, split = load_splits(data_args, task)
+def trained_part(model_args: ModelArguments) -> str:
+    """What trains: ``--trainable``, or ``lora`` under ``--use_lora``."""
+    return "lora" if model_args.use_lora else model_args.trainable
 
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
+
+def sequence_classifier(
+    model_args: ModelArguments, training_args: DPTrainingArguments, num_labels: int
+) -> Any:
+    """The pretrained model with a classification head, pooled as ``--pooling`` says, frozen as ``--trainable``
+    says (or 4-bit and LoRA)."""
     quantized = model_args.quantized_loading(
         training_args, pretrained=True, keep=("classifier", "score", "pooler")
     )
     model = AutoModelForSequenceClassification.from_pretrained(
-        model_args.model_name_or_path, num_labels=len(task.labels), **quantized
+        model_args.model_name_or_path, num_labels=num_labels, **quantized
     )
     model = model_args.prepared_base(model)
     if resolve_pooling(model_args) == "mean":
         use_mean_pooling(model)
     elif model_args.pooling not in ("cls", "auto"):
         raise ValueError(f"unknown --pooling {model_args.pooling!r}; use cls or mean")
-    model = select_trainable(model, model_args, len(task.labels))
+    model = select_trainable(model, model_args, num_labels)
     model.train()
+    return model
+
+
+def linear_probe(
+    model_args: ModelArguments, tokenizer: Any, num_labels: int, train: Dataset, evaluation: Dataset
+) -> tuple[LinearProbe, Dataset, Dataset]:
+    """``--trainable probe``: the zero-initialised linear classifier and each tokenized split as its encoder's
+    unit-norm pooled features (``features``, ``labels``)."""
+    pooling = resolve_pooling(model_args)
+    if pooling not in ("cls", "mean"):
+        raise ValueError(f"unknown --pooling {model_args.pooling!r}; use cls or mean")
+    dtype = encoder_dtype(model_args.encoder_dtype or "auto")
+    splits = {"train": train, "evaluation": evaluation}
+    features, width = probe_datasets(model_args.model_name_or_path, tokenizer, splits, pooling, dtype)
+    config = LinearProbeConfig(
+        hidden_size=width,
+        num_labels=num_labels,
+        encoder=model_args.model_name_or_path,
+        pooling=pooling,
+        encoder_dtype=str(dtype).removeprefix("torch."),
+    )
+    return LinearProbe(config), features["train"], features["evaluation"]
+
+
+@dataclass
+class Prepared:
+    """What a run trains on: the task, the evaluation split's name, the model, both splits ready for the collator,
+    and the seconds the probe's encoder took (0 otherwise)."""
+
+    task: GlueTask
+    split: str
+    model: Any
+    train: Dataset
+    evaluation: Dataset
+    collator: Any
+    encode_seconds: float = 0.0
+
+
+def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
+    """Parse ``argv`` (default: the command line), train, evaluate; return the trainer and the results record."""
+    model_args, data_args, training_args = parse_args(argv)
+    prepared = prepare(model_args, data_args, training_args)
+    return train_and_evaluate(model_args, data_args, training_args, prepared)
+
+
+def prepare(
+    model_args: ModelArguments, data_args: DataArguments, training_args: DPTrainingArguments
+) -> Prepared:
+    """Read and tokenize the splits; build the model (for the probe: encode the splits into features)."""
+    _, task = task_for(data_args.task_name)
+    train, evaluation, split = load_splits(data_args, task)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
         texts = (batch["text_a"], batch["text_b"]) if task.text_b else (batch["text_a"],)
@@ -452,16 +535,33 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
     text_columns = list(train.column_names)
     train = train.map(tokenize, batched=True, remove_columns=text_columns)
     evaluation = evaluation.map(tokenize, batched=True, remove_columns=text_columns)
+    if trained_part(model_args) == "probe":
+        started = time.time()
+        model, train, evaluation = linear_probe(model_args, tokenizer, len(task.labels), train, evaluation)
+        return Prepared(task, split, model, train, evaluation, default_data_collator, time.time() - started)
+    if model_args.encoder_dtype is not None:
+        raise ValueError("--encoder_dtype is the dtype of --trainable probe's frozen encoder: drop it here")
+    model = sequence_classifier(model_args, training_args, len(task.labels))
     if data_args.sort_by_length:  # after --holdout and --max_*_samples: only the order changes
         train = sort_by_length(train)
         evaluation = sort_by_length(evaluation)
+    return Prepared(task, split, model, train, evaluation, DataCollatorWithPadding(tokenizer))
 
+
+def train_and_evaluate(
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    training_args: DPTrainingArguments,
+    prepared: Prepared,
+) -> tuple[DPTrainer, dict[str, Any]]:
+    """Train ``prepared.model`` privately, evaluate, save if asked; return the trainer and the results record."""
+    task, split, model, evaluation = prepared.task, prepared.split, prepared.model, prepared.evaluation
     trainer = DPTrainer(
         model=model,
         args=training_args,
-        train_dataset=train,
+        train_dataset=prepared.train,
         eval_dataset=evaluation,
-        data_collator=DataCollatorWithPadding(tokenizer),
+        data_collator=prepared.collator,
         compute_metrics=accuracy,
     )
     if model_args.head_learning_rate and model_args.head_learning_rate > 0:
@@ -494,6 +594,9 @@ def run(argv: list[str] | None = None) -> tuple[DPTrainer, dict[str, Any]]:
         "eval_rows": len(evaluation),
         **privacy_record(trainer, train_output, train_seconds),
         "target_epsilon": training_args.target_epsilon,
+        "encode_seconds": round(
+            prepared.encode_seconds, 1
+        ),  # --trainable probe: the frozen encoder's one pass
         "train_cpu_seconds": round(cpu_seconds, 1),  # all threads: on a shared machine, wall time inflates
         "eval_seconds": round(metrics.get("eval_runtime", math.nan), 1),
         "examples_per_second": round(

@@ -1,4 +1,5 @@
-"""recipes/glue.py end to end at toy size on real data (../shared/data) with the real MiniLM."""
+"""recipes/glue.py end to end at toy size on real data (../shared/data) with the real MiniLM and all-mpnet-base-v2
+(SST-2's default: the private linear probe on its features)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from recipes import glue
-from recipes.common import default_minilm_path, read_glue_tsv
+from recipes.common import MPNET_FOLDER, default_minilm_path, default_mpnet_path, read_glue_tsv
+from recipes.linear_probe import pooled_features
 from tests import models
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,11 +37,72 @@ def _minilm_installed() -> None:
 
 
 @pytest.mark.slow
-def test_sst2_prints_loss_epsilon_and_accuracy(shared_data, tmp_path, capsys):
+def test_sst2_defaults_train_a_private_probe_on_mpnet(shared_data, tmp_path, capsys):
+    """SST-2's defaults: all-mpnet-base-v2 from its PyPI parts, encoded once, a linear probe (1,538 parameters)
+    trained at ε = 8 at the probe's learning rate; the saved model is the probe, which names its encoder, and
+    nothing else (the features, private data, stay in memory)."""
+    trainer, record = glue.run(["--task_name", "sst2", *TOY, "--output_dir", str(tmp_path), "--save_model"])
+    out = capsys.readouterr().out
+    assert re.search(r"features of train: 48 rows encoded in", out) and "SST-2 dev accuracy" in out
+    assert record["settings"]["model"]["model_name_or_path"] == default_mpnet_path()
+    assert (
+        record["settings"]["model"]["trainable"] == "probe" and record["trainable_parameters"] == 768 * 2 + 2
+    )
+    assert record["pooling"] == "mean" and record["encode_seconds"] > 0 and 0 < record["epsilon"] <= 8.0
+    assert {group["initial_lr"] for group in trainer.optimizer.param_groups} == {
+        glue.PROBE_DEFAULTS["learning_rate"]
+    }
+    assert trainer.model.classifier.weight.abs().sum() > 0  # zero-initialised, then trained
+    saved = {path.name for path in tmp_path.iterdir() if path.is_file()}
+    assert saved <= {"config.json", "model.safetensors", "training_args.bin"}, saved
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["encoder"] == default_mpnet_path() and config["pooling"] == "mean"
+
+
+def test_mpnet_unpacks_once_from_its_parts(tmp_path, monkeypatch):
+    """The five PyPI parts (scripts/setup.sh) join into a plain folder in $HF_DP_CACHE, with no partial left."""
+    monkeypatch.setenv("HF_DP_CACHE", str(tmp_path))
+    folder = Path(default_mpnet_path())
+    assert folder == tmp_path / MPNET_FOLDER and (folder / "model.safetensors").stat().st_size > 400e6
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "mpnet"
+    assert (folder / "1_Pooling").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == [MPNET_FOLDER]
+    assert default_mpnet_path() == str(folder)
+
+
+def test_probe_features_of_an_example_do_not_see_its_batch():
+    """Each example's pooled feature is the same in a padded batch as alone (float32): the padding is masked
+    out of both the attention and the mean."""
+    from datasets import Dataset
+    from transformers import AutoModel, AutoTokenizer, DataCollatorWithPadding
+
+    tokenizer = AutoTokenizer.from_pretrained(default_minilm_path())
+    encoder = AutoModel.from_pretrained(default_minilm_path()).eval()
+    texts = ["a gripping , funny film", "dull", "one of the year 's most clever and touching movies , really"]
+    rows = Dataset.from_dict(dict(tokenizer(texts)))
+    collator = DataCollatorWithPadding(tokenizer)
+    together = pooled_features(encoder, rows, collator, "mean", "batch")
+    for i in range(len(texts)):
+        alone = pooled_features(encoder, rows.select([i]), collator, "mean", "alone")
+        torch.testing.assert_close(together[i], alone[0], rtol=0, atol=1e-5)
+        assert together[i].norm().item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_encoder_dtype_is_the_probes_flag(shared_data, tmp_path):
+    with pytest.raises(
+        ValueError, match="--encoder_dtype is the dtype of --trainable probe's frozen encoder"
+    ):
+        glue.run(["--task_name", "sst2", *TOY, "--trainable", "bitfit", "--encoder_dtype", "float32",
+                  "--output_dir", str(tmp_path)])  # fmt: skip
+    with pytest.raises(ValueError, match="unknown --encoder_dtype 'half'"):
+        glue.run(["--task_name", "sst2", *TOY, "--encoder_dtype", "half", "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_sst2_bitfit_prints_loss_epsilon_and_accuracy(shared_data, tmp_path, capsys):
     results = tmp_path / "sst2.json"
     trainer, record = glue.run(
-        ["--task_name", "sst2", *TOY, "--target_epsilon", "3", "--output_dir", str(tmp_path),
-         "--results_json", str(results)]
+        ["--task_name", "sst2", *TOY, "--trainable", "bitfit", "--target_epsilon", "3", "--output_dir",
+         str(tmp_path), "--results_json", str(results)]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert "'loss'" in out and "'epsilon'" in out
@@ -53,7 +116,7 @@ def test_sst2_prints_loss_epsilon_and_accuracy(shared_data, tmp_path, capsys):
     assert 0 < written["epsilon"] <= 3.0 and written["epsilon"] == pytest.approx(trainer.get_epsilon())
     assert written["delta"] < 1 / 48 and written["settings"]["training"]["target_epsilon"] == 3.0
     assert all("epsilon" in entry for entry in trainer.state.log_history)
-    # the defaults: mean pooling for MiniLM, DP-BiTFiT, the classifier at its own (higher) learning rate
+    # --trainable bitfit's defaults: MiniLM, mean pooling, the classifier at its own (higher) learning rate
     assert written["pooling"] == "mean" and written["trainable_parameters"] < 40_000
     head = {id(p) for p in trainer.model.classifier.parameters()}
     rates = {
