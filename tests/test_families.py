@@ -4,7 +4,8 @@ book-keeping DP steps (the checked first one and a later one) at a clip norm bet
 some are clipped and some are not, each equal to the brute-force clipped sum (one backward per example,
 tests/oracle.py); and the path each takes (a rule per layer, tracked rows, a shared input followed to the batch, the
 torch.func fallback). tests/test_model_families.py runs the decoders with activation checkpointing,
-tests/test_flattened_rows.py the rows, positions and shared inputs."""
+tests/test_checkpointed_families.py the families added since (GPT-Neo to Marian), tests/test_flattened_rows.py the
+rows, positions and shared inputs."""
 
 from __future__ import annotations
 
@@ -704,7 +705,8 @@ def test_a_lora_dp_step_of_each_family_equals_brute_force(
 
 
 # the families whose checkpointed step no other file tests (test_model_families.py: the Llama-like decoders;
-# test_flattened_rows.py: OPT, BART, T5, MoE, Mamba, DeBERTa); MPNet has no checkpointing
+# test_flattened_rows.py: OPT, BART, T5, MoE, Mamba, DeBERTa; test_checkpointed_families.py: GPT-Neo to Marian);
+# MPNet and ALBERT have no checkpointing
 CHECKPOINTED_HERE = (
     "gpt2",
     "falcon",

@@ -1,0 +1,78 @@
+"""The families added to tests/test_families.py after tests/test_model_families.py, with activation checkpointing:
+a checkpointed DP step (the checked first step, then later ones with the tail skipped and, where the check allowed
+it, the layers replayed or run one by one) equals brute force (one backward per example, tests/oracle.py), every
+example clipped, in one process and as ZeRO-2 takes the step. ALBERT is absent: transformers gives it no activation
+checkpointing. Longformer and LED are in tests/test_flattened_rows.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.pipeline import clipped_step
+from tests import oracle
+from tests.test_checkpointing import ONE_PROCESS, ZERO2, checkpointed_steps
+from tests.test_engine import assert_close
+from tests.test_families import FAMILIES
+from tests.test_model_families import float64_throughout
+
+# Parts of these compute in float32 whatever the model's dtype (GPT-Neo's attention scores, Cohere's and OLMo's
+# LayerNorms, LongT5's local-attention softmax, FalconMamba's norms and selective scan). The checkpointed step's
+# weighted pass back-propagates c_i·∂L_i through them where brute force back-propagates ∂L_i and scales after, so
+# the two round differently in float32: ~1e-7 of each gradient, exact (1e-16) once those casts keep float64, and
+# exact without checkpointing, whose per-example gradients come from the same unweighted backward as brute force.
+FLOAT32_INSIDE = ("gpt_neo", "cohere", "olmo", "longt5", "falcon_mamba")
+
+CHECKPOINTED_NEW = (
+    "gpt_neo",
+    "codegen",
+    "gpt_bigcode",
+    "xglm",
+    "cohere",
+    "olmo",
+    "olmoe",
+    "granitemoe",
+    "qwen3_moe",
+    "falcon_mamba",
+    "persimmon",
+    "nemotron",
+    "glm",
+    "mobilebert",
+    "convbert",
+    "roformer",
+    "camembert",
+    "umt5",
+    "longt5",
+    "mbart",
+    "marian",
+)
+
+
+def test_albert_has_no_activation_checkpointing() -> None:
+    """If transformers gives ALBERT checkpointing, it belongs in CHECKPOINTED_NEW."""
+    build = FAMILIES["albert"][0]
+    assert build().supports_gradient_checkpointing is False
+
+
+@pytest.mark.parametrize("backend", ["one process", "zero2"])
+@pytest.mark.parametrize("family", CHECKPOINTED_NEW)
+def test_a_checkpointed_step_of_each_new_family_matches_brute_force(
+    family: str, backend: str, monkeypatch
+) -> None:
+    build, batch_of, dtype, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model = build()
+    float64_throughout(model, monkeypatch)
+    model = model.to(dtype).train()
+    batch = batch_of()
+    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    max_norm = 0.5 * norms.min().item()  # every example clipped
+    reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    step = clipped_step(ClippingEngine(model), model, ONE_PROCESS if backend == "one process" else ZERO2)
+    rtol = 1e-4 if dtype == torch.float32 else 1e-6 if family in FLOAT32_INSIDE else 1e-9
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=3):
+        assert_close(ours, reference, rtol=rtol, floor=1e-6)
+    assert model.is_activation_checkpointing
+    assert step.calibration.skips_tail is True
