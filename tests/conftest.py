@@ -55,7 +55,7 @@ LONGEST_FIRST = (
     "test_real_data.py",  # 24
     "test_recipe_sft_dpo.py",  # 23
     "test_checkpointing.py",  # 22
-    "test_checkpointed_families.py",  # ~20 (21 families, one process and ZeRO-2, three steps each)
+    "test_checkpointed_families.py",  # ~25 (21 families + 5 kept float64, one process and ZeRO-2, 3 steps each)
     "test_notebook.py",  # 21
     "test_trainer_optimizers.py",  # 18
     "test_trainer.py",  # 17
