@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import get_args
 
 import torch
-from transformers import TrainingArguments
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, TrainingArguments
 
 from hf_dp import compat
 from hf_dp.accounting import AccountantName
@@ -246,7 +246,9 @@ class DPTrainingArguments(TrainingArguments):
     def _validate_schedule(self) -> None:
         """Check that the run trains at all: ``learning_rate`` finite (nan or inf turns every weight into nan),
         ``max_steps`` not 0 nor ``num_train_epochs`` 0 (the Trainer would take no step, while σ is planned for
-        some), and a logical batch of at least one row."""
+        some), a logical batch of at least one row, and an update rule that trains towards the labels
+        (``label_smoothing_factor`` in [0, 1), ``weight_decay`` >= 0, which the DP rules would otherwise take as
+        given)."""
         if not math.isfinite(self.learning_rate):
             raise ValueError(
                 f"DPTrainingArguments: learning_rate={self.learning_rate} would turn every weight into nan; "
@@ -267,6 +269,16 @@ class DPTrainingArguments(TrainingArguments):
                 raise ValueError(
                     f"DPTrainingArguments: {name}={getattr(self, name)} makes an empty logical batch; set it >= 1"
                 )
+        if not 0 <= self.label_smoothing_factor < 1:
+            raise ValueError(
+                f"DPTrainingArguments: label_smoothing_factor={self.label_smoothing_factor} weights each token's "
+                "cross-entropy by 1 - label_smoothing_factor, which must stay in (0, 1]; set it in [0, 1)"
+            )
+        if self.weight_decay < 0:
+            raise ValueError(
+                f"DPTrainingArguments: weight_decay={self.weight_decay} would grow the weights at every step; set "
+                "it >= 0"
+            )
 
     def _validate_privacy(self) -> None:
         def fail(message: str) -> None:
@@ -379,6 +391,11 @@ def check_trainer_call(trainer_class: type, mixin: type, args: tuple, kwargs: di
         return  # the Trainer's own error says what is wrong
     if not isinstance(bound.get("args"), DPTrainingArguments):
         raise TypeError("DPTrainer needs DPTrainingArguments (from hf_dp), not TrainingArguments")
+    if issubclass(trainer_class, Seq2SeqTrainer) and not isinstance(bound["args"], Seq2SeqTrainingArguments):
+        raise TypeError(  # else an AttributeError ('generation_config') from inside Seq2SeqTrainer.__init__
+            f"{trainer_class.__name__} is a Seq2SeqTrainer, which reads Seq2SeqTrainingArguments' generation fields: "
+            "pass the arguments as a @dataclass class Args(DPTrainingArguments, Seq2SeqTrainingArguments)"
+        )
     if bound.get("compute_loss_func") is not None:
         raise ValueError(
             "DPTrainer: compute_loss_func computes one loss for the whole batch; override "

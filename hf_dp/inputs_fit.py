@@ -1,5 +1,6 @@
-"""The first micro-batch against the model it feeds: token ids inside the input embedding, sequences inside a
-learned position table, integer labels inside the model's classes.
+"""The first micro-batch against the model it feeds: rows of tokens (batch, length), token ids inside the input
+embedding, token type ids inside the token type table, sequences inside a learned position table, integer labels
+inside the model's classes.
 
 Each mismatch otherwise fails deep inside the forward or the loss (``index out of range in self``, ``Target 2
 is out of bounds``; on a GPU a device-side assert that ends the process). Checked once, on the first micro-batch,
@@ -15,6 +16,7 @@ from torch import nn
 
 IGNORE_INDEX = -100  # the label the token loss skips
 POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")  # learned absolute positions, by name
+TOKEN_TYPE_TABLES = ("token_type_embeddings",)  # BERT-style segment embeddings, by name
 
 
 def check_inputs_fit(model: nn.Module, inputs: dict[str, Any]) -> None:
@@ -24,6 +26,8 @@ def check_inputs_fit(model: nn.Module, inputs: dict[str, Any]) -> None:
     name = type(base).__name__
     ids = inputs.get("input_ids")
     labels = inputs.get("labels")
+    if isinstance(ids, torch.Tensor):
+        _check_rows(ids, name)
     if isinstance(ids, torch.Tensor) and ids.numel():
         _check_token_ids(base, ids, name)
         decoder_length = None
@@ -32,8 +36,41 @@ def check_inputs_fit(model: nn.Module, inputs: dict[str, Any]) -> None:
         ):
             decoder_length = labels.shape[-1] if labels.dim() == 2 else None
         _check_positions(base, ids.shape[-1], decoder_length, inputs.get("position_ids"), name)
+    token_types = inputs.get("token_type_ids")
+    if isinstance(token_types, torch.Tensor) and token_types.numel():
+        _check_token_types(base, token_types, name)
     if isinstance(labels, torch.Tensor) and labels.numel() and not labels.is_floating_point():
         _check_labels(base, labels, name)
+
+
+def _check_rows(ids: torch.Tensor, name: str) -> None:
+    """Rows of at least one token, of shape (batch, length). A multiple-choice model folds each example's (C, T)
+    choices into C rows of its own batch inside its forward: the clipping hooks then see B·C rows for B examples
+    and cannot credit them to their example."""
+    if ids.dim() == 2 and ids.shape[0] and not ids.shape[1]:  # else a reshape error deep in the clipping
+        raise ValueError(
+            f"input_ids has shape {tuple(ids.shape)}: the batch's rows hold no token (every example was tokenised "
+            "to nothing, or truncated to max_length 0); drop empty rows from the dataset"
+        )
+    if ids.dim() > 2:
+        raise ValueError(
+            f"input_ids has shape {tuple(ids.shape)}, but DP training takes rows of tokens (batch, length): "
+            f"{name} folds each example's {ids.shape[1]} choices into rows of one batch, which per-example "
+            "clipping cannot credit to their example (multiple-choice heads are not supported yet)"
+        )
+
+
+def _check_token_types(model: nn.Module, token_types: torch.Tensor, name: str) -> None:
+    for module_name, module in model.named_modules():
+        if not isinstance(module, nn.Embedding) or module_name.rsplit(".", 1)[-1] not in TOKEN_TYPE_TABLES:
+            continue
+        rows = module.num_embeddings
+        low, high = int(token_types.min()), int(token_types.max())
+        if low < 0 or high >= rows:
+            raise ValueError(
+                f"token_type_ids holds type {high if high >= rows else low} but {name}'s token type table "
+                f"({module_name}) has {rows} rows (config.type_vocab_size): give segments 0..{rows - 1}"
+            )
 
 
 def _check_token_ids(model: nn.Module, ids: torch.Tensor, name: str) -> None:

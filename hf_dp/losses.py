@@ -173,6 +173,7 @@ def sequence_loss_per_example(
             f"label_smoothing_factor={label_smoothing} applies to cross-entropy over classes, not to "
             f"problem_type={problem_type!r}; set it to 0"
         )
+    _check_sequence_labels(logits, labels, problem_type)
     logits = _at_least_float32(logits)
     if problem_type == "regression":
         return F.mse_loss(
@@ -182,9 +183,31 @@ def sequence_loss_per_example(
         ).mean(dim=1)
     if problem_type == "single_label_classification":
         return F.cross_entropy(
-            logits.view(-1, num_labels), labels.view(-1), reduction="none", label_smoothing=label_smoothing
+            logits.view(-1, num_labels),
+            labels.view(-1).long(),
+            reduction="none",
+            label_smoothing=label_smoothing,
         )
     return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(dim=1)
+
+
+def _check_sequence_labels(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> None:
+    """One line where the labels cannot be the targets of ``problem_type`` (else a shape or dtype error deep in the
+    loss): one class index per row for single-label classification, a (B, num_labels) target for multi-label."""
+    rows, num_labels = logits.shape[0], logits.shape[-1]
+    if problem_type == "single_label_classification":
+        if labels.is_floating_point() or labels.numel() != rows:
+            raise ValueError(
+                f"the batch has labels of shape {tuple(labels.shape)} and dtype {labels.dtype}, but single-label "
+                f"classification takes one integer class per row, shape ({rows},): give each example its class "
+                "index, or set the model's config.problem_type to 'multi_label_classification' or 'regression'"
+            )
+    elif problem_type == "multi_label_classification" and labels.shape != logits.shape:
+        raise ValueError(
+            f"the batch has labels of shape {tuple(labels.shape)}, but multi-label classification takes a 0/1 "
+            f"target per class, shape ({rows}, {num_labels}): give multi-hot float labels, or one integer class index "
+            "per row (int64, not float) for single-label classification"
+        )
 
 
 def decoder_inputs_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor:
@@ -210,7 +233,12 @@ def per_example_loss(
     inputs = dict(inputs)
     labels = inputs.pop("labels", None)
     if labels is None:
-        raise ValueError("the batch has no 'labels': DP training needs labels to form a per-example loss")
+        raise ValueError(
+            f"the batch has no 'labels' (its keys: {sorted(inputs)}): DP training needs labels to form a "
+            "per-example loss; a language model's collator must copy input_ids into labels (e.g. "
+            "DataCollatorForLanguageModeling(tokenizer, mlm=False)); other targets (a question-answering head's "
+            "start/end positions) need compute_per_example_loss overridden"
+        )
     base = unwrap_model(model)
     if getattr(base, "config", None) is None:
         raise ValueError(

@@ -78,6 +78,11 @@ UNITS = {
 
 def require_map_style(dataset) -> None:
     """Poisson sampling draws each of the N examples independently: it needs random access and a length."""
+    if isinstance(dataset, dict):  # a DatasetDict: its length is its number of splits
+        raise ValueError(
+            f"train_dataset is a {type(dataset).__name__} of splits {list(dataset)}, not one dataset: pass the "
+            "split to train on (e.g. dataset['train'])"
+        )
     if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
         raise ValueError(
             f"DPTrainer needs a map-style train_dataset (random access and a length), not {type(dataset).__name__}: "

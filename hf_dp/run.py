@@ -50,6 +50,25 @@ logger = logging.getLogger(__name__)
 
 UpdateRule = tuple[str, dict[str, Any]]  # the name and kwargs of the rule fed ĝ, as the model card states it
 
+# the arguments the plan (N, B̄, q, σ, C, steps, the units) is made of when the DPTrainer is built
+PLANNED_FIELDS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "num_train_epochs",
+    "per_sample_max_grad_norm",
+    "noise_multiplier",
+    "target_epsilon",
+    "target_delta",
+    "accountant",
+    "disable_dp",
+    "poisson_sampling",
+    "noise_mechanism",
+    "num_bands",
+    "privacy_unit_column",
+    "max_examples_per_unit",
+)
+
 
 class PrivateRun:
     """The run's privacy machinery; ``build`` makes it, ``bind_optimizer`` attaches the release to the rule."""
@@ -82,10 +101,12 @@ class PrivateRun:
         self.examples_checked = False  # examples were checked to give the same loss in a batch as alone
         self._accounted = False  # this logical batch's release is in the ledger
         self._trained = False
+        self.planned_from: tuple[Any, dict[str, Any]] = (None, {})  # the dataset and arguments planned for
 
     @classmethod
     def build(cls, args, model: nn.Module, dataset, backend: Backend, units: DatasetUnits) -> PrivateRun:
         """The plan (σ calibrated for the planned steps), the ledger, the secret drawn now, the clipping hooks."""
+        refuse_compiled(model)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 "the model has no trainable parameters, so there is nothing to fine-tune: unfreeze the weights to "
@@ -96,8 +117,27 @@ class PrivateRun:
         accountant = PrivacyAccountant(args.accountant, plan.delta)
         state = RunPrivacyState(shared_secret(args.insecure_dp_seed), accountant, plan_record(plan, args))
         run = cls(args, backend, plan, accountant, state, units)
+        run.planned_from = (dataset, {name: getattr(args, name, None) for name in PLANNED_FIELDS})
         run.hook(model)
         return run
+
+    def check_planned_from(self, args, dataset) -> None:
+        """The trainer's ``args`` and ``train_dataset`` at ``train()`` are those the plan was made of: one changed
+        on the trainer after ``__init__`` would be ignored (the plan, the sampler and σ are fixed then), or fail
+        deep in the loader (a smaller dataset)."""
+        planned_dataset, planned = self.planned_from
+        if dataset is not planned_dataset:
+            raise ValueError(
+                "DPTrainer: train_dataset was replaced after the DPTrainer was built, but the privacy plan (N, the "
+                "sampling, σ) was made for the first one; pass the dataset to train on when building the DPTrainer"
+            )
+        for name, value in planned.items():
+            if getattr(args, name, None) != value:
+                raise ValueError(
+                    f"DPTrainer: args.{name} changed from {value!r} to {getattr(args, name, None)!r} after the "
+                    "DPTrainer was built, but the privacy plan (the sampling, σ, the planned steps) was made then; "
+                    "set it in DPTrainingArguments before building the DPTrainer"
+                )
 
     @property
     def secret(self) -> RunSecret:
@@ -336,6 +376,17 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     if report is not None:
         logger.warning(report)
     return engine
+
+
+def refuse_compiled(model: nn.Module) -> None:
+    """A model compiled by ``torch.compile`` (wrapped) or ``model.compile()`` (in place): the clipping hooks would
+    run inside a compiled graph, whose backward the DP step cannot take as it needs (the flag torch_compile is
+    refused for the same reason)."""
+    if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
+        raise ValueError(
+            "the model was compiled with torch.compile, but the DP step runs the bare module with per-layer "
+            "clipping hooks; pass the model uncompiled (torch_compile stays False under DP)"
+        )
 
 
 def refuse_peft_method(model: nn.Module, checkpointing: bool) -> None:

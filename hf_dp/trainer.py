@@ -93,7 +93,8 @@ class DPTrainerMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """The Trainer's ``train``, once per DPTrainer, from a complete checkpoint (``PrivateRun.start_training``);
         its metrics carry the guarantee; a process that dies or hangs stops the others (``PrivateRun.training``)."""
-        resume = self._private_run("train").start_training(resume_from_checkpoint)
+        self._private_run("train").check_planned_from(self.args, self.train_dataset)
+        resume = self.dp.start_training(resume_from_checkpoint)
         with self.dp.training(self.state):
             output = super().train(resume, *args, **kwargs)
         output.metrics.update(self.privacy_metrics())

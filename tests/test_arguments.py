@@ -32,6 +32,13 @@ REFUSED = [
     ({"noise_multiplier": 1.0, "clipping_mode": "fast"}, "clipping_mode='fast' is unknown"),
     ({"noise_multiplier": 1.0, "clipping_fn": "soft"}, "clipping_fn='soft' is unknown"),
     ({"noise_multiplier": 1.0, "max_grad_norm": 1.0}, "would clip the noisy aggregate"),
+    # the update rule's targets (each trained silently: the token loss took any smoothing, the DP rules any decay)
+    (
+        {"noise_multiplier": 1.0, "label_smoothing_factor": 1.5},
+        r"label_smoothing_factor=1.5 .* set it in \[0, 1\)",
+    ),
+    ({"noise_multiplier": 1.0, "label_smoothing_factor": -0.1}, r"label_smoothing_factor=-0.1"),
+    ({"noise_multiplier": 1.0, "weight_decay": -1.0}, r"weight_decay=-1.0 would grow the weights"),
     # accounting, the update rule
     ({"noise_multiplier": 1.0, "accountant": "gdp"}, "accountant='gdp' is unknown"),
     ({"noise_multiplier": 1.0, "dp_optimizer": "lion"}, "dp_optimizer='lion' is unknown"),

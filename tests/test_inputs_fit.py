@@ -1,6 +1,6 @@
 """The first micro-batch is checked to fit the model (hf_dp/inputs_fit.py): a token id outside the vocabulary, a
-sequence longer than a learned position table and a label outside the classes are refused in one line before the
-first update; every family's own batch passes; and the position limit is the table's real one (the model runs at
+token type outside the type table, multiple-choice rows (batch, choices, length), a sequence longer than a learned
+position table and a label outside the classes are refused in one line before the first update; every family's own batch passes; and the position limit is the table's real one (the model runs at
 the limit and fails one past it)."""
 
 from __future__ import annotations
@@ -125,3 +125,41 @@ def test_trainer_refuses_before_the_first_update(tmp_path):
     assert trainer.state.global_step == 0
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_multiple_choice_rows_are_refused():
+    """A multiple-choice head folds each example's choices into rows of its batch: the clipping hooks crashed
+    (a shape error in the shared position table) instead of crediting them to their example."""
+    from transformers import BertConfig, BertForMultipleChoice
+
+    model = BertForMultipleChoice(
+        BertConfig(**models._ENCODER, pad_token_id=models.PAD, max_position_embeddings=32)
+    )
+    batch = {"input_ids": torch.full((2, 3, 4), 5), "labels": torch.tensor([0, 2])}
+    with pytest.raises(
+        ValueError,
+        match=r"input_ids has shape \(2, 3, 4\).*BertForMultipleChoice folds each example's 3 choices",
+    ):
+        check_inputs_fit(model, batch)
+
+
+def test_token_type_ids_outside_the_type_table_are_refused():
+    model = models.bert_classifier(num_labels=3)
+    batch = _classifier_batch([0, 1, 2])
+    batch["token_type_ids"] = torch.ones_like(batch["input_ids"])
+    check_inputs_fit(model, batch)  # segments 0 and 1: BERT's two types
+    batch["token_type_ids"][1, 2] = 2  # was: IndexError "index out of range in self" from the embedding
+    with pytest.raises(
+        ValueError, match=r"token_type_ids holds type 2 but BertForSequenceClassification's token type table"
+    ):
+        check_inputs_fit(model, batch)
+
+
+def test_rows_without_a_token_are_refused():
+    batch = {
+        "input_ids": torch.zeros((4, 0), dtype=torch.long),
+        "labels": torch.zeros((4, 0), dtype=torch.long),
+    }
+    with pytest.raises(ValueError, match=r"input_ids has shape \(4, 0\): the batch's rows hold no token"):
+        check_inputs_fit(models.gpt2(), batch)  # was: "cannot reshape tensor of 0 elements" in the clipping
+    check_inputs_fit(models.gpt2(), {"input_ids": torch.zeros((0, 5), dtype=torch.long)})  # no example drawn

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import datasets
 import pandas
 import pytest
@@ -9,7 +11,7 @@ import torch
 import transformers
 from trl import DPOTrainer, SFTTrainer
 
-from hf_dp import DPTrainer, DPTrainerMixin
+from hf_dp import DPTrainer, DPTrainerMixin, DPTrainingArguments
 from hf_dp.clipping.units import PrivacyUnits
 from hf_dp.loss_contract import require_per_example
 from hf_dp.losses import token_loss_per_example
@@ -36,6 +38,36 @@ def test_the_mixin_mixed_straight_into_a_trl_trainer_points_at_hf_dp_trl(tmp_pat
     mixed = type("MyPrivateTrainer", (DPTrainerMixin, trl_trainer), {})
     with pytest.raises(TypeError, match=rf"into trl's {trl_trainer.__name__} directly.*hf_dp\.trl\.{ours}"):
         mixed(model=models.gpt2(), args=make_args(tmp_path, noise_multiplier=1.0))
+
+
+@dataclasses.dataclass
+class Seq2SeqArgs(DPTrainingArguments, transformers.Seq2SeqTrainingArguments):
+    """What a Seq2SeqTrainer under DP takes (module level: the Trainer pickles its arguments)."""
+
+
+def test_the_mixin_in_a_seq2seq_trainer_asks_for_seq2seq_arguments(tmp_path):
+    mixed = type("MySeq2SeqTrainer", (DPTrainerMixin, transformers.Seq2SeqTrainer), {})
+    with pytest.raises(
+        TypeError, match=r"MySeq2SeqTrainer is a Seq2SeqTrainer.*Args\(DPTrainingArguments, Seq2Seq"
+    ):
+        mixed(model=models.t5(), args=make_args(tmp_path, noise_multiplier=1.0))  # was: AttributeError
+
+    defaults = make_args(tmp_path, noise_multiplier=1.0).to_dict()
+    keep = ("output_dir", "report_to", "use_cpu", "save_strategy", "per_device_train_batch_size", "max_steps")
+    extra = dict(noise_multiplier=1.0, max_grad_norm=0.0, dp_optimizer="sgd", predict_with_generate=True)
+    args = Seq2SeqArgs(**{k: defaults[k] for k in keep}, **extra)
+    rows = TokenRows(32).rows
+    data = datasets.Dataset.from_dict({"input_ids": rows, "labels": [row[:4] for row in rows]})
+    trainer = mixed(model=models.t5(), args=args, train_dataset=data, data_collator=_seq2seq_collate)
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.get_epsilon() > 0
+
+
+def _seq2seq_collate(examples: list[dict]) -> dict[str, torch.Tensor]:
+    out = pad_collate(examples)
+    labels = [torch.tensor(e["labels"]) for e in examples]
+    out["labels"] = torch.nn.utils.rnn.pad_sequence(labels, batch_first=True, padding_value=-100)
+    return out
 
 
 def test_a_loss_of_the_wrong_length_says_how_many_units_and_rows():
@@ -194,3 +226,122 @@ def test_a_model_that_is_not_a_transformers_model_needs_its_per_example_loss(tmp
     trainer = make_trainer(tmp_path, model=PlainLM(), trainer_class=PlainLMTrainer, noise_multiplier=1.0)
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.dp.examples_checked
+
+
+def _classifier_trainer(tmp_path, labels, problem_type=None, dtype=None) -> DPTrainer:
+    model = models.bert_classifier(num_labels=3)
+    model.config.problem_type = problem_type
+
+    def collate(examples):
+        return {**pad_collate(examples), "labels": torch.tensor([e["labels"] for e in examples], dtype=dtype)}
+
+    data = datasets.Dataset.from_dict({"input_ids": TokenRows(32).rows, "labels": labels})
+    args = make_args(tmp_path, noise_multiplier=1.0)
+    return DPTrainer(model=model, args=args, train_dataset=data, data_collator=collate)
+
+
+@pytest.mark.parametrize(
+    "labels, problem_type, message",
+    [
+        # float class ids: HF infers multi-label, and BCE failed on the (B,) target
+        (
+            [float(i % 3) for i in range(32)],
+            None,
+            r"labels of shape \(\d+,\), but multi-label .*int64, not float",
+        ),
+        # one class per row to a multi-label head
+        ([i % 3 for i in range(32)], "multi_label_classification", r"multi-label classification takes a 0/1"),
+        # float labels to a single-label head: "expected target dtype to be Long"
+        (
+            [float(i % 3) for i in range(32)],
+            "single_label_classification",
+            r"dtype torch.float32, but single-label",
+        ),
+        # a language model's token labels to a sequence classifier: "Expected input batch_size (4) to match target"
+        (TokenRows(32, length=4).rows, None, r"labels of shape \(\d+, \d+\) .* one integer class per row"),
+    ],
+    ids=["float_ids", "ids_to_multi_label", "float_to_single_label", "token_labels"],
+)
+def test_classification_labels_the_head_cannot_take_are_named(tmp_path, labels, problem_type, message):
+    if isinstance(labels[0], list):  # ragged token rows: pad them to one length
+        labels = [row + [0] * (10 - len(row)) for row in labels]
+    trainer = _classifier_trainer(tmp_path, labels, problem_type)
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_int32_class_labels_train(tmp_path):
+    # numpy's int32 labels: F.cross_entropy wanted int64 ("expected target dtype to be Long or Byte, but got Int")
+    trainer = _classifier_trainer(tmp_path, [i % 3 for i in range(32)], dtype=torch.int32)
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_a_batch_without_labels_says_which_collator_makes_them(tmp_path):
+    trainer = make_trainer(tmp_path, noise_multiplier=1.0)
+    trainer.data_collator = lambda rows: {k: v for k, v in pad_collate(rows).items() if k != "labels"}
+    with pytest.raises(
+        ValueError,
+        match=r"no 'labels' \(its keys: \['attention_mask', 'input_ids'\]\).*DataCollatorForLanguageModeling",
+    ):
+        trainer.train()
+
+
+def test_a_dataset_dict_is_refused_naming_its_splits(tmp_path):
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"input_ids": TokenRows(32).rows})})
+    with pytest.raises(
+        ValueError, match=r"train_dataset is a DatasetDict of splits \['train'\].*dataset\['train'\]"
+    ):
+        make_trainer(tmp_path, dataset=splits, noise_multiplier=1.0)  # was: "exceeds the 1 training examples"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: setattr(t.args, "max_steps", 6), r"args\.max_steps changed from 2 to 6"),
+        (
+            lambda t: setattr(t.args, "per_sample_max_grad_norm", 100.0),
+            r"args\.per_sample_max_grad_norm changed",
+        ),
+        (
+            lambda t: setattr(t.args, "noise_multiplier", 0.01),
+            r"args\.noise_multiplier changed from 1\.0 to 0\.01",
+        ),
+        (
+            lambda t: setattr(t.args, "gradient_accumulation_steps", 4),
+            r"args\.gradient_accumulation_steps changed",
+        ),
+        (
+            lambda t: setattr(t, "train_dataset", TokenRows(16)),
+            r"train_dataset was replaced",
+        ),  # was: IndexError
+        (
+            lambda t: setattr(t, "train_dataset", TokenRows(400)),
+            r"train_dataset was replaced",
+        ),  # trained 32 rows
+    ],
+    ids=["max_steps", "clip_norm", "sigma", "accumulation", "smaller_dataset", "larger_dataset"],
+)
+def test_arguments_or_dataset_changed_after_the_trainer_was_built_are_refused(tmp_path, change, message):
+    # each was ignored (the plan, the sampler and σ are fixed at __init__) or failed deep in the loader
+    trainer = make_trainer(tmp_path, noise_multiplier=1.0)
+    change(trainer)
+    with pytest.raises(ValueError, match=message + r".*(before building|when building) the DPTrainer"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile", "model.compile"])
+def test_a_compiled_model_is_refused_like_torch_compile(tmp_path, in_place):
+    # wrapped: a TypeError from OptimizedModule.__len__ in the step; compiled in place (inductor): a RuntimeError
+    # about donated buffers from the clipping's backward
+    model = models.gpt2()
+    if in_place:
+        model.compile(backend="eager")
+    else:
+        model = torch.compile(model, backend="eager")
+    with pytest.raises(
+        ValueError, match=r"the model was compiled with torch\.compile.*pass the model uncompiled"
+    ):
+        make_trainer(tmp_path, model=model, noise_multiplier=1.0)
