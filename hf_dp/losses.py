@@ -245,6 +245,15 @@ def per_example_loss(
             f"{type(base).__name__} is not a transformers model, so its per-example loss is unknown: override "
             "compute_per_example_loss(model, inputs) to return one loss per example"
         )
+    packed = units is not None and units.unit_of_token is not None
+    if packed and getattr(
+        base.config, "is_encoder_decoder", False
+    ):  # else a shape error in the records' means
+        raise ValueError(
+            f"records packed into rows (a collator's position_ids, e.g. DataCollatorWithFlattening) reach "
+            f"{type(base).__name__}, an encoder-decoder model, whose labels are decoder tokens outside the packed "
+            "row; pad each example in its own row instead (DataCollatorForSeq2Seq)"
+        )
     if (
         getattr(base.config, "is_encoder_decoder", False)
         and "decoder_input_ids" not in inputs
@@ -252,6 +261,12 @@ def per_example_loss(
     ):
         inputs["decoder_input_ids"] = decoder_inputs_from_labels(base, labels)
     outputs = model(**inputs)
+    if isinstance(outputs, dict) and "logits" not in outputs:  # else a KeyError from the model's output class
+        raise ValueError(
+            f"{type(base).__name__} returns no logits (its outputs: {list(outputs)}), so its per-example loss is "
+            "unknown: load the model with its task head (AutoModelForCausalLM, AutoModelForSequenceClassification, "
+            "...), not AutoModel, or override compute_per_example_loss(model, inputs)"
+        )
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
     if labels.shape[0] != logits.shape[0]:
         raise ValueError(

@@ -345,3 +345,28 @@ def test_a_compiled_model_is_refused_like_torch_compile(tmp_path, in_place):
         ValueError, match=r"the model was compiled with torch\.compile.*pass the model uncompiled"
     ):
         make_trainer(tmp_path, model=model, noise_multiplier=1.0)
+
+
+def test_a_model_without_a_task_head_is_named(tmp_path):
+    # AutoModel instead of AutoModelForCausalLM: a KeyError 'logits' from the model's output class
+    bare = transformers.GPT2Model(
+        transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=models.VOCAB)
+    )
+    trainer = make_trainer(tmp_path, model=bare, noise_multiplier=1.0, remove_unused_columns=False)
+    with pytest.raises(
+        ValueError, match=r"GPT2Model returns no logits \(its outputs: \['last_hidden_state'.*not AutoModel"
+    ):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_records_packed_for_an_encoder_decoder_model_are_refused(tmp_path):
+    rows = TokenRows(32).rows
+    data = datasets.Dataset.from_dict({"input_ids": rows, "labels": [row[:3] for row in rows]})
+    trainer = make_trainer(tmp_path, dataset=data, model=models.t5(), noise_multiplier=1.0)
+    trainer.data_collator = transformers.DataCollatorWithFlattening()
+    with pytest.raises(
+        ValueError, match=r"records packed into rows .* T5ForConditionalGeneration, an encoder-decoder"
+    ):
+        trainer.train()  # was: a shape error in PrivacyUnits.mean_over_tokens
+    assert trainer.state.global_step == 0
