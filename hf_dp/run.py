@@ -102,6 +102,10 @@ class PrivateRun:
         self._accounted = False  # this logical batch's release is in the ledger
         self._trained = False
         self.planned_from: tuple[Any, dict[str, Any]] = (None, {})  # the dataset and arguments planned for
+        self.planned_model: tuple[nn.Module | None, tuple[str, ...]] = (
+            None,
+            (),
+        )  # hooked; its trainable names
 
     @classmethod
     def build(cls, args, model: nn.Module, dataset, backend: Backend, units: DatasetUnits) -> PrivateRun:
@@ -118,13 +122,29 @@ class PrivateRun:
         state = RunPrivacyState(shared_secret(args.insecure_dp_seed), accountant, plan_record(plan, args))
         run = cls(args, backend, plan, accountant, state, units)
         run.planned_from = (dataset, {name: getattr(args, name, None) for name in PLANNED_FIELDS})
+        run.planned_model = (model, _trainable(model))
         run.hook(model)
         return run
 
-    def check_planned_from(self, args, dataset) -> None:
-        """The trainer's ``args`` and ``train_dataset`` at ``train()`` are those the plan was made of: one changed
-        on the trainer after ``__init__`` would be ignored (the plan, the sampler and σ are fixed then), or fail
-        deep in the loader (a smaller dataset)."""
+    def check_planned_from(self, args, dataset, model: nn.Module) -> None:
+        """The trainer's ``args``, ``train_dataset`` and ``model`` at ``train()`` are those the plan was made of and
+        the clipping hooks were set on: one changed on the trainer after ``__init__`` would be ignored (the plan,
+        the sampler and σ are fixed then; a layer unfrozen since gets noise only), or fail deep in the loader (a
+        smaller dataset) or the backward (a layer frozen since)."""
+        planned_model, trainable = self.planned_model
+        if model is not planned_model:
+            raise ValueError(
+                "DPTrainer: trainer.model was replaced after the DPTrainer was built, but the clipping hooks are on "
+                "the first model; pass the model to train when building the DPTrainer"
+            )
+        now = _trainable(model)
+        if now != trainable:
+            changed = sorted(set(now) ^ set(trainable))
+            raise ValueError(
+                f"DPTrainer: the model's trainable parameters changed after the DPTrainer was built ({changed[0]} "
+                f"and {len(changed) - 1} more), but the clipping hooks were set then; set requires_grad before "
+                "building the DPTrainer"
+            )
         planned_dataset, planned = self.planned_from
         if dataset is not planned_dataset:
             raise ValueError(
@@ -376,6 +396,10 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     if report is not None:
         logger.warning(report)
     return engine
+
+
+def _trainable(model: nn.Module) -> tuple[str, ...]:
+    return tuple(name for name, p in model.named_parameters() if p.requires_grad)
 
 
 def refuse_compiled(model: nn.Module) -> None:

@@ -93,7 +93,7 @@ class DPTrainerMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """The Trainer's ``train``, once per DPTrainer, from a complete checkpoint (``PrivateRun.start_training``);
         its metrics carry the guarantee; a process that dies or hangs stops the others (``PrivateRun.training``)."""
-        self._private_run("train").check_planned_from(self.args, self.train_dataset)
+        self._private_run("train").check_planned_from(self.args, self.train_dataset, self.model)
         resume = self.dp.start_training(resume_from_checkpoint)
         with self.dp.training(self.state):
             output = super().train(resume, *args, **kwargs)

@@ -332,6 +332,32 @@ def test_arguments_or_dataset_changed_after_the_trainer_was_built_are_refused(tm
     assert trainer.state.global_step == 0
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: setattr(t, "model", models.gpt2()), r"trainer\.model was replaced"),  # trained noise only
+        (
+            lambda t: t.model.transformer.h[0].requires_grad_(True),
+            r"trainable parameters changed .*transformer\.h\.0",
+        ),
+        (
+            lambda t: t.model.transformer.h[1].requires_grad_(False),
+            r"trainable parameters changed",
+        ),  # RuntimeError
+    ],
+    ids=["model_replaced", "layer_unfrozen", "layer_frozen"],
+)
+def test_a_model_changed_after_the_trainer_was_built_is_refused(tmp_path, change, message):
+    # a layer unfrozen after __init__ had no clipping hooks: it received the noise and no gradient
+    model = models.gpt2()
+    model.transformer.h[0].requires_grad_(False)
+    trainer = make_trainer(tmp_path, model=model, noise_multiplier=1.0)
+    change(trainer)
+    with pytest.raises(ValueError, match=message + r".*(before building|when building) the DPTrainer"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["torch.compile", "model.compile"])
 def test_a_compiled_model_is_refused_like_torch_compile(tmp_path, in_place):
     # wrapped: a TypeError from OptimizedModule.__len__ in the step; compiled in place (inductor): a RuntimeError
