@@ -253,6 +253,26 @@ def test_qnli_has_its_own_defaults_under_the_users_values():
     )
     assert training_args.max_steps == 7 and model_args.head_learning_rate == 0.02
     assert data_args.max_seq_length == 128 and training_args.target_epsilon == 8.0
-    model_args, data_args, training_args = glue.parse_args(["--task_name", "sst2"])
+    model_args, data_args, training_args = glue.parse_args(["--task_name", "sst2", "--trainable", "bitfit"])
     assert data_args.max_seq_length == 64 and training_args.max_steps == 330
     assert training_args.gradient_accumulation_steps == 8 and model_args.head_learning_rate == 2e-2
+    assert model_args.model_name_or_path == default_minilm_path()
+
+
+def test_sst2_defaults_to_the_probe_under_the_users_values():
+    """SST-2 without --trainable: the probe's defaults (PROBE_DEFAULTS) and MPNet; the user's values win; LoRA
+    (and every other mode) keeps MiniLM and the fine-tuning defaults."""
+    model_args, data_args, training_args = glue.parse_args(["--task_name", "sst2"])
+    assert model_args.trainable == "probe" and model_args.model_name_or_path == default_mpnet_path()
+    assert (
+        training_args.max_steps == glue.PROBE_DEFAULTS["max_steps"] and model_args.head_learning_rate == 0.0
+    )
+    assert (
+        training_args.learning_rate == glue.PROBE_DEFAULTS["learning_rate"] and data_args.max_seq_length == 64
+    )
+    model_args, _, training_args = glue.parse_args(["--task_name", "sst2", "--learning_rate", "0.05"])
+    assert training_args.learning_rate == 0.05 and model_args.trainable == "probe"
+    model_args, _, training_args = glue.parse_args(["--task_name", "sst2", "--use_lora"])
+    assert model_args.model_name_or_path == default_minilm_path() and training_args.max_steps == 330
+    model_args, _, _ = glue.parse_args(["--task_name", "qnli"])
+    assert model_args.trainable == "bitfit" and model_args.model_name_or_path == default_minilm_path()
