@@ -8,6 +8,8 @@ over all tokens in the batch, which mixes examples). Sequence classification fol
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,8 +48,31 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    name = type(unwrap_model(model)).__name__
-    return name in _CAUSAL_LM_CLASSES or name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+    """Whether position t predicts label t+1 (the labels are shifted): a transformers causal LM, or a class named
+    like one. A transformers class whose own loss is not transformers' shifted causal-LM loss (``loss_function``;
+    e.g. BartForCausalLM and XLNet compute cross-entropy on unshifted labels) is refused in one line."""
+    cls = type(unwrap_model(model))
+    name = cls.__name__
+    causal = name in _CAUSAL_LM_CLASSES or name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+    if causal and not _shifts_its_labels(cls):
+        raise ValueError(
+            f"{name} computes its own loss on labels it does not shift (not transformers' causal-LM loss), so "
+            "which position predicts which label is the model's own convention: override "
+            "compute_per_example_loss(model, inputs) to return one loss per example"
+        )
+    return causal
+
+
+@functools.cache
+def _shifts_its_labels(cls: type) -> bool:
+    """transformers' own causal LMs shift their labels where their forward calls ``self.loss_function`` (its
+    ForCausalLMLoss); any other class is taken to follow the causal-LM convention."""
+    if not cls.__module__.startswith("transformers.models."):
+        return True
+    try:
+        return "self.loss_function(" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return True
 
 
 def token_loss_per_example(
