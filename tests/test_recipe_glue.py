@@ -44,10 +44,9 @@ def test_sst2_defaults_train_a_private_probe_on_mpnet(shared_data, tmp_path, cap
     trainer, record = glue.run(["--task_name", "sst2", *TOY, "--output_dir", str(tmp_path), "--save_model"])
     out = capsys.readouterr().out
     assert re.search(r"features of train: 48 rows encoded in", out) and "SST-2 dev accuracy" in out
-    assert record["settings"]["model"]["model_name_or_path"] == default_mpnet_path()
-    assert (
-        record["settings"]["model"]["trainable"] == "probe" and record["trainable_parameters"] == 768 * 2 + 2
-    )
+    model_args = record["settings"]["model"]
+    assert model_args.model_name_or_path == default_mpnet_path() and model_args.trainable == "probe"
+    assert record["trainable_parameters"] == 768 * 2 + 2
     assert record["pooling"] == "mean" and record["encode_seconds"] > 0 and 0 < record["epsilon"] <= 8.0
     assert {group["initial_lr"] for group in trainer.optimizer.param_groups} == {
         glue.PROBE_DEFAULTS["learning_rate"]
