@@ -14,8 +14,7 @@ from hf_dp.clipping.pipeline import clipped_step
 from tests import oracle
 from tests.test_checkpointing import ONE_PROCESS, ZERO2, checkpointed_steps
 from tests.test_engine import assert_close
-from tests.test_families import FAMILIES
-from tests.test_model_families import float64_throughout
+from tests.test_families import FAMILIES, _built
 
 # Parts of these compute in float32 whatever the model's dtype (GPT-Neo's attention scores, Cohere's and OLMo's
 # LayerNorms, LongT5's local-attention softmax, FalconMamba's norms and selective scan). The checkpointed step's
@@ -75,13 +74,7 @@ def test_albert_has_no_activation_checkpointing() -> None:
 
 
 def _matches_brute_force(family: str, backend: str, monkeypatch, rtol: float | None = None) -> None:
-    build, batch_of, dtype, _ = FAMILIES[family]
-    torch.manual_seed(0)
-    model = build()
-    float64_throughout(model, monkeypatch)
-    model = model.to(dtype).train()
-    batch = batch_of()
-    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    model, batch, dtype, norms = _built(family, monkeypatch)
     max_norm = 0.5 * norms.min().item()  # every example clipped
     reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
     model.activation_checkpointing_enable({"use_reentrant": False})
