@@ -42,6 +42,7 @@ from hf_dp.inputs_fit import check_inputs_fit
 from hf_dp.loss_contract import MicroBatch
 from hf_dp.mechanism import GaussianMechanism, noise_mechanism_of
 from hf_dp.optim.registry import make_dp_optimizer, shifted_evaluations
+from hf_dp.planned_setting import PlannedSetting, refuse_compiled
 from hf_dp.privacy import PrivacyPlan, epsilon_spent, plan_privacy, plan_record, privacy_report
 from hf_dp.privacy_units import DatasetUnits
 from hf_dp.randomness import RunSecret, shared_secret
@@ -49,25 +50,6 @@ from hf_dp.randomness import RunSecret, shared_secret
 logger = logging.getLogger(__name__)
 
 UpdateRule = tuple[str, dict[str, Any]]  # the name and kwargs of the rule fed ĝ, as the model card states it
-
-# the arguments the plan (N, B̄, q, σ, C, steps, the units) is made of when the DPTrainer is built
-PLANNED_FIELDS = (
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "max_steps",
-    "num_train_epochs",
-    "per_sample_max_grad_norm",
-    "noise_multiplier",
-    "target_epsilon",
-    "target_delta",
-    "accountant",
-    "disable_dp",
-    "poisson_sampling",
-    "noise_mechanism",
-    "num_bands",
-    "privacy_unit_column",
-    "max_examples_per_unit",
-)
 
 
 class PrivateRun:
@@ -101,11 +83,9 @@ class PrivateRun:
         self.examples_checked = False  # examples were checked to give the same loss in a batch as alone
         self._accounted = False  # this logical batch's release is in the ledger
         self._trained = False
-        self.planned_from: tuple[Any, dict[str, Any]] = (None, {})  # the dataset and arguments planned for
-        self.planned_model: tuple[nn.Module | None, tuple[str, ...]] = (
-            None,
-            (),
-        )  # hooked; its trainable names
+        self.planned: PlannedSetting | None = (
+            None  # the arguments, data and model the plan and hooks were made for
+        )
 
     @classmethod
     def build(cls, args, model: nn.Module, dataset, backend: Backend, units: DatasetUnits) -> PrivateRun:
@@ -121,43 +101,9 @@ class PrivateRun:
         accountant = PrivacyAccountant(args.accountant, plan.delta)
         state = RunPrivacyState(shared_secret(args.insecure_dp_seed), accountant, plan_record(plan, args))
         run = cls(args, backend, plan, accountant, state, units)
-        run.planned_from = (dataset, {name: getattr(args, name, None) for name in PLANNED_FIELDS})
-        run.planned_model = (model, _trainable(model))
+        run.planned = PlannedSetting.of(args, dataset, model)
         run.hook(model)
         return run
-
-    def check_planned_from(self, args, dataset, model: nn.Module) -> None:
-        """The trainer's ``args``, ``train_dataset`` and ``model`` at ``train()`` are those the plan was made of and
-        the clipping hooks were set on: one changed on the trainer after ``__init__`` would be ignored (the plan,
-        the sampler and σ are fixed then; a layer unfrozen since gets noise only), or fail deep in the loader (a
-        smaller dataset) or the backward (a layer frozen since)."""
-        planned_model, trainable = self.planned_model
-        if model is not planned_model:
-            raise ValueError(
-                "DPTrainer: trainer.model was replaced after the DPTrainer was built, but the clipping hooks are on "
-                "the first model; pass the model to train when building the DPTrainer"
-            )
-        now = _trainable(model)
-        if now != trainable:
-            changed = sorted(set(now) ^ set(trainable))
-            raise ValueError(
-                f"DPTrainer: the model's trainable parameters changed after the DPTrainer was built ({changed[0]} "
-                f"and {len(changed) - 1} more), but the clipping hooks were set then; set requires_grad before "
-                "building the DPTrainer"
-            )
-        planned_dataset, planned = self.planned_from
-        if dataset is not planned_dataset:
-            raise ValueError(
-                "DPTrainer: train_dataset was replaced after the DPTrainer was built, but the privacy plan (N, the "
-                "sampling, σ) was made for the first one; pass the dataset to train on when building the DPTrainer"
-            )
-        for name, value in planned.items():
-            if getattr(args, name, None) != value:
-                raise ValueError(
-                    f"DPTrainer: args.{name} changed from {value!r} to {getattr(args, name, None)!r} after the "
-                    "DPTrainer was built, but the privacy plan (the sampling, σ, the planned steps) was made then; "
-                    "set it in DPTrainingArguments before building the DPTrainer"
-                )
 
     @property
     def secret(self) -> RunSecret:
@@ -186,10 +132,12 @@ class PrivateRun:
         self.plan = dataclasses.replace(self.plan, noise_multiplier=sigma)
         self.state.record = plan_record(self.plan, self.args)
 
-    def start_training(self, resume_from_checkpoint: str | bool | None = None) -> str | None:
-        """Once per run: a second ``train()`` would redraw the same batches from the same secret. Returns the
-        checkpoint to resume from: only a complete one (``checkpoint_files.resume_point``). Without one, the argument
+    def start_training(self, resume_from_checkpoint: str | bool | None, trainer) -> str | None:
+        """Once per run: a second ``train()`` would redraw the same batches from the same secret; the ``trainer``'s
+        args, dataset and model still those planned for (``PlannedSetting.check``). Returns the checkpoint to resume
+        from: only a complete one (``checkpoint_files.resume_point``). Without one, the argument
         ``resume_from_checkpoint`` (the Trainer leaves it to scripts; "true": the newest complete checkpoint)."""
+        self.planned.check(trainer.args, trainer.train_dataset, trainer.model)
         if resume_from_checkpoint is None:
             resume_from_checkpoint = resume_argument(self.args.resume_from_checkpoint)
         resume = resume_point(resume_from_checkpoint, self.args.output_dir)
@@ -234,22 +182,6 @@ class PrivateRun:
             return False
         control.should_training_stop = True
         return True
-
-    def dataloader(self, dataset, collator) -> EpochDataLoader:
-        """The logical batches of the plan, drawn with the run's secret sampling key (users: by user)."""
-        users = self.units.unit_of_row
-        loader = dp_dataloader(
-            dataset,
-            collator,
-            plan=self.plan,
-            sampling_key=self.secret.sampling_key,
-            partition_key=self.secret.partition_key,
-            args=self.args,
-            unit_of_row=users,
-            max_rows_per_unit=self.args.max_examples_per_unit if users is not None else None,
-        )
-        self.state.sampler = loader.batch_sampler
-        return loader
 
     # ---- the step's lifecycle ---------------------------------------------------------------------
 
@@ -364,6 +296,23 @@ class PrivateRun:
         return report
 
 
+def sampled_loader(run: PrivateRun, dataset, collator) -> EpochDataLoader:
+    """The logical batches of ``run``'s plan, drawn with its secret sampling key (users: by user)."""
+    users = run.units.unit_of_row
+    loader = dp_dataloader(
+        dataset,
+        collator,
+        plan=run.plan,
+        sampling_key=run.secret.sampling_key,
+        partition_key=run.secret.partition_key,
+        args=run.args,
+        unit_of_row=users,
+        max_rows_per_unit=run.args.max_examples_per_unit if users is not None else None,
+    )
+    run.state.sampler = loader.batch_sampler
+    return loader
+
+
 def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     """The model's clipping engine with the run's clipping function, mode and groups; group-wise clipping is refused
     in one line where the parameters are partitioned (ZeRO-3), and so is a module without a layer
@@ -396,21 +345,6 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     if report is not None:
         logger.warning(report)
     return engine
-
-
-def _trainable(model: nn.Module) -> tuple[str, ...]:
-    return tuple(name for name, p in model.named_parameters() if p.requires_grad)
-
-
-def refuse_compiled(model: nn.Module) -> None:
-    """A model compiled by ``torch.compile`` (wrapped) or ``model.compile()`` (in place): the clipping hooks would
-    run inside a compiled graph, whose backward the DP step cannot take as it needs (the flag torch_compile is
-    refused for the same reason)."""
-    if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
-        raise ValueError(
-            "the model was compiled with torch.compile, but the DP step runs the bare module with per-layer "
-            "clipping hooks; pass the model uncompiled (torch_compile stays False under DP)"
-        )
 
 
 def refuse_peft_method(model: nn.Module, checkpointing: bool) -> None:

@@ -26,7 +26,7 @@ from hf_dp.losses import per_example_loss, unwrap_model
 from hf_dp.optim.registry import decay_groups
 from hf_dp.privacy import privacy_metrics
 from hf_dp.privacy_units import dataset_units, micro_batch_units
-from hf_dp.run import PrivateRun, UpdateRule, build_update_rule, update_rule_of
+from hf_dp.run import PrivateRun, UpdateRule, build_update_rule, sampled_loader, update_rule_of
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,7 @@ class DPTrainerMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """The Trainer's ``train``, once per DPTrainer, from a complete checkpoint (``PrivateRun.start_training``);
         its metrics carry the guarantee; a process that dies or hangs stops the others (``PrivateRun.training``)."""
-        self._private_run("train").check_planned_from(self.args, self.train_dataset, self.model)
-        resume = self.dp.start_training(resume_from_checkpoint)
+        resume = self._private_run("train").start_training(resume_from_checkpoint, self)
         with self.dp.training(self.state):
             output = super().train(resume, *args, **kwargs)
         output.metrics.update(self.privacy_metrics())
@@ -106,7 +105,7 @@ class DPTrainerMixin:
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        return self.dp.dataloader(dataset, collator)
+        return sampled_loader(self.dp, dataset, collator)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The ``dp_optimizer`` rule (or the user's optimizer), released through the Gaussian mechanism."""
