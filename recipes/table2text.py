@@ -26,7 +26,9 @@ from ``../shared/data/tokenizers/gpt2`` (LoRA stays on unless ``--no_lora``: fro
 Data (``../shared/data``): E2E trains on ``trainset.csv`` and evaluates on ``testset_w_refs.csv`` (or
 ``--eval_split dev``: ``devset.csv``), references grouped by meaning representation (630 test MRs). DART has
 no train split offline: it trains on the dev JSON and evaluates on the test XML, one hypothesis per entry
-with its references (5,097 entries), as the official DART evaluation does.
+with its references (5,097 entries), as the official DART evaluation does. ``--eval_split heldout`` (either
+dataset) evaluates on ``--heldout_tables`` tables spread evenly through the training file instead, and trains
+on the rest, with every row of a held-out table left out: the split for choosing settings.
 
 Evaluation: beam search (``--num_beams``, ``--max_new_tokens``, ``--no_repeat_ngram_size``), then
 multi-reference BLEU (sacrebleu, 0-100), NIST (nltk, 13a tokens), METEOR 1.5 and CIDEr-D (pycocoevalcap on
@@ -100,6 +102,7 @@ DEFAULT_EPSILON = 8.0
 TINY_GPT2 = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256}
 E2E_KEYS = {"eatType": "Type", "priceRange": "price", "familyFriendly": "family friendly"}
 E2E_EVAL_FILES = {"test": "testset_w_refs.csv", "dev": "devset.csv"}
+DEFAULT_HELDOUT_TABLES = 100
 DISPLAY = {"e2e": "E2E", "dart": "DART"}
 METRICS = ("bleu", "nist", "meteor", "rouge_l", "cider")
 METRIC_LABELS = {"bleu": "BLEU", "nist": "NIST", "meteor": "METEOR", "rouge_l": "ROUGE-L", "cider": "CIDEr"}
@@ -140,7 +143,19 @@ class ModelArguments(LoraArguments):
 class DataArguments:
     dataset: str = field(default="e2e", metadata={"help": "'e2e' or 'dart'."})
     data_dir: str | None = field(default=None, metadata={"help": "Default: ../shared/data/<dataset>."})
-    eval_split: str = field(default="test", metadata={"help": "E2E: 'test' or 'dev'; DART: 'test'."})
+    eval_split: str = field(
+        default="test",
+        metadata={
+            "help": "E2E: 'test', 'dev' or 'heldout'; DART: 'test' or 'heldout' (see --heldout_tables)."
+        },
+    )
+    heldout_tables: int | None = field(
+        default=None,
+        metadata={
+            "help": f"With --eval_split heldout: hold out this many tables of the training file, every "
+            f"len/N-th, with all their rows (default {DEFAULT_HELDOUT_TABLES})."
+        },
+    )
     max_train_samples: int | None = field(
         default=None, metadata={"help": "Train on the first N (table, text) rows."}
     )
@@ -222,22 +237,43 @@ def load_data(data: DataArguments) -> tuple[list[TableGroup], list[TableGroup], 
     name = data.dataset.lower()
     if name not in DISPLAY:
         raise ValueError(f"unknown --dataset {data.dataset!r}; use 'e2e' or 'dart'")
+    if data.heldout_tables is not None and data.eval_split != "heldout":
+        raise ValueError(
+            f"--heldout_tables sizes --eval_split heldout; drop it with --eval_split {data.eval_split}"
+        )
     folder = Path(data.data_dir) if data.data_dir else shared_data_dir() / name
+    splits = ("test", "heldout", *(("dev",) if name == "e2e" else ()))
+    if data.eval_split not in splits:
+        raise ValueError(
+            f"{DISPLAY[name]} --eval_split is one of {', '.join(splits)}, got {data.eval_split!r}"
+            + ("; DART offline trains on its dev JSON" if name == "dart" else "")
+        )
     if name == "e2e":
-        if data.eval_split not in E2E_EVAL_FILES:
-            raise ValueError(f"E2E --eval_split is 'test' or 'dev', got {data.eval_split!r}")
         train = read_e2e(folder / "trainset.csv")
+    else:
+        train = read_dart_json(folder / "dart-v1.1.1-full-dev.json")
+    if data.eval_split == "heldout":
+        train, evaluation = hold_out(
+            train, DEFAULT_HELDOUT_TABLES if data.heldout_tables is None else data.heldout_tables
+        )
+    elif name == "e2e":
         evaluation = read_e2e(folder / E2E_EVAL_FILES[data.eval_split])
     else:
-        if data.eval_split != "test":
-            raise ValueError(
-                "DART offline has the dev JSON (used to train) and the test XML: --eval_split test"
-            )
-        train = read_dart_json(folder / "dart-v1.1.1-full-dev.json")
         evaluation = read_dart_xml(folder / "dart-v1.1.1-full-test.xml")
     if data.max_eval_samples:
         evaluation = evaluation[: data.max_eval_samples]
     return train, evaluation, data.eval_split
+
+
+def hold_out(groups: list[TableGroup], count: int) -> tuple[list[TableGroup], list[TableGroup]]:
+    """(kept, held out): every ``len // count``-th table held out, and every table equal to one held out
+    removed from the kept ones, so no held-out table is trained on whatever the file's order or repeats."""
+    if not 0 < count < len(groups):
+        raise ValueError(f"--heldout_tables must be between 1 and {len(groups) - 1}, got {count}")
+    stride = len(groups) // count
+    held = groups[::stride][:count]
+    held_tables = {g.table for g in held}
+    return [g for g in groups if g.table not in held_tables], held
 
 
 def training_pairs(groups: list[TableGroup], limit: int | None = None) -> list[tuple[str, str]]:

@@ -59,6 +59,35 @@ def test_references_are_grouped_per_table(shared_data):
     assert dart_test[0].table.startswith("Hawaii Five-O : NOTES : Episode: The Flight of the Jewels | ")
 
 
+def test_heldout_split_spans_the_file_and_is_never_trained_on(shared_data):
+    """--eval_split heldout: every len/N-th table of the training file, all rows of a repeated table left out
+    of training; the other splits unchanged; a misplaced flag refused."""
+    table = lambda name: t2t.TableGroup(name, [f"{name}."])  # noqa: E731
+    kept, held = t2t.hold_out([table(n) for n in "ABCADE"], 3)
+    assert [g.table for g in held] == ["A", "C", "D"] and [g.table for g in kept] == ["B", "E"]
+    train, evaluation, split = t2t.load_data(t2t.DataArguments(dataset="dart", eval_split="heldout"))
+    everything = t2t.read_dart_json(shared_data / "dart" / "dart-v1.1.1-full-dev.json")
+    assert split == "heldout" and len(evaluation) == t2t.DEFAULT_HELDOUT_TABLES
+    assert evaluation[0] == everything[0] and evaluation[-1] == everything[99 * (len(everything) // 100)]
+    held_tables = {g.table for g in evaluation}
+    assert not held_tables & {g.table for g in train}
+    assert len(train) == sum(g.table not in held_tables for g in everything) < len(everything) - 100
+    train, evaluation, _ = t2t.load_data(
+        t2t.DataArguments(dataset="e2e", eval_split="heldout", heldout_tables=7)
+    )
+    assert len(evaluation) == 7 and len(train) + 7 == len(t2t.read_e2e(shared_data / "e2e" / "trainset.csv"))
+    for bad, message in [
+        ({"dataset": "e2e", "heldout_tables": 7}, "--heldout_tables sizes --eval_split heldout"),
+        ({"dataset": "dart", "eval_split": "dev"}, "DART --eval_split is one of test, heldout"),
+        (
+            {"dataset": "e2e", "eval_split": "heldout", "heldout_tables": 0},
+            "--heldout_tables must be between",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            t2t.load_data(t2t.DataArguments(**bad))
+
+
 def test_loss_covers_only_the_text_and_its_end_token(shared_data):
     tokenizer = t2t.load_tokenizer(t2t.ModelArguments(from_scratch=True))
     assert len(tokenizer) == 50257 and tokenizer.eos_token == "<|endoftext|>"
@@ -135,7 +164,9 @@ def test_dart_with_lora_dp_sgd_and_rdp(shared_data, tmp_path, capsys):
     out = capsys.readouterr().out
     _check_run(record, out, results, ("bleu", "nist", "rouge_l"), epsilon_bound=8.0)
     before = json.loads(results.read_text())["before_training"]
-    assert set(before) == {"bleu", "nist", "rouge_l"} and all(math.isfinite(v) and v >= 0 for v in before.values())
+    assert set(before) == {"bleu", "nist", "rouge_l"} and all(
+        math.isfinite(v) and v >= 0 for v in before.values()
+    )
     assert f"DART test before training: BLEU {before['bleu']:.2f}" in out
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
