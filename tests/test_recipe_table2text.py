@@ -11,6 +11,7 @@ import re
 import pytest
 
 from recipes import table2text as t2t
+from tests.benchmark_scripts import load_benchmark
 
 TINY_GPT2 = '{"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 96}'
 TOY = [
@@ -172,3 +173,29 @@ def test_dart_with_lora_dp_sgd_and_rdp(shared_data, tmp_path, capsys):
     assert trainable and all("lora_" in n for n in trainable)
     assert trainer.args.dp_optimizer == "sgd" and "betas" not in trainer.optimizer.param_groups[0]
     assert record["examples"][0]["table"].startswith("Hawaii Five-O : NOTES")
+
+
+@pytest.mark.slow
+def test_tuning_script_runs_each_rate_once_and_chooses_the_highest_bleu(tmp_path):
+    """benchmarks/table2text_tuning.py: one recipe run per rate on held-out tables, the highest BLEU chosen with
+    its settings; a second call reads the kept results instead of training again."""
+    tuning = load_benchmark("table2text_tuning")
+    out = tmp_path / "tuning.json"
+    argv = ["--dataset", "e2e", "--eval_split", "heldout", "--learning_rates", "1e-2", "1e-4",
+            "--work", str(tmp_path), "--out", str(out), "--", *TOY]  # fmt: skip
+    result = tuning.main(argv)
+    assert json.loads(out.read_text()) == result and set(result["runs"]) == {"1e-2", "1e-4"}
+    best = max(result["runs"].values(), key=lambda run: run["bleu"])
+    assert (
+        result["chosen_learning_rate"]
+        == best["learning_rate"]
+        == result["settings"]["training"]["learning_rate"]
+    )
+    assert all(
+        run["eval_tables"] == 2 and run["steps"] == 2 and run["mean_words"] > 0
+        for run in result["runs"].values()
+    )
+    kept = sorted(tmp_path.glob("e2e_heldout_lr*.json"))
+    stamps = [path.stat().st_mtime_ns for path in kept]
+    assert len(kept) == 2 and tuning.main(argv)["runs"] == result["runs"]
+    assert [path.stat().st_mtime_ns for path in kept] == stamps
