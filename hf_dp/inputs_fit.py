@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 IGNORE_INDEX = -100  # the label the token loss skips
+NEXT_SENTENCE_CLASSES = 2  # BERT's next-sentence head: is next (0), is random (1)
 POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")  # learned absolute positions, by name
 TOKEN_TYPE_TABLES = ("token_type_embeddings",)  # BERT-style segment embeddings, by name
 
@@ -118,9 +119,12 @@ def _check_positions(
 
 
 def _classes(model: nn.Module, labels: torch.Tensor, name: str) -> int | None:
-    """How many classes the labels index: a sequence classifier's ``num_labels`` (one label per row), the output
-    layer's width for token labels (a language model's vocabulary, a token classifier's classes)."""
+    """How many classes the labels index: a sequence classifier's ``num_labels`` (one label per row; next-sentence
+    prediction's 2), the output layer's width for token labels (a language model's vocabulary, a token classifier's
+    classes)."""
     config = getattr(model, "config", None)
+    if labels.dim() == 1 and name.endswith("ForNextSentencePrediction"):
+        return NEXT_SENTENCE_CLASSES
     if labels.dim() == 1:
         classes = getattr(config, "num_labels", None)
         single_label = getattr(config, "problem_type", None) in (None, "single_label_classification")
@@ -147,5 +151,6 @@ def _check_labels(model: nn.Module, labels: torch.Tensor, name: str) -> None:
         skip = f", or {IGNORE_INDEX} to skip a token" if labels.dim() == 2 else ""
         raise ValueError(
             f"the batch has label {value} but {name} predicts {classes} classes (labels 0..{classes - 1}{skip}): "
-            f"map the dataset's labels to 0..{classes - 1}, or give the model num_labels"
+            f"map the dataset's labels to 0..{classes - 1}"
+            + (", or give the model num_labels" if name.endswith("ForSequenceClassification") else "")
         )

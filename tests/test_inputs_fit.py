@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
+from transformers import BertForNextSentencePrediction
 
 from hf_dp import DPTrainer, DPTrainingArguments
 from hf_dp.inputs_fit import check_inputs_fit
@@ -45,6 +46,12 @@ def test_labels_outside_the_classes_are_refused():
         check_inputs_fit(model, _classifier_batch([-1, 0, 1]))
     regression = models.bert_classifier(num_labels=1)  # integer targets of a regression head: not classes
     check_inputs_fit(regression, _classifier_batch([0, 7, 1]))
+    next_sentence = BertForNextSentencePrediction(models.bert_classifier().config)
+    check_inputs_fit(next_sentence, _classifier_batch([0, 1, 1]))
+    with pytest.raises(
+        ValueError, match=r"label 2 but BertForNextSentencePrediction predicts 2 classes .*0..1$"
+    ):
+        check_inputs_fit(next_sentence, _classifier_batch([0, 2, 1]))
 
 
 def test_token_labels_outside_the_vocabulary_are_refused():
