@@ -83,7 +83,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     options, extra = parser.parse_known_args(argv)
     extra = [flag for flag in extra if flag != "--"]
     options.work.mkdir(parents=True, exist_ok=True)
-    started = time.time()
     done = {rate: candidate(options, rate, extra) for rate in options.learning_rates}
     runs = {rate: summary for rate, (summary, _) in done.items()}
     chosen = max(runs, key=lambda rate: runs[rate]["bleu"])
@@ -98,7 +97,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "chosen_learning_rate": float(chosen),
         "settings": record["settings"],
         "git_commit": git_state(REPO)[0],
-        "seconds": round(time.time() - started, 1),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
     options.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -1,7 +1,7 @@
 """Differentially private table-to-text generation (E2E, DART) with a pretrained causal LM and hf_dp.
 
     python recipes/table2text.py --dataset e2e                       # ε = 8, SmolLM2-135M-Instruct + LoRA
-    python recipes/table2text.py --dataset e2e --disable_dp          # the non-private baseline
+    python recipes/table2text.py --dataset e2e --disable_dp --learning_rate 2e-3   # the non-private baseline
     python recipes/table2text.py --dataset dart --target_epsilon 3
     python recipes/table2text.py --dataset e2e --no_lora             # full fine-tuning
     python recipes/table2text.py --dataset e2e --model_name_or_path gpt2      # with Hub access
