@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,7 @@ TOY = [
     "--num_beams", "2",
     "--max_new_tokens", "8",
 ]  # fmt: skip
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 FINAL_LINE = re.compile(r"(E2E|DART) test: (.*)  at epsilon (\S+) \(delta \S+, 2 steps\)")
 
 
@@ -199,3 +201,20 @@ def test_tuning_script_runs_each_rate_once_and_chooses_the_highest_bleu(tmp_path
     stamps = [path.stat().st_mtime_ns for path in kept]
     assert len(kept) == 2 and tuning.main(argv)["runs"] == result["runs"]
     assert [path.stat().st_mtime_ns for path in kept] == stamps
+
+
+@pytest.mark.parametrize(
+    "dataset, private, tuning",
+    [
+        ("e2e", True, "table2text_e2e_smollm2_tuning.json"),
+        ("e2e", False, "table2text_e2e_smollm2_nodp_tuning.json"),
+        ("dart", True, "table2text_dart_smollm2_tuning.json"),
+        ("dart", False, "table2text_dart_smollm2_nodp_tuning.json"),
+    ],
+)
+def test_learning_rate_defaults_are_the_ones_chosen_on_held_out_tables(dataset, private, tuning):
+    """Each dataset, private or not, defaults to the rate its tuning run chose; a given rate wins."""
+    chosen = json.loads((RESULTS / tuning).read_text())["chosen_learning_rate"]
+    argv = ["--dataset", dataset, *([] if private else ["--disable_dp"])]
+    assert t2t.parse_args(argv)[2].learning_rate == chosen
+    assert t2t.parse_args([*argv, "--learning_rate", "3e-4"])[2].learning_rate == 3e-4
