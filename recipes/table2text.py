@@ -87,18 +87,6 @@ from recipes.common import (  # noqa: E402
     sort_by_length,
 )
 
-RECIPE_DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
-    "output_dir": "out/table2text",
-    "per_device_train_batch_size": 32,
-    "gradient_accumulation_steps": 8,
-    "max_steps": 12,  # with SmolLM2 + LoRA at epsilon 8: E2E test BLEU 58.5 (docs/results.md)
-    "learning_rate": 4e-3,  # E2E at epsilon 8; LEARNING_RATES has each dataset's, private or not
-    "lr_scheduler_type": "constant",
-    "per_sample_max_grad_norm": 0.1,
-    "logging_steps": 10,
-}
-DEFAULT_EPSILON = 8.0
 # The default learning rate by (dataset, private), each chosen on tables no run trained on with SmolLM2 + LoRA at the
 # other defaults: E2E on 100 dev MRs, DART on 100 held-out training tables (benchmarks/table2text_tuning.py,
 # benchmarks/results/table2text_{e2e,dart}_smollm2{,_nodp}_tuning.json).
@@ -108,6 +96,18 @@ LEARNING_RATES: dict[tuple[str, bool], float] = {
     ("dart", True): 2e-3,  # of 2e-3 / 4e-3: BLEU 30.3 / 29.6
     ("dart", False): 4e-3,  # of 2e-3 / 4e-3: BLEU 35.5 / 35.5
 }
+RECIPE_DEFAULTS: dict[str, Any] = {
+    **COMMON_DEFAULTS,
+    "output_dir": "out/table2text",
+    "per_device_train_batch_size": 32,
+    "gradient_accumulation_steps": 8,
+    "max_steps": 12,  # with SmolLM2 + LoRA at epsilon 8: E2E test BLEU 58.5 (docs/results.md)
+    "learning_rate": LEARNING_RATES[("e2e", True)],  # parse_args sets each dataset's, private or not
+    "lr_scheduler_type": "constant",
+    "per_sample_max_grad_norm": 0.1,
+    "logging_steps": 10,
+}
+DEFAULT_EPSILON = 8.0
 TINY_GPT2 = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 256}
 E2E_KEYS = {"eatType": "Type", "priceRange": "price", "familyFriendly": "family friendly"}
 E2E_EVAL_FILES = {"test": "testset_w_refs.csv", "dev": "devset.csv"}
