@@ -75,10 +75,13 @@ PRIVACY_KEYS = (
     "disable_dp",
     "clipping_mode",
     "clipping_fn",
+    "clipping_groups",
+    "clipping_group_norms",
     "accountant",
     "poisson_sampling",
     "dp_optimizer_kwargs",
     "seed",
+    "insecure_dp_seed",
 )
 
 

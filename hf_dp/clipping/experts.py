@@ -24,6 +24,7 @@ from torch import nn
 from hf_dp.clipping.per_example import (
     MATERIALISE_OVERHEAD_STEPS,
     Folded,
+    Like,
     Materialised,
     OuterProductSum,
     example_chunks,
@@ -148,7 +149,7 @@ class RoutedOuterProductSum:
         self,
         grad: torch.Tensor | None,
         weights: torch.Tensor,
-        like: torch.Tensor,
+        like: torch.Tensor | Like,
         folded: Folded | None = None,
     ) -> torch.Tensor:
         """grad + Σ_i w_i G_i (grad None: a fresh tensor shaped like ``like``): the pairs sorted by expert (one host

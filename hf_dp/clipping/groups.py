@@ -141,10 +141,11 @@ def clip_groups(
 
 class GroupSums:
     """Σ_i c_ig G_i of each group, formed as soon as every clipped parameter of the group has its per-example
-    gradients (all its uses), from c_ig = clip(‖s ⊙ g_ig‖, C_g) · mask_i (0 where the norm is not finite; those
-    examples' rows are left out, 0 · inf being nan). ``group_of``: each clipped parameter's group by the id of the
-    object its module holds before the forward. ``finish`` after the backward forms the groups some of whose
-    parameters got no gradient, and returns the norms (U, G)."""
+    gradients (all its uses), from c_ig = clip(‖s ⊙ g_ig‖, C_g) · mask_i, 0 where the norm is not finite (nan or
+    inf: clip gives nan or 0, and nan is set to 0), those examples' rows left out (0 · inf being nan). Each group's
+    ‖s ⊙ g_ig‖² is one buffer its parameters' norms are added into (``buffer``). ``group_of``: each clipped
+    parameter's group by the id of the object its module holds before the forward. ``finish`` after the backward
+    forms the groups some of whose parameters got no gradient, and returns the norms (U, G)."""
 
     def __init__(
         self,
@@ -156,34 +157,46 @@ class GroupSums:
         dtype: torch.dtype,
         loss_scale: float = 1.0,
     ) -> None:
-        self.groups, self.norms_g, self.clip, self.mask = groups, groups.norms(clip_norm), clip, mask
-        self.group_of, self.loss_scale = group_of, loss_scale
-        self.squared = torch.zeros(mask.shape[0], len(groups.names), dtype=dtype, device=mask.device)
+        self.groups, self.norms_g, self.clip, self.mask = (
+            groups,
+            groups.norms(clip_norm),
+            clip,
+            mask.to(dtype),
+        )
+        self.group_of, self.loss_scale, self.dtype = group_of, loss_scale, dtype
+        self.squared: list[torch.Tensor | None] = [None] * len(groups.names)  # ‖s ⊙ g_ig‖², (U,) a group
+        self.norms: list[torch.Tensor | None] = [None] * len(groups.names)  # ‖s ⊙ g_ig‖ once formed
         self.remaining = [0] * len(groups.names)
         for group in group_of.values():
             self.remaining[group] += 1
         self.pending: list[list[tuple[nn.Parameter, list[PerExampleGradient]]]] = [[] for _ in groups.names]
         self.totals: dict[nn.Parameter, torch.Tensor] = {}
 
+    def buffer(self, group: int) -> torch.Tensor | None:
+        """The group's ‖s ⊙ g_ig‖² so far, to add the next parameter's into in place (None before the first)."""
+        return self.squared[group]
+
     def add(
         self, group: int, param: nn.Parameter, parts: list[PerExampleGradient], squared: torch.Tensor
     ) -> None:
-        """A parameter's per-example gradients (every use) and ‖s ⊙ G_i‖² (U,), into its ``group``; ``param``: the
-        object the backward saw (FSDP2's unsharded one), whose total is formed."""
-        self.squared[:, group] += squared.to(self.squared)
+        """A parameter's per-example gradients (every use) and the group's ‖s ⊙ g_ig‖² with its ‖s ⊙ G_i‖² added
+        (``buffer``; its own (U,) for the group's first); ``param``: the object the backward saw (FSDP2's
+        unsharded one), whose total is formed."""
+        self.squared[group] = squared.to(self.dtype)
         self.pending[group].append((param, parts))
         self.remaining[group] -= 1
         if self.remaining[group] == 0:
             self._form(group)
 
     def _form(self, group: int) -> None:
-        norms = self.squared[:, group].clamp(min=0).sqrt() / self.loss_scale
-        finite = torch.isfinite(norms)
-        factors = torch.where(finite, self.clip(norms.nan_to_num(), self.norms_g[group]), 0.0) * self.mask.to(
-            norms
-        )
+        norms = self.squared[group].clamp_(min=0).sqrt_()
+        if self.loss_scale != 1:
+            norms = norms.div_(self.loss_scale)
+        self.norms[group] = norms
+        factors = self.clip(norms, self.norms_g[group]).nan_to_num_(nan=0.0).mul_(self.mask)
         dropped = Dropped(factors == 0)
-        factors = factors / self.loss_scale  # the weights of the S-scaled per-example gradients
+        if self.loss_scale != 1:
+            factors = factors / self.loss_scale  # the weights of the S-scaled per-example gradients
         with torch.no_grad():
             for param, parts in self.pending[group]:
                 total = clipped_total(param, [(1.0, part) for part in parts], factors, dropped)
@@ -191,8 +204,10 @@ class GroupSums:
         self.pending[group] = []
 
     def finish(self) -> torch.Tensor:
-        """After the backward: the groups not yet formed, then ‖s ⊙ g_ig‖ (U, G)."""
+        """After the backward: the groups not yet formed, then ‖s ⊙ g_ig‖ (U, G), 0 for a group that got no
+        gradient."""
         for group, pending in enumerate(self.pending):
             if pending:
                 self._form(group)
-        return self.squared.clamp(min=0).sqrt() / self.loss_scale
+        missing = None if all(n is not None for n in self.norms) else self.mask.new_zeros(self.mask.shape)
+        return torch.stack([missing if n is None else n for n in self.norms], dim=1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, NamedTuple, Union
 
 import torch
 
@@ -152,7 +152,7 @@ class OuterProductSum:
         self,
         grad: torch.Tensor | None,
         weights: torch.Tensor,
-        like: torch.Tensor,
+        like: torch.Tensor | Like,
         folded: Folded | None = None,
     ) -> torch.Tensor:
         """grad + Σ_i w_i G_i (grad None: a fresh tensor shaped like ``like``), as one GEMM written in place
@@ -169,7 +169,7 @@ class OuterProductSum:
         in_place = grad is not None and grad.dtype == right.dtype
         if self.is_index:
             if grad is None:
-                grad = torch.zeros_like(like)
+                grad = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
                 in_place = grad.dtype == right.dtype
             target = grad.view(self.rows, cols) if in_place else right.new_zeros(self.rows, cols)
             target.index_add_(0, left.reshape(-1), (right * weights[:, None, None]).reshape(-1, cols))
@@ -258,7 +258,7 @@ class Materialised:
         self,
         grad: torch.Tensor | None,
         weights: torch.Tensor,
-        like: torch.Tensor,
+        like: torch.Tensor | Like,
         folded: Folded | None = None,
     ) -> torch.Tensor:
         """grad + Σ_i w_i G_i (grad None: a fresh tensor shaped like ``like``; ``folded`` unused: one GEMM)."""
@@ -299,14 +299,29 @@ def clipped_total(
     """Σ_e w_e Σ_i c_i G_i^e of one parameter as a fresh tensor, float32 or wider, without the examples whose c_i
     is 0 (0 · inf would be nan): ``dropped``, or decided here from ``factors``."""
     dropped = dropped if dropped is not None else Dropped.where(factors == 0)
-    # the parameter's shape and device in float32 or wider, its data unread (FSDP2 frees an unsharded weight's)
-    like = param.new_empty((), dtype=torch.promote_types(param.dtype, torch.float32)).expand(param.shape)
+    like = Like(
+        param.shape, summed_dtype(param.dtype), param.device
+    )  # FSDP2 frees an unsharded weight's data
     total = None
     with torch.no_grad():
         for weight, part in weighted:
             part = dropped.apply(part)
             total = part.accumulate(total, factors if weight == 1 else weight * factors, like)
     return total
+
+
+class Like(NamedTuple):
+    """What a fresh sum is shaped like, without a tensor (a call through torch's dispatcher, a launch on a device)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+def summed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """torch.promote_types(dtype, torch.float32) for a parameter's dtype, computed on the host: the dtype its
+    clipped sum is formed in."""
+    return dtype if dtype == torch.float64 or dtype.is_complex else torch.float32
 
 
 def example_chunks(batch: int, floats_per_example: int) -> Iterator[tuple[int, int]]:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hf_dp.clipping.geometry import ClippingFn, clip_factors
-from hf_dp.clipping.per_example import Dropped, Folded, PerExampleGradient, Weighted
+from hf_dp.clipping.per_example import Dropped, Folded, PerExampleGradient, Weighted, summed_dtype
 from hf_dp.clipping.wide_gemm import LOW_PRECISION
 
 # per parameter id: the parameter and its weighted per-example parts (uses, evaluations)
@@ -33,8 +33,7 @@ class ClippedSums:
         wide = self.wide.pop(param, None)
         if wide is not None:
             return wide if param.grad is None else wide.add_(param.grad.float())
-        # torch.promote_types(param.dtype, torch.float32), without a call through torch's dispatcher
-        dtype = param.dtype if param.dtype == torch.float64 or param.dtype.is_complex else torch.float32
+        dtype = summed_dtype(param.dtype)
         if param.grad is not None:
             return param.grad if param.grad.dtype == dtype else param.grad.float()
         return torch.zeros_like(param, dtype=dtype)

@@ -341,8 +341,12 @@ class NormCollector:
         terms = [(1.0, part) for part in parts]
         scale = self.scales.get(id(param))
         if self.group_sums is not None:
-            squared = combined_squared_norm(terms, scale, shape, self.materialise)
-            self.group_sums.add(self._group_of[id(param)], param, parts, squared)
+            group = self._group_of[id(param)]
+            # the group's buffer is written in place, and a shared use's parts may carry autograd history
+            with torch.no_grad():
+                into = self.group_sums.buffer(group)
+                squared = combined_squared_norm(terms, scale, shape, self.materialise, into=into)
+            self.group_sums.add(group, param, parts, squared)
         else:
             combined_squared_norm(terms, scale, shape, self.materialise, into=self.squared)
 

@@ -96,7 +96,10 @@ def test_fp16_lora_with_checkpointing_is_exact_in_the_one_pass_step_too(monkeypa
     forwards = []
     for ours in checkpointed_steps(model, batch, max_norm, strategy=strategy, forwards=forwards):
         assert relative_error(ours, reference) < TOLERANCE
-    assert strategy.calibration.layerwise and forwards == [3, 1]  # step 1: one more, calibration's attribution
+    assert strategy.calibration.layerwise and forwards == [
+        3,
+        1,
+    ]  # step 1: one more, calibration's attribution
 
 
 class _TwoLayers(nn.Module):
@@ -208,6 +211,33 @@ def test_an_overflowing_example_weighs_zero_and_is_counted(overflow: str, checkp
     for param, reference in zip(model.parameters(), expected.values(), strict=True):
         assert torch.isfinite(param.grad).all()
         check(param.grad, reference)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("overflow", list(OVERFLOWS))
+def test_an_overflowing_example_weighs_zero_in_its_group_and_is_counted(
+    overflow: str, checkpointing: bool
+) -> None:
+    """Group-wise clipping (``clipping_groups="layer"``), each group formed in the backward without a host read: the
+    overflowing example 2 gets c_2g = 0 in every group it overflows (its rows are set to 0 before the products,
+    0 · inf being nan), is counted once, .grad is finite, and the others' sum is the per-group brute force."""
+    torch.manual_seed(0)
+    model, losses_of, max_norm, scale, check = OVERFLOWS[overflow]()
+    model.zero_grad(set_to_none=True)
+    engine = ClippingEngine(model, grouping="layer", clip_norm=max_norm)
+    share = max_norm * engine.groups.shares[0]
+    names = [name for name, _ in model.named_parameters()]
+    groups = {name: (name.rpartition(".")[0], share) for name in names}
+    reference = copy.deepcopy(model).double()
+    units = [lambda i=i: losses_of(reference)[i] for i in (0, 1, 3)]
+    expected = oracle.clipped_sum(reference, units, max_norm, groups=groups).total
+    strategy = clipped_step(engine, model, Backend(checkpointing=checkpointing, fp16_loss_scale=scale))
+    strategy.run(losses_of, torch.ones(4), StepPlan(max_norm), model)
+    engine.remove_hooks()
+    assert engine.sums.nonfinite_examples == 1
+    for name, param in model.named_parameters():
+        assert torch.isfinite(param.grad).all()
+        check(param.grad, expected[name])
 
 
 def _fp16_trainer(tmp_path, **overrides) -> DPTrainer:
