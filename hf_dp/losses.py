@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,31 +49,49 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """Whether position t predicts label t+1 (the labels are shifted): a transformers causal LM, or a class named
-    like one. A transformers class whose own loss is not transformers' shifted causal-LM loss (``loss_function``;
-    e.g. BartForCausalLM and XLNet compute cross-entropy on unshifted labels) is refused in one line."""
+    """Whether position t predicts label t+1 (the labels are shifted): a transformers causal LM whose own loss is
+    transformers' shifted causal-LM loss, or a class named like one outside transformers. A transformers causal LM
+    whose own loss is the plain token cross-entropy on labels it does not shift (BartForCausalLM and the other
+    seq2seq decoders', TrOCR, Whisper's decoder, XLNet, CPM-Ant) keeps that convention: position t predicts label t.
+    Any other loss of its own is refused in one line."""
     cls = type(unwrap_model(model))
     name = cls.__name__
-    causal = name in _CAUSAL_LM_CLASSES or name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
-    if causal and not _shifts_its_labels(cls):
+    if not (name in _CAUSAL_LM_CLASSES or name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
+        return False
+    shifts = _shifts_its_labels(cls)
+    if shifts is None:
         raise ValueError(
-            f"{name} computes its own loss on labels it does not shift (not transformers' causal-LM loss), so "
-            "which position predicts which label is the model's own convention: override "
+            f"{name} computes a loss of its own (not transformers' causal-LM loss nor a plain token cross-entropy), "
+            "so which position predicts which label is the model's own convention: override "
             "compute_per_example_loss(model, inputs) to return one loss per example"
         )
-    return causal
+    return shifts
+
+
+# ``loss_fct(logits.view(-1, V), labels.view(-1))``: cross-entropy of position t against label t
+_UNSHIFTED_TOKEN_LOSS = re.compile(r"loss_\w*\(logits\.view\(-1, [\w.]+(\(-1\))?\), labels\.view\(-1\)\)")
+
+
+_DOCSTRING = re.compile(r'"""[\s\S]*?"""')
 
 
 @functools.cache
-def _shifts_its_labels(cls: type) -> bool:
-    """transformers' own causal LMs shift their labels where their forward calls ``self.loss_function`` (its
-    ForCausalLMLoss); any other class is taken to follow the causal-LM convention."""
+def _shifts_its_labels(cls: type) -> bool | None:
+    """True where a transformers causal LM's forward calls ``self.loss_function`` (its ForCausalLMLoss, which
+    shifts), and for any class outside transformers; False where it takes a default ``CrossEntropyLoss()`` of its
+    logits against the labels as they are (``_UNSHIFTED_TOKEN_LOSS``); None for any other loss of its own."""
     if not cls.__module__.startswith("transformers.models."):
         return True
     try:
-        return "self.loss_function(" in inspect.getsource(cls.forward)
+        source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return True
+    if "self.loss_function(" in source:
+        return True
+    code = _DOCSTRING.sub("", source)
+    if "CrossEntropyLoss()" in code and _UNSHIFTED_TOKEN_LOSS.search(code) and "shift" not in code:
+        return False
+    return None
 
 
 def token_loss_per_example(

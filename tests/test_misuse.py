@@ -386,25 +386,6 @@ def test_a_model_without_a_task_head_is_named(tmp_path):
     assert trainer.state.global_step == 0
 
 
-def test_a_causal_lm_whose_loss_does_not_shift_its_labels_is_refused(tmp_path):
-    """BartForCausalLM's own loss is cross-entropy on unshifted labels (as XLNet's, XLM's, TrOCR's): hf_dp's
-    shifted token loss would train another objective than the model's, so it is refused; GPT-2 (transformers'
-    shifted loss) trains, and its per-example losses average, token-weighted, to the model's own loss."""
-    config = transformers.BartConfig(
-        vocab_size=models.VOCAB, d_model=16, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=32,
-        max_position_embeddings=32, pad_token_id=models.PAD, dropout=0.0,
-    )  # fmt: skip
-    trainer = make_trainer(tmp_path, model=transformers.BartForCausalLM(config), noise_multiplier=1.0)
-    with pytest.raises(ValueError, match="BartForCausalLM computes its own loss on labels it does not shift"):
-        trainer.train()
-    assert trainer.state.global_step == 0
-    gpt2, batch = models.gpt2().eval(), models.token_batch()
-    own = gpt2(**batch).loss
-    ours = token_loss_per_example(gpt2(**{**batch, "labels": None}).logits, batch["labels"], shift=True)
-    counted = (batch["labels"][:, 1:] != -100).sum(dim=1)
-    torch.testing.assert_close((ours * counted).sum() / counted.sum(), own)
-
-
 def test_records_packed_for_an_encoder_decoder_model_are_refused(tmp_path):
     rows = TokenRows(32).rows
     data = datasets.Dataset.from_dict({"input_ids": rows, "labels": [row[:3] for row in rows]})

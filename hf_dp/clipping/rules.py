@@ -147,18 +147,21 @@ def _forward_with_weight(module: nn.Module, weight: torch.Tensor, x: torch.Tenso
         return module.forward(x)
 
 
-# Per RMSNorm module, the weight w₀ whose forward returns x̂ itself: 1 for y = x̂ ⊙ w, 0 for y = x̂ ⊙ (1 + w).
-_IDENTITY_WEIGHT: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+# Per RMSNorm module, the weight w₀ whose forward returns x̂ itself: 1 for y = x̂ ⊙ w, 0 for y = x̂ ⊙ (1 + w), as a
+# tensor of the weight's shape, dtype and device, made once rather than on every step.
+_IDENTITY_WEIGHT: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
-def _identity_weight(module: nn.Module, shape: torch.Size, like: dict, x: torch.Tensor) -> float:
-    """Found once per module, on a row of ones (whose x̂ is not 0): with w = 0, x̂ ⊙ w is 0 and x̂ ⊙ (1 + w) is not."""
-    if module not in _IDENTITY_WEIGHT:
+def _identity_weight(module: nn.Module, shape: torch.Size, like: dict, x: torch.Tensor) -> torch.Tensor:
+    """Found once per module (and again if its dtype or device changes), on a row of ones (whose x̂ is not 0):
+    with w = 0, x̂ ⊙ w is 0 and x̂ ⊙ (1 + w) is not."""
+    kept = _IDENTITY_WEIGHT.get(module)
+    if kept is None or kept.shape != shape or kept.dtype != like["dtype"] or kept.device != like["device"]:
         with torch.no_grad():
             zero = torch.zeros(shape, **like)
             offset = bool(_forward_with_weight(module, zero, x.new_ones((1, *shape))).any())
-        _IDENTITY_WEIGHT[module] = 0.0 if offset else 1.0
-    return _IDENTITY_WEIGHT[module]
+        kept = _IDENTITY_WEIGHT[module] = torch.full(shape, 0.0 if offset else 1.0, **like)
+    return kept
 
 
 def rms_norm_rule(
@@ -171,8 +174,7 @@ def rms_norm_rule(
     weight = module.weight
     # DeepSpeed ZeRO-3 leaves a partitioned weight of shape (0,) outside the forward; ds_shape is its real one
     shape, like = getattr(weight, "ds_shape", weight.shape), {"dtype": weight.dtype, "device": weight.device}
-    identity = torch.full(shape, _identity_weight(module, shape, like, x), **like)
-    x_hat = _forward_with_weight(module, identity, x)
+    x_hat = _forward_with_weight(module, _identity_weight(module, shape, like, x), x)
     g = wide(grad_out)
     return {"weight": Materialised((g * wide(x_hat)).reshape(g.shape[0], -1, g.shape[-1]).sum(dim=1))}
 
