@@ -160,7 +160,11 @@ def _cut_row(batch: dict[str, Any], row: int, kept: torch.Tensor) -> dict[str, A
 
 
 def _length(batch: dict[str, Any]) -> int:
-    """The sequence length of a collated batch (its widest 2-D tensor), 0 for none."""
+    """The sequence length of a collated batch: its ``input_ids``' last dimension (rows, or multiple-choice rows
+    (batch, choices, length)), else its widest 2-D tensor's, 0 for none."""
+    ids = batch.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+        return ids.shape[-1]
     return max(
         (v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), default=0
     )

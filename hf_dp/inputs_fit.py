@@ -29,6 +29,7 @@ def check_inputs_fit(model: nn.Module, inputs: dict[str, Any]) -> None:
     labels = inputs.get("labels")
     if isinstance(ids, torch.Tensor):
         _check_rows(ids, name)
+    choices = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 3 else None
     if isinstance(ids, torch.Tensor) and ids.numel():
         _check_token_ids(base, ids, name)
         decoder_length = None
@@ -41,23 +42,23 @@ def check_inputs_fit(model: nn.Module, inputs: dict[str, Any]) -> None:
     if isinstance(token_types, torch.Tensor) and token_types.numel():
         _check_token_types(base, token_types, name)
     if isinstance(labels, torch.Tensor) and labels.numel() and not labels.is_floating_point():
-        _check_labels(base, labels, name)
+        _check_labels(base, labels, name, choices)
 
 
 def _check_rows(ids: torch.Tensor, name: str) -> None:
-    """Rows of at least one token, of shape (batch, length). A multiple-choice model folds each example's (C, T)
-    choices into C rows of its own batch inside its forward: the clipping hooks then see B·C rows for B examples
-    and cannot credit them to their example."""
-    if ids.dim() == 2 and ids.shape[0] and not ids.shape[1]:  # else a reshape error deep in the clipping
+    """Rows of at least one token, of shape (batch, length), or (batch, choices, length) for a multiple-choice
+    model, which folds each example's choices into rows of its own batch (privacy_units.choice_units)."""
+    if (
+        ids.dim() in (2, 3) and ids.shape[0] and not ids.shape[-1]
+    ):  # else a reshape error deep in the clipping
         raise ValueError(
             f"input_ids has shape {tuple(ids.shape)}: the batch's rows hold no token (every example was tokenised "
             "to nothing, or truncated to max_length 0); drop empty rows from the dataset"
         )
-    if ids.dim() > 2:
+    if ids.dim() > 2 and not (ids.dim() == 3 and name.endswith("ForMultipleChoice")):
         raise ValueError(
-            f"input_ids has shape {tuple(ids.shape)}, but DP training takes rows of tokens (batch, length): "
-            f"{name} folds each example's {ids.shape[1]} choices into rows of one batch, which per-example "
-            "clipping cannot credit to their example (multiple-choice heads are not supported yet)"
+            f"input_ids has shape {tuple(ids.shape)}, but {name} takes rows of tokens (batch, length): only a "
+            "*ForMultipleChoice model takes (batch, choices, length)"
         )
 
 
@@ -118,11 +119,13 @@ def _check_positions(
             )
 
 
-def _classes(model: nn.Module, labels: torch.Tensor, name: str) -> int | None:
+def _classes(model: nn.Module, labels: torch.Tensor, name: str, choices: int | None = None) -> int | None:
     """How many classes the labels index: a sequence classifier's ``num_labels`` (one label per row; next-sentence
-    prediction's 2), the output layer's width for token labels (a language model's vocabulary, a token classifier's
-    classes)."""
+    prediction's 2; a multiple-choice model's ``choices``), the output layer's width for token labels (a language
+    model's vocabulary, a token classifier's classes)."""
     config = getattr(model, "config", None)
+    if labels.dim() == 1 and choices is not None:
+        return choices
     if labels.dim() == 1 and name.endswith("ForNextSentencePrediction"):
         return NEXT_SENTENCE_CLASSES
     if labels.dim() == 1:
@@ -141,8 +144,8 @@ def _classes(model: nn.Module, labels: torch.Tensor, name: str) -> int | None:
     return output.out_features if isinstance(output, nn.Linear) else None
 
 
-def _check_labels(model: nn.Module, labels: torch.Tensor, name: str) -> None:
-    classes = _classes(model, labels, name)
+def _check_labels(model: nn.Module, labels: torch.Tensor, name: str, choices: int | None = None) -> None:
+    classes = _classes(model, labels, name, choices)
     if classes is None:
         return
     outside = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= classes))

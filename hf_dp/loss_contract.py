@@ -18,6 +18,7 @@ from torch import nn
 
 from hf_dp.clipping.checks import ExamplesAlone
 from hf_dp.clipping.units import PrivacyUnits
+from hf_dp.privacy_units import choice_units
 
 
 def require_per_example(
@@ -90,11 +91,15 @@ class MicroBatch:
         return losses_of
 
 
-def examples_alone(trainer: Any, alone: list | None, inputs: dict[str, Any]) -> ExamplesAlone | None:
+def examples_alone(
+    trainer: Any, alone: list | None, inputs: dict[str, Any], units: PrivacyUnits | None = None
+) -> ExamplesAlone | None:
     """The loader's examples alone (data.ALONE_KEY; None or empty: nothing to check), each with the per-example loss of that example as a
     micro-batch of its own: the trainer's ``_micro_batch`` points at that one-unit batch during the call, so its
-    ``compute_loss`` means the per-example loss there, and back at the outer one after."""
-    if not alone:
+    ``compute_loss`` means the per-example loss there, and back at the outer one after. Not checked where the
+    micro-batch's ``units`` are other than the loader's rows (users, pairs, packed records); a multiple-choice
+    example's choices are its own rows' (privacy_units.choice_units)."""
+    if not alone or (units is not None and choice_units(inputs) is None):
         return None
     source = f"{type(trainer).__name__}.compute_loss"
 

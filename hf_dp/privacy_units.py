@@ -99,10 +99,19 @@ def _is_missing(value: Any) -> bool:
 
 
 def micro_batch_units(inputs: dict[str, Any], unit_of_row: torch.Tensor | None) -> PrivacyUnits | None:
-    """How a micro-batch's rows and tokens form units; None: one unit per row. Users come from the loader; records
-    packed into one row are one unit each, found from the collator's ``seq_idx`` (DataCollatorWithFlattening's
-    marker) or from position ids restarting at 0 AMONG ATTENDED TOKENS: padding, left or right, with any
-    ``position_ids`` convention, is never taken for a record."""
+    """How a micro-batch's rows and tokens form units; None: one unit per row. Multiple-choice rows (batch, choices,
+    length), which the model folds into batch·choices rows of its own, are one unit per example (``choice_units``).
+    Users come from the loader; records packed into one row are one unit each, found from the collator's
+    ``seq_idx`` (DataCollatorWithFlattening's marker) or from position ids restarting at 0 AMONG ATTENDED TOKENS:
+    padding, left or right, with any ``position_ids`` convention, is never taken for a record."""
+    choices = choice_units(inputs)
+    if choices is not None and unit_of_row is not None:
+        raise ValueError(
+            "privacy_unit_column with multiple-choice rows (batch, choices, length) is not supported: drop "
+            "privacy_unit_column (the guarantee is then per example)"
+        )
+    if choices is not None:
+        return choices
     if unit_of_row is not None:
         rows = next((v.shape[0] for v in inputs.values() if _is_2d(v)), len(unit_of_row))
         if rows != len(unit_of_row):
@@ -126,6 +135,18 @@ def micro_batch_units(inputs: dict[str, Any], unit_of_row: torch.Tensor | None) 
     units = PrivacyUnits.of_restarts(restarts, attended)
     # one record per non-empty row is the default unit, a row
     return units if units.count > int(attended.any(dim=1).sum()) else None
+
+
+def choice_units(inputs: dict[str, Any]) -> PrivacyUnits | None:
+    """Multiple-choice rows: ``input_ids`` (or ``inputs_embeds``) of shape (B, C, T) (or (B, C, T, d)), which a
+    ``*ForMultipleChoice`` model reshapes row-major to B·C rows, so rows b·C .. b·C + C − 1 are example b's: one
+    unit each. None for rows of tokens."""
+    ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
+    folded = ids if isinstance(ids, torch.Tensor) else embeds
+    if not isinstance(folded, torch.Tensor) or folded.dim() != (3 if folded is ids else 4):
+        return None
+    batch, choices = folded.shape[:2]
+    return PrivacyUnits.of_rows(torch.arange(batch, device=folded.device).repeat_interleave(choices))
 
 
 def _is_2d(value: Any) -> bool:

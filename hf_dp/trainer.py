@@ -128,7 +128,7 @@ class DPTrainerMixin:
         inputs, mask, unit_of_row = split_dp_keys(inputs)
         micro = MicroBatch.of(mask, self.privacy_units(inputs, unit_of_row), self.args.device)
         self._micro_batch = micro
-        micro.alone = None if micro.units else examples_alone(self, alone, inputs)  # PrivateRun.clip checks
+        micro.alone = examples_alone(self, alone, inputs, micro.units)  # PrivateRun.clip checks
         try:
             super().training_step(model, inputs, None)
         finally:

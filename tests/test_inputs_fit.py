@@ -134,20 +134,23 @@ def test_trainer_refuses_before_the_first_update(tmp_path):
         assert torch.equal(p, before[name]), name
 
 
-def test_multiple_choice_rows_are_refused():
-    """A multiple-choice head folds each example's choices into rows of its batch: the clipping hooks crashed
-    (a shape error in the shared position table) instead of crediting them to their example."""
+def test_multiple_choice_rows_fit_a_multiple_choice_head_only():
+    """(batch, choices, length) rows: a multiple-choice head takes them (privacy_units.choice_units folds each
+    example's choices into one unit), with labels among its choices; any other head refuses them in one line."""
     from transformers import BertConfig, BertForMultipleChoice
 
-    model = BertForMultipleChoice(
-        BertConfig(**models._ENCODER, pad_token_id=models.PAD, max_position_embeddings=32)
-    )
+    config = BertConfig(**models._ENCODER, pad_token_id=models.PAD, max_position_embeddings=32)
     batch = {"input_ids": torch.full((2, 3, 4), 5), "labels": torch.tensor([0, 2])}
+    check_inputs_fit(BertForMultipleChoice(config), batch)
+    with pytest.raises(
+        ValueError, match=r"the batch has label 3 but BertForMultipleChoice predicts 3 classes"
+    ):
+        check_inputs_fit(BertForMultipleChoice(config), {**batch, "labels": torch.tensor([0, 3])})
     with pytest.raises(
         ValueError,
-        match=r"input_ids has shape \(2, 3, 4\).*BertForMultipleChoice folds each example's 3 choices",
+        match=r"input_ids has shape \(2, 3, 4\), but BertForSequenceClassification takes rows of tokens",
     ):
-        check_inputs_fit(model, batch)
+        check_inputs_fit(models.bert_classifier(num_labels=3), batch)
 
 
 def test_token_type_ids_outside_the_type_table_are_refused():

@@ -128,16 +128,18 @@ class ExamplesAlone:
 def batch_dependence_cause(inputs: dict) -> str:
     """The likely reason an example's loss depends on its batch, from the micro-batch's own tensors."""
     mask, ids = inputs.get("attention_mask"), inputs.get("input_ids")
-    if mask is None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
+    if (
+        mask is None and isinstance(ids, torch.Tensor) and ids.dim() in (2, 3)
+    ):  # rows, or multiple-choice rows
         return (
             "the batch has no attention_mask, so every example attends to the padding its batch adds: pass the "
             "collator's attention_mask (tokenizer(..., return_attention_mask=True), DataCollatorWithPadding)"
         )
     if (
         isinstance(mask, torch.Tensor)
-        and mask.dim() == 2
+        and mask.dim() in (2, 3)
         and "position_ids" not in inputs
-        and bool((mask[:, 0] == 0).any())
+        and bool((mask[..., 0] == 0).any())
     ):
         return (
             "rows are padded on the left and no position_ids are passed, so the model counts an example's "
