@@ -269,6 +269,27 @@ def decoder_inputs_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.
     return shift_tokens_right(labels, pad, start)
 
 
+def _after_virtual_tokens(
+    model: nn.Module, labels: torch.Tensor, positions: int, packed: bool
+) -> torch.Tensor:
+    """The labels of rows that peft's prompt tuning or p-tuning prefixed with virtual tokens, which predict nothing
+    (``IGNORE_INDEX``), as peft's own loss labels them; the labels as they are for any other model."""
+    while getattr(model, "active_peft_config", None) is None and isinstance(
+        getattr(model, "module", None), nn.Module
+    ):
+        model = model.module  # under DDP / DeepSpeed
+    config = getattr(model, "active_peft_config", None)
+    virtual = getattr(config, "num_virtual_tokens", 0) if getattr(config, "is_prompt_learning", False) else 0
+    if not virtual or virtual + labels.shape[1] != positions:
+        return labels
+    if packed:
+        raise ValueError(
+            f"peft's {config.peft_type} puts virtual tokens before each row, which packs records into rows: pad "
+            "each example in its own row instead (DataCollatorWithPadding)"
+        )
+    return torch.cat([labels.new_full((labels.shape[0], virtual), IGNORE_INDEX), labels], dim=1)
+
+
 def per_example_loss(
     model: nn.Module, inputs: dict[str, Any], label_smoothing: float = 0.0, units: PrivacyUnits | None = None
 ) -> torch.Tensor:
@@ -318,6 +339,7 @@ def per_example_loss(
             "the collator must give every row its labels"
         )
     if logits.dim() == 3 and labels.dim() == 2:
+        labels = _after_virtual_tokens(model, labels, logits.shape[1], packed)
         if logits.shape[1] != labels.shape[1]:
             raise ValueError(
                 f"the model returns logits for {logits.shape[1]} positions per row and the batch has labels for "

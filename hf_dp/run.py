@@ -348,11 +348,11 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
 
 
 def refuse_peft_method(model: nn.Module, checkpointing: bool) -> None:
-    """The peft methods whose per-example gradients are not formed, refused in one line before training: prompt
-    tuning and p-tuning put virtual tokens before each row (the loss would pair logits with the wrong labels);
-    prefix tuning's key-value prefixes, shared by all examples, are not followed through a checkpoint's
-    recomputation; DoRA's column norms and BOFT's butterfly factors are computed from the adapters on tensors
-    shared by all examples, next to each example's input."""
+    """The peft methods whose per-example gradients are not formed, refused in one line before training: the
+    prompt-learning methods other than prompt tuning, p-tuning and prefix tuning; p-tuning's encoder and prefix
+    tuning's key-value prefixes, shared by all examples, are not followed through a checkpoint's recomputation;
+    DoRA's column norms and BOFT's butterfly factors are computed from the adapters on tensors shared by all
+    examples, next to each example's input."""
     config = getattr(model, "active_peft_config", None)
     if config is None:
         return
@@ -364,15 +364,16 @@ def refuse_peft_method(model: nn.Module, checkpointing: bool) -> None:
         )
     if not getattr(config, "is_prompt_learning", False):
         return
-    if method != "PREFIX_TUNING":
+    if method not in ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING"):
         raise ValueError(
-            f"peft's {method} puts virtual tokens before each row, which the per-example loss does not pair with "
-            "labels: use LoRA (or prefix tuning) for DP fine-tuning"
+            f"peft's {method} has no per-example gradients in hf_dp: use prompt tuning, p-tuning, prefix tuning or "
+            "LoRA for DP fine-tuning"
         )
-    if checkpointing:
+    if checkpointing and method != "PROMPT_TUNING":
+        shared = "key-value prefixes" if method == "PREFIX_TUNING" else "prompt encoder's output"
         raise ValueError(
-            "peft's PREFIX_TUNING with activation checkpointing: its key-value prefixes, shared by all examples, are "
-            "not followed through a checkpoint's recomputation; turn gradient checkpointing off, or use LoRA"
+            f"peft's {method} with activation checkpointing: its {shared}, shared by all examples, is not followed "
+            "through a checkpoint's recomputation; turn gradient checkpointing off, or use prompt tuning or LoRA"
         )
 
 

@@ -1,6 +1,6 @@
 """peft's other methods on a tiny Llama: each exact against brute force (float64, both clipping modes, some
-examples clipped), or refused in one line: before training where the method cannot work (prompt tuning and
-p-tuning, DoRA, BOFT; prefix tuning under checkpointing), at the first step where an adapter's parameter read
+examples clipped), or refused in one line: before training where the method cannot work (multitask prompt tuning,
+DoRA, BOFT; p-tuning and prefix tuning under checkpointing), at the first step where an adapter's parameter read
 outside its module inside an activation checkpoint is recomputed otherwise (IA3, VeRA, LoKr, AdaLoRA, HRA)."""
 
 from __future__ import annotations
@@ -32,10 +32,15 @@ EXACT = {
     "hra": lambda: peft.HRAConfig(r=2, target_modules=ATTENTION),
     "ln_tuning": lambda: peft.LNTuningConfig(target_modules=["input_layernorm"]),
     "prefix_tuning": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+    "prompt_tuning": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+    "p_tuning": lambda: peft.PromptEncoderConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=8
+    ),
 }
 CHECKPOINTED = (
     "oft",
     "ln_tuning",
+    "prompt_tuning",
 )  # the others read an adapter's parameter outside its module (refused below)
 
 
@@ -87,14 +92,14 @@ def test_an_adapter_read_outside_its_module_inside_a_checkpoint_is_refused(metho
     ("config", "checkpointing", "message"),
     [
         (
-            peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+            peft.MultitaskPromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, num_tasks=2),
             False,
-            r"PROMPT_TUNING puts virtual tokens",
+            r"MULTITASK_PROMPT_TUNING has no per-example gradients in hf_dp",
         ),
         (
             peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=8),
-            False,
-            r"P_TUNING puts virtual tokens",
+            True,
+            r"P_TUNING with activation checkpointing: its prompt encoder's output",
         ),
         (
             peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
@@ -112,13 +117,30 @@ def test_an_adapter_read_outside_its_module_inside_a_checkpoint_is_refused(metho
             r"BOFT forms the adapted weight",
         ),
     ],
-    ids=["prompt_tuning", "p_tuning", "prefix_tuning_checkpointed", "dora", "boft"],
+    ids=["multitask_prompt_tuning", "p_tuning_checkpointed", "prefix_tuning_checkpointed", "dora", "boft"],
 )
 def test_a_peft_method_without_per_example_gradients_is_refused_before_training(
     tmp_path, config, checkpointing, message
 ):
-    # before: a shape error in the loss (virtual tokens), "freeze lora_A" (DoRA), a bmm size error (BOFT), a
-    # CheckpointError (prefix tuning)
+    # before: "freeze lora_A" (DoRA), a bmm size error (BOFT), a CheckpointError (prefix tuning)
     model = peft.get_peft_model(models.llama(), config)
     with pytest.raises(ValueError, match=message):
         make_trainer(tmp_path, model=model, noise_multiplier=1.0, gradient_checkpointing=checkpointing)
+
+
+@pytest.mark.parametrize("method", ["prompt_tuning", "p_tuning"])
+def test_virtual_tokens_predict_nothing_as_in_peft_s_own_loss(method: str, monkeypatch, tmp_path) -> None:
+    """Prompt tuning and p-tuning put num_virtual_tokens prompts before each row; peft labels them -100 in its own
+    loss, and so does the per-example loss: its token-weighted mean is peft's loss. A DP trainer step runs (the
+    first step's checks included)."""
+    from hf_dp.losses import per_example_loss
+
+    model = adapted(EXACT[method](), monkeypatch)
+    batch = models.token_batch()
+    ours = per_example_loss(model, dict(batch))
+    counted = (batch["labels"] != -100).sum(dim=1)  # the last virtual token predicts the first label too
+    # transformers' causal-LM loss casts the logits to float32
+    torch.testing.assert_close(((ours * counted).sum() / counted.sum()).float(), model(**batch).loss)
+    trainer = make_trainer(tmp_path, model=model.float(), noise_multiplier=1.0, max_steps=1)
+    trainer.train()
+    assert trainer.state.global_step == 1

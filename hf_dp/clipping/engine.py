@@ -20,7 +20,14 @@ from torch import nn
 from hf_dp.clipping.bookkeeping import EvaluationGradients, Recording, combined_terms, norms_of
 from hf_dp.clipping.geometry import ClippingFn, ClippingMode, ClipScales, scales_by_id
 from hf_dp.clipping.groups import ClipGroups, GroupSums, clip_groups
-from hf_dp.clipping.hooks import ForwardHooks, Layers, Receiver, UnsupportedModuleError, assign_parameters
+from hf_dp.clipping.hooks import (
+    ForwardHooks,
+    Layers,
+    Receiver,
+    UnsupportedModuleError,
+    assign_parameters,
+    repeated_prompts,
+)
 from hf_dp.clipping.lora_params import wrapped, wraps_fallback
 from hf_dp.clipping.quantized import check_quantized_base
 from hf_dp.clipping.rows import RowTracking
@@ -82,7 +89,7 @@ class ClippingEngine:
         self.model_numel = sum(p.numel() for p in model.parameters())
         self.saw_checkpointing = False  # a recorded forward ran under torch.utils.checkpoint
         self._recording: Recording | None = None  # the last micro-batch's book-keeping forward
-        self._hooks = ForwardHooks(list(self.layers.owned))
+        self._hooks = ForwardHooks(list(self.layers.owned), repeated_prompts(model))
         names = self.layers.parameter_names()
         every_name: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):

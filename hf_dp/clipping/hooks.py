@@ -104,7 +104,9 @@ class Layers:
     def parameters(self) -> list[nn.Parameter]:
         """What is clipped, each once, as the modules hold it now: FSDP2's ``prepare`` swaps sharded Parameters
         into the modules after the engine is built (and the optimizer's groups with them)."""
-        unique = {id(parameter_at(m, n)): parameter_at(m, n) for m, names in self.owned.items() for n in names}
+        unique = {
+            id(parameter_at(m, n)): parameter_at(m, n) for m, names in self.owned.items() for n in names
+        }
         return list(unique.values())
 
     def of(self, module: nn.Module) -> list[nn.Parameter]:
@@ -147,8 +149,11 @@ class Receiver(Protocol):
 class ForwardHooks:
     """The hooks on every parameter-owning module; ``receiver`` (None: nothing is recorded) gets each forward."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], repeated: set[nn.Module] | None = None) -> None:
         self.receiver: Receiver | None = None
+        self.repeated = (
+            repeated or set()
+        )  # their batch of one is repeated, not broadcast (``repeated_prompts``)
         # while a receiver watches for loose reads: the modules inside their forward, innermost last
         self.running: list[nn.Module] | None = None
         self.in_hook = False
@@ -172,7 +177,7 @@ class ForwardHooks:
         receiver = self.receiver
         if receiver is not None and self.running is not None:
             self.running.append(module)
-        if receiver is None or not receiver.on or not torch.is_grad_enabled():
+        if receiver is None or not receiver.on or not torch.is_grad_enabled() or module in self.repeated:
             return None
         if not args or not isinstance(args[0], torch.Tensor):
             return None
@@ -209,6 +214,14 @@ class ForwardHooks:
             replaced = receiver.receive(module, x, args, kwargs, output)
             return output if replaced is None else replaced
         return receiver.receive(module, x, args, kwargs, output)
+
+
+def repeated_prompts(model: nn.Module) -> set[nn.Module]:
+    """peft's prompt encoders (prompt tuning, p-tuning), which make the prompts from a batch of one that peft then
+    ``repeat``s to the batch: expanding that batch of one would give B copies repeated B times. Left as they are, their
+    output is an input shared by all examples, followed to the batch (shared_outputs.py)."""
+    encoders = getattr(model, "prompt_encoder", None)
+    return set(encoders.modules()) if isinstance(encoders, nn.Module) else set()
 
 
 def tensor_outputs(output) -> list[torch.Tensor]:
