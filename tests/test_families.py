@@ -834,3 +834,31 @@ def test_an_output_the_fallback_cannot_split_per_example_is_refused_in_one_line(
         UnsupportedModuleError, match="Pooled .* first dimension is not a multiple of the batch"
     ):
         functorch_per_example_grads(call, ["weight"])
+
+
+class _Flattens(nn.Module):
+    """No rule (a scale read elementwise): (B, T, d) to B·T rows, example-major as a reshape makes them, or
+    time-major (rows t·B + i), which crediting rows k·i .. k·i + k − 1 to example i would get wrong."""
+
+    def __init__(self, time_major: bool) -> None:
+        super().__init__()
+        self.scale, self.time_major = nn.Parameter(torch.randn(3, dtype=torch.float64)), time_major
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.scale
+        return (y.transpose(0, 1) if self.time_major else y).reshape(-1, x.shape[-1])
+
+
+def test_the_fallback_credits_flattened_rows_only_where_they_are_example_major() -> None:
+    """Checked in the fallback itself, once per module, so also where the first step's check does not run (FSDP2):
+    example-major rows give each example's Σ_t g_t ⊙ x_t; time-major ones are refused in one line."""
+    x, g = torch.randn(4, 5, 3, dtype=torch.float64), torch.randn(20, 3, dtype=torch.float64)
+    module = _Flattens(time_major=False)
+    found = functorch_per_example_grads(ModuleCall(module, (x,), {}, [g], batch_size=4), ["scale"])
+    expected = (g.view(4, 5, 3) * x).sum(dim=1)
+    torch.testing.assert_close(found["scale"].grads, expected)
+    with pytest.raises(UnsupportedModuleError, match="_Flattens .* not example-major") as info:
+        functorch_per_example_grads(
+            ModuleCall(_Flattens(time_major=True), (x,), {}, [g], batch_size=4), ["scale"]
+        )
+    assert "\n" not in str(info.value)

@@ -11,6 +11,7 @@ gradient, to ``receive``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -111,7 +112,7 @@ def functorch_per_example_grads(
     arguments (nested in tuples, lists and dicts too) whose first dimension is the batch is split per example, and
     a cache is left out (``without_cache``). An output of k·B rows with k > 1 (a router that flattens its (B, T, d)
     input to B·T tokens) is taken example-major, example i's rows k·i to k·i + k - 1, as a reshape of the module's
-    own makes them (a module that orders them otherwise fails the first step's check). With ``call.rows`` the module
+    own makes them, checked once per module (``_check_example_major``). With ``call.rows`` the module
     takes flattened tokens (rows.py), so it is vmapped over rows (exact when each output row depends on its input
     row only) and G_i = Σ_(rows r of i) G_r. ``values``: the parameters' values where they are not the module's
     own (peft's LoRA on a parameter: W + s·B A).
@@ -146,13 +147,20 @@ def functorch_per_example_grads(
             token_rows.add(i)
         cotangents.append(g.reshape(batch_size, -1, *g.shape[1:]) if i in token_rows else g)
 
-    def objective(p: dict, example_leaves: list, example_cotangents: list) -> torch.Tensor:
+    def outputs(p: dict, example_leaves: list | None) -> list[torch.Tensor]:
+        """The call's tensor outputs, as tap_call numbers them: of one example's inputs, or (None) the batch's."""
         leaves = list(flat)
-        for k, leaf in zip(batched, example_leaves, strict=True):
+        for k, leaf in zip(batched, example_leaves or [], strict=False):
             leaves[k] = leaf.unsqueeze(0)
         call_args, call_kwargs = tree_unflatten(leaves, spec)
         out = functional_call(module, p, tuple(call_args), call_kwargs, strict=False)
-        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]  # as tap_call numbers them
+        return [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+
+    if token_rows and module not in _EXAMPLE_MAJOR:
+        _check_example_major(module, token_rows, batch_size, outputs, params, [flat[k] for k in batched])
+
+    def objective(p: dict, example_leaves: list, example_cotangents: list) -> torch.Tensor:
+        outs = outputs(p, example_leaves)
         total = 0
         for i, c in zip(used, example_cotangents, strict=True):
             c = c if i in token_rows else c.unsqueeze(0)
@@ -161,3 +169,34 @@ def functorch_per_example_grads(
 
     per_example = vmap(grad(objective), in_dims=(None, 0, 0))(params, [flat[k] for k in batched], cotangents)
     return {name: Materialised(wide(per_example[name])) for name in params}
+
+
+# the modules whose k·B output rows were found example-major (``_check_example_major``), once each
+_EXAMPLE_MAJOR: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _check_example_major(
+    module: nn.Module,
+    token_rows: set[int],
+    batch_size: int,
+    outputs: Callable[[dict, list | None], list[torch.Tensor]],
+    params: dict[str, torch.Tensor],
+    example_leaves: list[torch.Tensor],
+) -> None:
+    """The fallback credits rows k·i .. k·i + k − 1 of an output of k·B rows to example i: checked once per module
+    (one batch forward and one per-example forward of it, without grad) against the module run on each example
+    alone, so that a module ordering its rows otherwise (time-major) is refused on every backend, also where the first
+    step's check does not run (FSDP2)."""
+    with torch.no_grad():
+        whole = outputs(params, None)
+        alone = vmap(lambda leaves: outputs(params, leaves))(example_leaves)
+    for i in sorted(token_rows):
+        ours, theirs = whole[i].reshape(batch_size, -1, *whole[i].shape[1:]), alone[i]
+        tolerance = 1e-5 if ours.dtype in (torch.float32, torch.float64) else 2e-2
+        if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=tolerance, atol=tolerance):
+            raise UnsupportedModuleError(
+                f"{type(module).__name__} has no per-example rule and returns {tuple(whole[i].shape)}, whose rows "
+                f"k·i .. k·i + k − 1 are not example i's own (they are not example-major), so the torch.func fallback "
+                "cannot credit them: register a rule for it (docs/clipping.md), or freeze it"
+            )
+    _EXAMPLE_MAJOR[module] = True
