@@ -27,6 +27,7 @@ from hf_dp.clipping.per_example import (
     Like,
     Materialised,
     OuterProductSum,
+    Zeroed,
     example_chunks,
 )
 from hf_dp.clipping.row_maps import ExampleRows
@@ -127,8 +128,9 @@ class RoutedOuterProductSum:
         """A clip geometry on a 3-D weight is dense: the norm needs the explicit G_i (None)."""
         return None
 
-    def without_examples(self, drop: torch.Tensor) -> RoutedOuterProductSum:
-        """The same sum with G_i = 0 for the examples in ``drop`` (B,), bool."""
+    def without_examples(self, drop: torch.Tensor, zeroed: Zeroed | None = None) -> RoutedOuterProductSum:
+        """The same sum with G_i = 0 for the examples in ``drop`` (B,), bool (``zeroed`` unused: the pairs' rows
+        are the rule's own)."""
         mask = drop[:, None, None]
         left, right = self.left.masked_fill(mask, 0.0), self.right.masked_fill(mask, 0.0)
         return RoutedOuterProductSum(left, right, self.expert, self.experts, self.experts_last)

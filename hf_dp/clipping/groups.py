@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_dp.clipping.per_example import Dropped, PerExampleGradient, clipped_total
+from hf_dp.clipping.per_example import Dropped, Folded, PerExampleGradient, clipped_total
 
 GROUPINGS = ("all", "layer", "parameter")
 
@@ -197,9 +197,10 @@ class GroupSums:
         dropped = Dropped(factors == 0)
         if self.loss_scale != 1:
             factors = factors / self.loss_scale  # the weights of the S-scaled per-example gradients
+        folded = Folded()  # q, k and v (gate and up) share their input: set to 0 and scaled once
         with torch.no_grad():
             for param, parts in self.pending[group]:
-                total = clipped_total(param, [(1.0, part) for part in parts], factors, dropped)
+                total = clipped_total(param, [(1.0, part) for part in parts], factors, dropped, folded)
                 self.totals[param] = total if param not in self.totals else self.totals[param].add_(total)
         self.pending[group] = []
 

@@ -16,7 +16,7 @@ rows and vectors exactly and otherwise needs the explicit per-example gradients.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Union
 
 import torch
@@ -135,9 +135,10 @@ class OuterProductSum:
             return OuterProductSum(wide(self.left) * rows, right * cols, self.rows)
         return OuterProductSum(self.left, right * scale.to(right)[self.left], self.rows)
 
-    def without_examples(self, drop: torch.Tensor) -> OuterProductSum:
-        """The same sum with G_i = 0 for the examples in ``drop`` (B,), bool."""
-        right = self.right.masked_fill(drop[:, None, None], 0.0)
+    def without_examples(self, drop: torch.Tensor, zeroed: Zeroed | None = None) -> OuterProductSum:
+        """The same sum with G_i = 0 for the examples in ``drop`` (B,), bool; ``zeroed``: the input side set to 0
+        once for consecutive uses of one input (q, k and v share theirs)."""
+        right = zeroed(self.right) if zeroed is not None else self.right.masked_fill(drop[:, None, None], 0.0)
         left = self.left if self.is_index else self.left.masked_fill(drop[:, None, None], 0.0)
         return OuterProductSum(left, right, self.rows)
 
@@ -243,8 +244,8 @@ class Materialised:
     def explicit(self, shape: torch.Size) -> Materialised:
         return self
 
-    def without_examples(self, drop: torch.Tensor) -> Materialised:
-        """G_i = 0 for the examples in ``drop`` (B,), bool."""
+    def without_examples(self, drop: torch.Tensor, zeroed: Zeroed | None = None) -> Materialised:
+        """G_i = 0 for the examples in ``drop`` (B,), bool (``zeroed`` unused: nothing shared)."""
         return Materialised(self.grads.masked_fill(drop.view(-1, *[1] * (self.grads.dim() - 1)), 0.0))
 
     def project(self, direction: torch.Tensor) -> torch.Tensor:
@@ -279,6 +280,8 @@ class Dropped:
     synchronisation), so it is decided once for a micro-batch and handed to every parameter's sum."""
 
     examples: torch.Tensor | None = None
+    # the last input side set to 0 (the side itself, kept so that its memory is not another's; the side set to 0)
+    _last: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
 
     @staticmethod
     def where(drop: torch.Tensor) -> Dropped:
@@ -287,7 +290,17 @@ class Dropped:
 
     def apply(self, part: PerExampleGradient) -> PerExampleGradient:
         """``part`` without the dropped examples (as it is when there are none)."""
-        return part if self.examples is None else part.without_examples(self.examples)
+        return part if self.examples is None else part.without_examples(self.examples, self.zeroed)
+
+    def zeroed(self, side: torch.Tensor) -> torch.Tensor:
+        """``side`` (B, …) with the dropped examples' rows 0, made once for consecutive uses of the same view."""
+        if not (self._last and _view(self._last[0]) == _view(side)):
+            drop = self.examples.view(-1, *[1] * (side.dim() - 1))
+            self._last[:] = [side, side.masked_fill(drop, 0.0)]
+        return self._last[1]
+
+
+Zeroed = Callable[[torch.Tensor], torch.Tensor]
 
 
 def clipped_total(
@@ -295,9 +308,11 @@ def clipped_total(
     weighted: Sequence[Weighted],
     factors: torch.Tensor,
     dropped: Dropped | None = None,
+    folded: Folded | None = None,
 ) -> torch.Tensor:
     """Σ_e w_e Σ_i c_i G_i^e of one parameter as a fresh tensor, float32 or wider, without the examples whose c_i
-    is 0 (0 · inf would be nan): ``dropped``, or decided here from ``factors``."""
+    is 0 (0 · inf would be nan): ``dropped``, or decided here from ``factors``; ``folded``: the memo of a side
+    scaled by the factors, shared by consecutive parameters (``Folded``)."""
     dropped = dropped if dropped is not None else Dropped.where(factors == 0)
     like = Like(
         param.shape, summed_dtype(param.dtype), param.device
@@ -306,7 +321,7 @@ def clipped_total(
     with torch.no_grad():
         for weight, part in weighted:
             part = dropped.apply(part)
-            total = part.accumulate(total, factors if weight == 1 else weight * factors, like)
+            total = part.accumulate(total, factors if weight == 1 else weight * factors, like, folded)
     return total
 
 
