@@ -318,7 +318,7 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     in one line where the parameters are partitioned (ZeRO-3), and so is a module without a layer
     rule under ZeRO-3 (its call rule or the torch.func fallback re-runs it on weights ZeRO-3 keeps partitioned).
     The modules that take the torch.func fallback are logged once, with what they cost."""
-    refuse_peft_method(model, backend.checkpointing)
+    refuse_peft_method(model, backend)
     engine = ClippingEngine(
         model,
         args.clipping_fn,
@@ -327,6 +327,12 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
         group_norms=args.clipping_group_norms,
         clip_norm=args.per_sample_max_grad_norm,
     )
+    if engine.groups is not None and getattr(getattr(model, "active_peft_config", None), "use_dora", False):
+        engine.remove_hooks()
+        raise ValueError(
+            "peft's DoRA with group-wise clipping: its weight norm reads the adapters on an identity matrix, which "
+            "the norm pass inside the backward does not follow; use clipping_groups='all', or LoRA"
+        )
     if engine.groups is not None and backend.zero_stage == 3:
         engine.remove_hooks()
         raise ValueError(
@@ -347,20 +353,29 @@ def clipping_engine(model: nn.Module, args, backend: Backend) -> ClippingEngine:
     return engine
 
 
-def refuse_peft_method(model: nn.Module, checkpointing: bool) -> None:
+def refuse_peft_method(model: nn.Module, backend: Backend) -> None:
     """The peft methods whose per-example gradients are not formed, refused in one line before training: the
     prompt-learning methods other than prompt tuning, p-tuning and prefix tuning; p-tuning's encoder and prefix
     tuning's key-value prefixes, shared by all examples, are not followed through a checkpoint's recomputation;
-    DoRA's column norms and BOFT's butterfly factors are computed from the adapters on tensors shared by all
-    examples, next to each example's input."""
+    BOFT's butterfly factors are computed from the adapters on tensors shared by all examples, next to each
+    example's input; DoRA's weight norm reads the adapters on an identity matrix, a use whose output it detaches,
+    which the norm pass inside the backward (activation checkpointing, FSDP2, group-wise clipping) does not
+    follow."""
+    checkpointing = backend.checkpointing
     config = getattr(model, "active_peft_config", None)
     if config is None:
         return
     method = str(getattr(config.peft_type, "value", config.peft_type))
-    if getattr(config, "use_dora", False) or method == "BOFT":
+    if method == "BOFT":
         raise ValueError(
-            f"peft's {'DoRA' if method == 'LORA' else method} forms the adapted weight from the adapters applied to "
-            "tensors shared by all examples, whose per-example gradients are not formed: use LoRA (use_dora=False)"
+            "peft's BOFT forms the adapted weight from the adapters applied to tensors shared by all examples, whose "
+            "per-example gradients are not formed: use LoRA"
+        )
+    if getattr(config, "use_dora", False) and (checkpointing or backend.fsdp):
+        raise ValueError(
+            f"peft's DoRA with {'activation checkpointing' if checkpointing else 'FSDP2'}: its weight norm reads the "
+            "adapters on an identity matrix, which the norm pass inside the backward does not follow; turn "
+            "gradient checkpointing off, use DDP or DeepSpeed, or use LoRA (use_dora=False)"
         )
     if not getattr(config, "is_prompt_learning", False):
         return

@@ -1,6 +1,6 @@
 """peft's other methods on a tiny Llama: each exact against brute force (float64, both clipping modes, some
 examples clipped), or refused in one line: before training where the method cannot work (multitask prompt tuning,
-DoRA, BOFT; p-tuning and prefix tuning under checkpointing), at the first step where an adapter's parameter read
+BOFT; DoRA, p-tuning and prefix tuning under checkpointing), at the first step where an adapter's parameter read
 outside its module inside an activation checkpoint is recomputed otherwise (IA3, VeRA, LoKr, AdaLoRA, HRA)."""
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ EXACT = {
     "ln_tuning": lambda: peft.LNTuningConfig(target_modules=["input_layernorm"]),
     "prefix_tuning": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
     "prompt_tuning": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+    "dora": lambda: peft.LoraConfig(r=2, target_modules=ATTENTION, use_dora=True),
     "p_tuning": lambda: peft.PromptEncoderConfig(
         task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=8
     ),
@@ -108,8 +109,8 @@ def test_an_adapter_read_outside_its_module_inside_a_checkpoint_is_refused(metho
         ),
         (
             peft.LoraConfig(r=2, target_modules=ATTENTION, use_dora=True),
-            False,
-            r"DoRA forms the adapted weight",
+            True,
+            r"DoRA with activation checkpointing: its weight norm reads the adapters on an identity matrix",
         ),
         (
             peft.BOFTConfig(boft_block_size=4, target_modules=ATTENTION),
@@ -117,7 +118,13 @@ def test_an_adapter_read_outside_its_module_inside_a_checkpoint_is_refused(metho
             r"BOFT forms the adapted weight",
         ),
     ],
-    ids=["multitask_prompt_tuning", "p_tuning_checkpointed", "prefix_tuning_checkpointed", "dora", "boft"],
+    ids=[
+        "multitask_prompt_tuning",
+        "p_tuning_checkpointed",
+        "prefix_tuning_checkpointed",
+        "dora_checkpointed",
+        "boft",
+    ],
 )
 def test_a_peft_method_without_per_example_gradients_is_refused_before_training(
     tmp_path, config, checkpointing, message
@@ -144,3 +151,15 @@ def test_virtual_tokens_predict_nothing_as_in_peft_s_own_loss(method: str, monke
     trainer = make_trainer(tmp_path, model=model.float(), noise_multiplier=1.0, max_steps=1)
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_a_dora_trainer_step_runs_and_dora_is_refused_with_group_wise_clipping(monkeypatch, tmp_path) -> None:
+    """DoRA's magnitude takes the torch.func fallback and its adapters their linear rules (exact above); its weight
+    norm's read of the adapters on an identity matrix gets no gradient (peft detaches it) and is let be."""
+    model = adapted(EXACT["dora"](), monkeypatch).float()
+    trainer = make_trainer(tmp_path, model=model, noise_multiplier=1.0, max_steps=1)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    with pytest.raises(ValueError, match="DoRA with group-wise clipping") as info:
+        make_trainer(tmp_path / "groups", model=model, noise_multiplier=1.0, clipping_groups="layer")
+    assert "\n" not in str(info.value)

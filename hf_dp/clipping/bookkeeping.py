@@ -94,7 +94,9 @@ class Recording:
         self._anchor: torch.Tensor | None = None
         self._materialised: list[tuple[nn.Module, dict[str, PerExampleGradient]]] = []
         self._shared: list[SharedUse] = []  # layers applied to an input shared by all examples
-        self._joined: dict[nn.Module, set[str]] = {}  # per fallback module, the submodules' parameters it reads
+        self._joined: dict[
+            nn.Module, set[str]
+        ] = {}  # per fallback module, the submodules' parameters it reads
 
     def admits(self, module: nn.Module) -> bool:
         """Book-keeping would keep the inputs a checkpoint drops (non-reentrant) or never sees them (reentrant, run
@@ -132,8 +134,9 @@ class Recording:
         check_shared_use(self.layers, module, output, self.units)
         if self._anchor is None:
             self._anchor = torch.zeros((), device=output.device, requires_grad=True)
-        shared = anchored(output, self._anchor)
-        use = SharedUse(module, x, shared, self.rows)
+        reached = [False]
+        shared = anchored(output, self._anchor, reached)
+        use = SharedUse(module, x, shared, self.rows, reached=reached)
         self.tracking.share(shared, use, x)
         self._shared.append(use)
         return shared
@@ -214,7 +217,9 @@ class Recording:
         )
         materialised, self._materialised, self._anchor = self._materialised, [], None
         # before a verifying backward adds to them
-        shared = [(use, use.per_example(functools.partial(self._apply_rule, rows=None))) for use in self._shared]
+        shared = [
+            (use, use.per_example(functools.partial(self._apply_rule, rows=None))) for use in self._shared
+        ]
         self._shared = []
         weights = engine_sum_weights(count, per_example_loss.device) if params else None
         reference = self._weighted_gradient(per_example_loss, weights, params) if params else {}
@@ -225,8 +230,8 @@ class Recording:
                     for name, part in found.items():
                         param = getattr(use.module, name)
                         parts.setdefault(id(param), (param, []))[1].append(part)
-                elif use.x is not None and any(reference.get(id(p)) is not None for p in self.layers.of(use.module)):
-                    # a gradient reached it, but not along a path where its output met the batch
+                elif use.x is not None and use.reached[0]:
+                    # a gradient reached its output, but not along a path where it met the batch
                     check_batch_dimension(self.layers, use.module, use.x, self.rows)
             for module, found in materialised:
                 for name in self.layers.owned[module]:
@@ -285,7 +290,9 @@ class Recording:
         was_on, self.on = self.on, False
         try:
             with torch.enable_grad():
-                return per_call_grads(ModuleCall(call.module, call.args, call.kwargs, grads, count, rows), names)
+                return per_call_grads(
+                    ModuleCall(call.module, call.args, call.kwargs, grads, count, rows), names
+                )
         finally:
             self.on = was_on
 

@@ -34,6 +34,9 @@ class SharedUse:
     rows: int
     parameter: str | None = None  # the module's parameter itself, read outside its forward: G_i = ∂L_i/∂y
     cotangent: torch.Tensor | None = field(default=None, repr=False)
+    # [True] once a gradient reached y along any path (none does where the output is only used detached: peft's
+    # DoRA reads its adapters on an identity matrix for its weight norm)
+    reached: list[bool] = field(default_factory=lambda: [False], repr=False)
 
     def receive(self, made: torch.Tensor, per_example: torch.Tensor) -> None:
         """ḡ_i at a tensor ``made`` from y, (B, *made.shape): pulled back to y and added."""
@@ -66,27 +69,34 @@ def _pulled_back(made: torch.Tensor, output: torch.Tensor, per_example: torch.Te
     except RuntimeError as error:
         if "Batching rule not implemented" not in str(error):
             raise
-    rows = [torch.autograd.grad(made, output, g, retain_graph=True, allow_unused=True)[0] for g in per_example]
+    rows = [
+        torch.autograd.grad(made, output, g, retain_graph=True, allow_unused=True)[0] for g in per_example
+    ]
     if all(row is None for row in rows):
         return None
     return torch.stack([torch.zeros_like(output) if row is None else row for row in rows])
 
 
 class _Anchored(torch.autograd.Function):
-    """y ↦ y that requires grad through ``anchor`` (the norm pass freezes the parameters); no gradient to it."""
+    """y ↦ y that requires grad through ``anchor`` (the norm pass freezes the parameters); no gradient to it. Its
+    backward marks ``reached`` (a one-element list) when a gradient arrives at y."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, anchor: torch.Tensor, reached: list[bool] | None) -> torch.Tensor:
+        ctx.reached = reached
         return output.detach().clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        if ctx.reached is not None:
+            ctx.reached[:] = [True]
+        return grad, None, None
 
 
-def anchored(output: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    """The shared output, differentiable whether or not the layer's parameters are frozen."""
-    return _Anchored.apply(output, anchor)
+def anchored(output: torch.Tensor, anchor: torch.Tensor, reached: list[bool] | None = None) -> torch.Tensor:
+    """The shared output, differentiable whether or not the layer's parameters are frozen; ``reached`` turns
+    [True] when a gradient arrives at it."""
+    return _Anchored.apply(output, anchor, reached)
 
 
 class _Broadcast(torch.autograd.Function):
