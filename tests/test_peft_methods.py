@@ -163,3 +163,21 @@ def test_a_dora_trainer_step_runs_and_dora_is_refused_with_group_wise_clipping(m
     with pytest.raises(ValueError, match="DoRA with group-wise clipping") as info:
         make_trainer(tmp_path / "groups", model=model, noise_multiplier=1.0, clipping_groups="layer")
     assert "\n" not in str(info.value)
+
+
+def test_dora_through_zero2_equals_brute_force(monkeypatch) -> None:
+    """The clipped sums handed to DeepSpeed ZeRO-2 as terms linear in each parameter, back-propagated as its engine
+    would (tests/test_checkpointing.step_sums)."""
+    from dataclasses import replace
+
+    from tests.test_checkpointing import ZERO2
+
+    model = adapted(EXACT["dora"](), monkeypatch)
+    batch = models.token_batch()
+    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    max_norm = norms.median().item()
+    reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
+    backend = replace(ZERO2, checkpointing=False)
+    step = clipped_step(ClippingEngine(model), model, backend)
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
