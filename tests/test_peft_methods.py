@@ -34,6 +34,7 @@ EXACT = {
     "prefix_tuning": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
     "prompt_tuning": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
     "dora": lambda: peft.LoraConfig(r=2, target_modules=ATTENTION, use_dora=True),
+    "lora_embedding": lambda: peft.LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]),
     "p_tuning": lambda: peft.PromptEncoderConfig(
         task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=8
     ),
@@ -42,6 +43,7 @@ CHECKPOINTED = (
     "oft",
     "ln_tuning",
     "prompt_tuning",
+    "lora_embedding",
 )  # the others read an adapter's parameter outside its module (refused below)
 
 
@@ -179,5 +181,24 @@ def test_dora_through_zero2_equals_brute_force(monkeypatch) -> None:
     reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
     backend = replace(ZERO2, checkpointing=False)
     step = clipped_step(ClippingEngine(model), model, backend)
+    for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
+        assert_close(ours, reference, rtol=1e-9, floor=1e-6)
+
+
+def test_lora_on_an_embedding_leaves_the_padding_row_without_gradient(monkeypatch) -> None:
+    """peft's LoRA on an embedding reads its A itself (``F.embedding(ids, A.T)``, a table shared by all examples):
+    it is indexed per example (shared_outputs._shared_embedding), and the padding row, which F.embedding leaves
+    without gradient, stays so where an example attends to a padding id and learns from it."""
+    model = adapted(EXACT["lora_embedding"](), monkeypatch)
+    batch = models.token_batch()
+    assert model.get_base_model().model.embed_tokens.base_layer.padding_idx == models.PAD
+    batch["input_ids"][:, 1] = models.PAD  # attended, and predicted from
+    batch["attention_mask"][:, 1] = 1
+    _, norms = oracle.per_example(model, batch, max_norm=1e9)
+    max_norm = norms.median().item()
+    reference, _ = oracle.per_example(model, batch, max_norm=max_norm)
+    name = next(n for n in reference if "lora_embedding_A" in n)
+    assert reference[name][:, models.PAD].abs().max() == 0 and reference[name].abs().max() > 0
+    step = clipped_step(ClippingEngine(model), model, Backend())
     for ours in checkpointed_steps(model, batch, max_norm, strategy=step, steps=2):
         assert_close(ours, reference, rtol=1e-9, floor=1e-6)

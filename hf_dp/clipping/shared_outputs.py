@@ -51,6 +51,10 @@ class SharedOutputs:
             linear = self._shared_linear(args, kwargs)
             if linear is not None:
                 return linear
+        if func is F.embedding:
+            gathered = self._shared_embedding(args, kwargs)
+            if gathered is not None:
+                return gathered
         if func is Tensor.repeat and args[0] in self._shared:
             repeated = self._repeated(args)
             if repeated is not None:
@@ -90,6 +94,31 @@ class SharedOutputs:
 
         out = torch.matmul(x, batched(weight).transpose(-1, -2))
         return out if bias is None else out + batched(bias)
+
+    def _shared_embedding(self, args: tuple, kwargs: dict) -> Tensor | None:
+        """``F.embedding(ids, W)`` with W shared (peft's LoRA on an embedding reads its A so) and ids of the batch's
+        rows, as W broadcast to the batch and indexed per example; a row at ``padding_idx`` gets no gradient, as
+        F.embedding leaves it. ``max_norm`` (W renormalised in place), ``scale_grad_by_freq`` (a gradient scaled by
+        the batch's counts) and ``sparse`` are refused."""
+        names = ("input", "weight", "padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+        values = dict(zip(names, args, strict=False)) | kwargs
+        ids, weight = values["input"], values["weight"]
+        if weight not in self._shared or ids in self._shared or ids.dim() < 1 or ids.shape[0] != self.rows:
+            return None
+        if values.get("max_norm") is not None or values.get("scale_grad_by_freq") or values.get("sparse"):
+            raise UnsupportedModuleError(
+                "an embedding of a shared table with max_norm, scale_grad_by_freq or sparse gradients (the first "
+                "renormalises the table in place, the second scales it by the batch's counts): turn them off, or "
+                "freeze it"
+            )
+        table = broadcast(weight, self.rows, weight.dim() + 1, self._shared[weight])
+        examples = torch.arange(self.rows, device=ids.device).view(-1, *[1] * (ids.dim() - 1))
+        out = table[examples, ids]
+        padding = values.get("padding_idx")
+        if padding is None:
+            return out
+        padding = padding + weight.shape[0] if padding < 0 else padding
+        return torch.where((ids == padding).unsqueeze(-1), out.detach(), out)
 
     def _repeated(self, args: tuple) -> Tensor | None:
         """``made.repeat(B, …)`` (DeBERTa's positions, one copy per example): copy b is example b's, so the copies
