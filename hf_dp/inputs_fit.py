@@ -48,9 +48,8 @@ def check_inputs_fit(model: nn.Module, inputs: dict[str, Any]) -> None:
 def _check_rows(ids: torch.Tensor, name: str) -> None:
     """Rows of at least one token, of shape (batch, length), or (batch, choices, length) for a multiple-choice
     model, which folds each example's choices into rows of its own batch (privacy_units.choice_units)."""
-    if (
-        ids.dim() in (2, 3) and ids.shape[0] and not ids.shape[-1]
-    ):  # else a reshape error deep in the clipping
+    # else a reshape error deep in the clipping
+    if ids.dim() in (2, 3) and ids.shape[0] and not ids.shape[-1]:
         raise ValueError(
             f"input_ids has shape {tuple(ids.shape)}: the batch's rows hold no token (every example was tokenised "
             "to nothing, or truncated to max_length 0); drop empty rows from the dataset"

@@ -139,8 +139,8 @@ def micro_batch_units(inputs: dict[str, Any], unit_of_row: torch.Tensor | None) 
 
 def choice_units(inputs: dict[str, Any]) -> PrivacyUnits | None:
     """Multiple-choice rows: ``input_ids`` (or ``inputs_embeds``) of shape (B, C, T) (or (B, C, T, d)), which a
-    ``*ForMultipleChoice`` model reshapes row-major to B·C rows, so rows b·C .. b·C + C − 1 are example b's: one
-    unit each. None for rows of tokens."""
+    ``*ForMultipleChoice`` model reshapes row-major to B·C rows (transformers' heads all do, ``view(-1, T)``), so
+    rows b·C .. b·C + C − 1 are example b's: one unit each. None for rows of tokens."""
     ids, embeds = inputs.get("input_ids"), inputs.get("inputs_embeds")
     folded = ids if isinstance(ids, torch.Tensor) else embeds
     if not isinstance(folded, torch.Tensor) or folded.dim() != (3 if folded is ids else 4):

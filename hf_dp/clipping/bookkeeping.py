@@ -94,9 +94,8 @@ class Recording:
         self._anchor: torch.Tensor | None = None
         self._materialised: list[tuple[nn.Module, dict[str, PerExampleGradient]]] = []
         self._shared: list[SharedUse] = []  # layers applied to an input shared by all examples
-        self._joined: dict[
-            nn.Module, set[str]
-        ] = {}  # per fallback module, the submodules' parameters it reads
+        # per fallback module, the submodules' parameters it reads
+        self._joined: dict[nn.Module, set[str]] = {}
 
     def admits(self, module: nn.Module) -> bool:
         """Book-keeping would keep the inputs a checkpoint drops (non-reentrant) or never sees them (reentrant, run

@@ -157,12 +157,8 @@ class GroupSums:
         dtype: torch.dtype,
         loss_scale: float = 1.0,
     ) -> None:
-        self.groups, self.norms_g, self.clip, self.mask = (
-            groups,
-            groups.norms(clip_norm),
-            clip,
-            mask.to(dtype),
-        )
+        self.groups, self.norms_g, self.clip = groups, groups.norms(clip_norm), clip
+        self.mask = mask.to(dtype)  # cast once, not once a group
         self.group_of, self.loss_scale, self.dtype = group_of, loss_scale, dtype
         self.squared: list[torch.Tensor | None] = [None] * len(groups.names)  # ‖s ⊙ g_ig‖², (U,) a group
         self.norms: list[torch.Tensor | None] = [None] * len(groups.names)  # ‖s ⊙ g_ig‖ once formed

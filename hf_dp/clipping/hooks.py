@@ -151,9 +151,8 @@ class ForwardHooks:
 
     def __init__(self, modules: list[nn.Module], repeated: set[nn.Module] | None = None) -> None:
         self.receiver: Receiver | None = None
-        self.repeated = (
-            repeated or set()
-        )  # their batch of one is repeated, not broadcast (``repeated_prompts``)
+        # their batch of one is repeated, not broadcast (``repeated_prompts``)
+        self.repeated = repeated or set()
         # while a receiver watches for loose reads: the modules inside their forward, innermost last
         self.running: list[nn.Module] | None = None
         self.in_hook = False

@@ -314,9 +314,8 @@ def clipped_total(
     is 0 (0 · inf would be nan): ``dropped``, or decided here from ``factors``; ``folded``: the memo of a side
     scaled by the factors, shared by consecutive parameters (``Folded``)."""
     dropped = dropped if dropped is not None else Dropped.where(factors == 0)
-    like = Like(
-        param.shape, summed_dtype(param.dtype), param.device
-    )  # FSDP2 frees an unsharded weight's data
+    # the parameter's shape and device, its data unread (FSDP2 frees an unsharded weight's)
+    like = Like(param.shape, summed_dtype(param.dtype), param.device)
     total = None
     with torch.no_grad():
         for weight, part in weighted:
