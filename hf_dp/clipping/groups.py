@@ -23,7 +23,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_dp.clipping.per_example import Dropped, Folded, PerExampleGradient, clipped_total
+from hf_dp.clipping.geometry import ClipScale
+from hf_dp.clipping.per_example import (
+    Dropped,
+    Folded,
+    PerExampleGradient,
+    Weighted,
+    clipped_total,
+    combined_squared_norm,
+)
 
 GROUPINGS = ("all", "layer", "parameter")
 
@@ -168,18 +176,22 @@ class GroupSums:
         self.pending: list[list[tuple[nn.Parameter, list[PerExampleGradient]]]] = [[] for _ in groups.names]
         self.totals: dict[nn.Parameter, torch.Tensor] = {}
 
-    def buffer(self, group: int) -> torch.Tensor | None:
-        """The group's ‖s ⊙ g_ig‖² so far, to add the next parameter's into in place (None before the first)."""
-        return self.squared[group]
-
     def add(
-        self, group: int, param: nn.Parameter, parts: list[PerExampleGradient], squared: torch.Tensor
+        self,
+        group: int,
+        param: nn.Parameter,
+        terms: list[Weighted],
+        scale: ClipScale | None,
+        shape: torch.Size,
+        materialise: bool,
     ) -> None:
-        """A parameter's per-example gradients (every use) and the group's ‖s ⊙ g_ig‖² with its ‖s ⊙ G_i‖² added
-        (``buffer``; its own (U,) for the group's first); ``param``: the object the backward saw (FSDP2's
-        unsharded one), whose total is formed."""
+        """A parameter's per-example gradients (every use, ``terms``), their ‖s ⊙ G_i‖² added into its group's
+        buffer in place (``combined_squared_norm``; the group's first parameter's is the buffer); ``param``: the
+        object the backward saw (FSDP2's unsharded one), whose total is formed."""
+        with torch.no_grad():  # a shared use's parts may carry autograd history
+            squared = combined_squared_norm(terms, scale, shape, materialise, into=self.squared[group])
         self.squared[group] = squared.to(self.dtype)
-        self.pending[group].append((param, parts))
+        self.pending[group].append((param, [part for _, part in terms]))
         self.remaining[group] -= 1
         if self.remaining[group] == 0:
             self._form(group)

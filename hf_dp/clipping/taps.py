@@ -309,9 +309,8 @@ class NormCollector:
                 self._add_norm(param, [part])
                 continue
             if pid in self._tied_heads and isinstance(part, OuterProductSum) and part.is_index:
-                head = self._tied_heads.pop(
-                    pid
-                )  # ‖G_head + G_emb‖² = ‖G_head‖² + ‖G_emb‖² + 2⟨G_head, G_emb⟩
+                # ‖G_head + G_emb‖² = ‖G_head‖² + ‖G_emb‖² + 2⟨G_head, G_emb⟩
+                head = self._tied_heads.pop(pid)
                 self.squared += (part.squared_norm(False) + 2 * head.inner(part)).to(self.squared)
                 continue
             if self._is_tied_head(pid, part):
@@ -341,12 +340,7 @@ class NormCollector:
         terms = [(1.0, part) for part in parts]
         scale = self.scales.get(id(param))
         if self.group_sums is not None:
-            group = self._group_of[id(param)]
-            # the group's buffer is written in place, and a shared use's parts may carry autograd history
-            with torch.no_grad():
-                into = self.group_sums.buffer(group)
-                squared = combined_squared_norm(terms, scale, shape, self.materialise, into=into)
-            self.group_sums.add(group, param, parts, squared)
+            self.group_sums.add(self._group_of[id(param)], param, terms, scale, shape, self.materialise)
         else:
             combined_squared_norm(terms, scale, shape, self.materialise, into=self.squared)
 
